@@ -1,0 +1,277 @@
+"""Flat buffers and shards: layout, padding, views and the per-buffer state machine.
+
+A :class:`FlatGroup` owns the parameters of one unit that share ``requires_grad``
+and the optimizer param group. Their values are laid end to end in one 1-D
+buffer, padded to a multiple of the world size, and each rank owns one contiguous
+slice (its *shard*). This module does no communication: callers pass a
+``Collectives`` into the few methods that need one and get handles back.
+
+[Note: parameter storage and aliasing]
+* ``full`` [padded] in the compute dtype holds the whole group. The module's
+  ``nn.Parameter`` objects are views into it (``param.data = view``), so tied
+  parameters (one object registered under two names) need no special care and the
+  user's references to parameters stay valid.
+* Sharded parameters (stage 3) free ``full`` by resizing its *storage* to zero
+  bytes and point each parameter at an empty tensor. Resizing the storage (not
+  dropping the tensor) matters: autograd may have saved views of ``full`` (e.g.
+  ``weight.t()`` for a linear layer); they see the re-gathered values when the
+  storage is refilled before backward. Pointing the parameters at an empty tensor
+  matters too: reading a view of a zero-byte storage crashes the process instead
+  of raising, so a released parameter is visibly empty rather than a trap.
+* ``master`` [shard] is the fp32 copy the optimizer steps. With an fp32 compute
+  dtype it aliases the parameter storage (the own slice of ``full`` for stages 1-2,
+  ``param_shard`` for stage 3), so fp32 training holds no second copy.
+* ``param_shard`` [shard] (stage 3 only) is the resting copy in the compute dtype,
+  the input of the all-gather.
+* ``full_grad`` [padded] collects this rank's unreduced gradients (reduce dtype);
+  ``grad_shard`` [shard] holds the reduced, averaged gradients of this rank's slice.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._collectives import Collectives, Handle
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"    # only the shard exists; parameters are empty
+    GATHERED = "gathered"  # the full buffer exists; parameters are views into it
+
+
+@dataclass(frozen=True, eq=False)
+class ParamSlot:
+    """Where one parameter's elements sit in its group's flat buffer."""
+
+    fqn: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+def _preserve_version(t: torch.Tensor):
+    """Writes into ``full`` must not bump the version autograd checks for saved views."""
+    return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+class FlatGroup:
+    """One flat buffer of a unit: parameters with the same requires_grad and optimizer group."""
+
+    def __init__(
+        self,
+        name: str,
+        named_params: list[tuple[str, nn.Parameter]],
+        *,
+        trainable: bool,
+        optimizer_group: int | None,
+        shard_params: bool,
+        compute_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+    ):
+        self.name = name
+        self.trainable = trainable
+        self.optimizer_group = optimizer_group
+        self.shard_params = shard_params
+        self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype
+        self.master_dtype = torch.float32
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for fqn, p in named_params:
+            self.slots.append(ParamSlot(fqn, p, p.shape, offset, p.numel()))
+            offset += p.numel()
+        self.numel = offset                                                # real elements
+        self.padded_numel = max(1, math.ceil(offset / world_size)) * world_size
+        self.shard_numel = self.padded_numel // world_size
+        self.shard_start = rank * self.shard_numel
+
+        self.full = torch.zeros(self.padded_numel, dtype=compute_dtype, device=device)
+        self._copy_params_into(self.full, 0, self.padded_numel)
+        self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        self.master: nn.Parameter | None = None
+        if trainable:
+            master = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=device)
+            # from the original values, so bf16/fp16 compute loses nothing at start
+            self._copy_params_into(master, self.shard_start, self.shard_numel)
+        if shard_params:
+            self.param_shard = self.own(self.full).clone()
+        else:
+            self.param_shard = self.own(self.full)
+        if trainable:
+            if compute_dtype == self.master_dtype:
+                self.master = nn.Parameter(self.param_shard, requires_grad=True)  # alias, no copy
+            else:
+                self.master = nn.Parameter(master, requires_grad=True)
+        self.full_grad: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.grads_this_backward = 0
+        self.reduced_this_backward = False
+        #: full_grad holds gradients not yet reduced (e.g. accumulated inside no_sync)
+        self.has_unreduced = False
+
+        self.state = ShardState.GATHERED
+        self._attach_views()
+        if shard_params:
+            self.release()
+
+    # ----------------------------------------------------------------- layout
+    def own(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a padded flat tensor."""
+        return flat[self.shard_start:self.shard_start + self.shard_numel]
+
+    def _copy_params_into(self, dst: torch.Tensor, start: int, length: int) -> None:
+        """dst[i] <- element (start + i) of the flat layout, taken from the live parameters."""
+        end = start + length
+        with torch.no_grad():
+            for s in self.slots:
+                lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
+                if lo < hi:
+                    src = s.param.detach().reshape(-1)[lo - s.offset:hi - s.offset]
+                    dst[lo - start:hi - start].copy_(src)
+
+    def slot_ranges_in_shard(self):
+        """Yield (slot, lo, hi): the part [lo, hi) of each slot's flat elements held by this rank."""
+        for s in self.slots:
+            lo = max(self.shard_start, s.offset)
+            hi = min(self.shard_start + self.shard_numel, s.offset + s.numel)
+            if lo < hi:
+                yield s, lo - s.offset, hi - s.offset
+
+    # ----------------------------------------------------------- gather/release
+    def _attach_views(self) -> None:
+        for s, v in zip(self.slots, self._views):
+            s.param.data = v
+
+    def begin_gather(self, comm: Collectives) -> Handle | None:
+        """Start materializing ``full`` from the shards; ``finish_gather`` after the handle."""
+        if self.state is ShardState.GATHERED:
+            return None
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded_numel * self.full.element_size())
+        with _preserve_version(self.full):
+            return comm.all_gather(self.full, self.param_shard, async_op=True)
+
+    def finish_gather(self) -> None:
+        if self.state is ShardState.SHARDED:
+            self._attach_views()
+            self.state = ShardState.GATHERED
+
+    def release(self) -> None:
+        """Free ``full`` (stage 3): parameters become empty until the next gather."""
+        if not self.shard_params or self.state is ShardState.SHARDED:
+            return
+        empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        for s in self.slots:
+            s.param.data = empty
+        self.full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    # ------------------------------------------------------------------ grads
+    def accumulate_param_grad(self, slot: ParamSlot) -> None:
+        """Move ``param.grad`` into ``full_grad`` (adding) and drop it, freeing memory early."""
+        grad = slot.param.grad
+        if grad is None:
+            return
+        if self.full_grad is None:
+            self.full_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        self.full_grad[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        slot.param.grad = None
+        self.grads_this_backward += 1
+        self.has_unreduced = True
+
+    @property
+    def grads_complete(self) -> bool:
+        return self.grads_this_backward >= len(self.slots)
+
+    def begin_reduce(self, comm: Collectives) -> tuple[Handle, torch.Tensor, torch.Tensor]:
+        """Average ``full_grad`` over ranks into this rank's slice. Returns (handle, out, full)."""
+        if self.full_grad is None:  # unused on this backward: contribute zeros, stay in lock-step
+            self.full_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        full = self.full_grad
+        if comm.world_size > 1:
+            full.div_(comm.world_size)  # pre-divide like DDP: average, and no fp16 overflow in the sum
+        out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+        handle = comm.reduce_scatter(out, full, async_op=True)
+        self.reduced_this_backward = True
+        self.has_unreduced = False
+        return handle, out, full
+
+    def finish_reduce(self, out: torch.Tensor, keep_full: bool) -> None:
+        """Accumulate the reduced slice into ``grad_shard``; zero or free ``full_grad``."""
+        if self.grad_shard is None:
+            self.grad_shard = out
+        else:
+            self.grad_shard.add_(out)
+        if keep_full:
+            self.full_grad.zero_()
+        else:
+            self.full_grad = None
+
+    def reset_backward_counters(self) -> None:
+        self.grads_this_backward = 0
+        self.reduced_this_backward = False
+
+    def zero_grad(self, keep_full: bool) -> None:
+        self.grad_shard = None
+        if self.full_grad is not None:
+            if keep_full:
+                self.full_grad.zero_()
+            else:
+                self.full_grad = None
+        self.has_unreduced = False
+        if self.master is not None:
+            self.master.grad = None
+        self.reset_backward_counters()
+
+    # ------------------------------------------------------------------ step
+    def master_grad(self) -> torch.Tensor | None:
+        """The fp32 gradient the optimizer sees (aliasing ``grad_shard`` when dtypes match)."""
+        if self.grad_shard is None:
+            return None
+        if self.grad_shard.dtype == self.master_dtype:
+            return self.grad_shard
+        return self.grad_shard.to(self.master_dtype)
+
+    @property
+    def master_aliases_params(self) -> bool:
+        return self.master is not None and self.master.data_ptr() == self.param_shard.data_ptr()
+
+    def publish_master(self, comm: Collectives) -> Handle | None:
+        """Copy the stepped master into the parameters; all-gather them where replicated."""
+        if self.master is None:
+            return None
+        with torch.no_grad():
+            if not self.master_aliases_params:
+                self.param_shard.copy_(self.master)
+            if self.shard_params:
+                return None
+            with _preserve_version(self.full):
+                return comm.all_gather(self.full, self.own(self.full), async_op=True)
+
+    # ---------------------------------------------------------------- reporting
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Model-state tensors this group holds now, by category (for the memory report)."""
+        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "master": []}
+        if not self.shard_params:
+            out["params"].append(self.full)
+        else:
+            out["params"].append(self.param_shard)
+            if self.state is ShardState.GATHERED:
+                out["params"].append(self.full)
+        if self.master is not None and not self.master_aliases_params:
+            out["master"].append(self.master.data)
+        for g in (self.full_grad, self.grad_shard):
+            if g is not None:
+                out["grads"].append(g)
+        return out

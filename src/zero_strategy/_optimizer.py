@@ -1,0 +1,261 @@
+"""The user's optimizer, re-homed onto fp32 master shards.
+
+[Note: why re-home instead of wrap]
+``setup`` keeps the user's optimizer object and replaces the ``params`` of each of
+its param groups with the master shards (1-D fp32 tensors, one per flat group) of
+the parameters that group held. Hyperparameters, per-group settings and anything
+that holds the param-group dicts (LR schedulers) keep working, and the update is
+the user's own optimizer code (fused/foreach kernels included). This is exact
+only for *elementwise* optimizers, where each element's update depends on that
+element alone; others (LBFGS, Adafactor, anything with per-tensor norms) get a
+clear error instead of a silently different update.
+
+[Note: the order inside ``step()``]
+1. make gradient shards final (stage 1 reduce-scatters here; stages 2-3 only wait);
+2. build each master's fp32 ``.grad`` (aliasing the shard when already fp32),
+   unscale fp16 gradients and check for inf/nan on every rank (one all-reduce);
+3. clip by the global norm if configured (one all-reduce);
+4. the user's optimizer steps the master shards; 5. masters are copied into the
+   parameters and all-gathered where parameters are replicated (stages 1-2).
+An fp16 overflow anywhere skips steps 3-5 on every rank and backs off the scale.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ._state import ZeroEngine
+
+#: optimizers whose update of each element depends only on that element's history
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in (
+        "SGD", "Adam", "AdamW", "Adagrad", "Adamax", "RMSprop", "NAdam", "RAdam",
+        "Adadelta", "ASGD", "Rprop",
+    ) if hasattr(torch.optim, name)
+)
+
+
+class LossScaler:
+    """Dynamic (or static) fp16 loss scale with DeepSpeed-style hysteresis."""
+
+    def __init__(self, cfg, enabled: bool):
+        self.enabled = enabled
+        self.cfg = cfg
+        self.scale = float(cfg.initial_scale) if enabled else 1.0
+        self._good_steps = 0
+        self._hysteresis_left = cfg.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled or self.cfg.static:
+            return
+        if found_inf:
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale * self.cfg.backoff_factor, self.cfg.min_scale)
+                self._hysteresis_left = self.cfg.hysteresis
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.cfg.growth_interval:
+            self.scale *= self.cfg.growth_factor
+            self._good_steps = 0
+            self._hysteresis_left = self.cfg.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale = float(sd["scale"])
+        self._good_steps = int(sd["good_steps"])
+        self._hysteresis_left = int(sd["hysteresis_left"])
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """The optimizer ``setup`` returns: the user's optimizer stepping master shards.
+
+    It *is* a ``torch.optim.Optimizer`` sharing ``param_groups``/``state`` with the
+    user's object, so LR schedulers built on either work.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine):
+        check_elementwise(optimizer)
+        if len(optimizer.state) > 0:
+            raise ValueError(
+                "zero_strategy.setup: the optimizer has already stepped (its state is keyed by the "
+                "unsharded parameters); call setup() before the first optimizer.step(), or load the "
+                "state afterwards through zero_strategy checkpoints")
+        self.optimizer = optimizer
+        self.engine = engine
+        self.config = engine.config
+        by_group: dict[int, list] = {i: [] for i in range(len(optimizer.param_groups))}
+        for g in engine.trainable_groups:
+            by_group[g.optimizer_group].append(g.master)
+        for i, pg in enumerate(optimizer.param_groups):
+            pg["params"] = by_group[i]
+        # the attributes torch.optim.Optimizer's machinery (hooks, schedulers) looks for
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._optimizer_step_pre_hooks: dict = OrderedDict()
+        self._optimizer_step_post_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
+        self._zero_grad_profile_name = "zero::zero_grad"
+        self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
+        self._prepared = False
+        self._found_inf = False
+        self._scaled_backward = False
+        self.last_grad_norm: torch.Tensor | None = None
+        self.skipped_steps = 0
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.engine.plan.stage}, {self.optimizer!r})"
+
+    # -------------------------------------------------------------- loss scale
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (unchanged for fp32/bf16); call ``.backward()`` on it."""
+        self._scaled_backward = True
+        if not self.scaler.enabled:
+            return loss
+        return loss.float() * self.scaler.scale
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``scale_loss(loss).backward()``: the portable way to run backward in every precision."""
+        self.scale_loss(loss).backward(**kwargs)
+
+    # ------------------------------------------------------------------- grads
+    def _prepare_gradients(self) -> None:
+        if self._prepared:
+            return
+        if self.scaler.enabled and not self._scaled_backward:
+            raise RuntimeError(
+                "zero_strategy: precision='fp16' needs loss scaling: call optimizer.backward(loss) "
+                "or optimizer.scale_loss(loss).backward() instead of loss.backward()")
+        self.engine.finish_gradients()
+        inv_scale = 1.0 / self.scaler.scale
+        local_inf = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
+        for g in self.engine.trainable_groups:
+            mg = g.master_grad()
+            if mg is not None and inv_scale != 1.0:
+                mg.mul_(inv_scale)
+            g.master.grad = mg
+            if mg is not None and self.scaler.enabled:
+                local_inf = torch.maximum(local_inf, (~torch.isfinite(mg)).any().float().reshape(1))
+        if self.scaler.enabled:
+            self.engine.comm.all_reduce(local_inf, op="max")
+            self._found_inf = bool(local_inf.item())
+        self._prepared = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over *all* shards on all ranks; returns that global norm.
+
+        Same result as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on an
+        unsharded model. Call after the last backward of the step, before ``step()``.
+        """
+        self._prepare_gradients()
+        grads = [g.master.grad for g in self.engine.trainable_groups if g.master.grad is not None]
+        device = self.engine.device
+        if self._found_inf:
+            self.last_grad_norm = torch.tensor(float("inf"), device=device)
+            return self.last_grad_norm
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = torch.stack([x.abs().max() for x in grads]).max() if grads else torch.zeros((), device=device)
+            local = local.reshape(1).float()
+            self.engine.comm.all_reduce(local, op="max")
+            total = local[0]
+        else:
+            local = sum((x.float().abs().pow(norm_type).sum() for x in grads),
+                        torch.zeros((), device=device)).reshape(1)
+            self.engine.comm.all_reduce(local, op="sum")
+            total = local[0].pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for x in grads:
+            x.mul_(coef.to(x.dtype))
+        self.last_grad_norm = total
+        return total
+
+    # -------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None) -> Any:
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward first, "
+                             "then call step()")
+        self._prepare_gradients()
+        try:
+            if self._found_inf:
+                self.skipped_steps += 1
+                return None
+            clip = self.config.gradient_clipping
+            if clip:
+                self.clip_grad_norm_(clip)
+            self.optimizer.step()
+            handles = [g.publish_master(self.engine.comm) for g in self.engine.trainable_groups]
+            for h in handles:
+                if h is not None:
+                    h.wait()
+        finally:
+            self.scaler.update(self._found_inf)
+            for g in self.engine.trainable_groups:
+                if not self._found_inf and g.master.grad is not None and g.master.grad is not g.grad_shard:
+                    g.master.grad = None  # fp32 copy of a low-precision shard: free it now
+            self._prepared = False
+            self._found_inf = False
+            self._scaled_backward = False
+            self.engine.last_step_comm = self.engine.comm.stats.as_dict()
+            self.engine.comm.stats.reset()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
+        self.engine.zero_grad()
+        self._prepared = False
+        self._found_inf = False
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError(
+            "ZeroOptimizer cannot add param groups after setup(); create the optimizer with all of "
+            "its param groups before calling zero_strategy.setup")
+
+    # -------------------------------------------------------------- state dict
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (resharding checkpoints: zero_strategy checkpoint API)."""
+        return {
+            "format": "zero_strategy.local_shard",
+            "rank": self.engine.comm.rank,
+            "world_size": self.engine.comm.world_size,
+            "optimizer": self.optimizer.state_dict(),
+            "loss_scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("format") != "zero_strategy.local_shard":
+            raise ValueError("ZeroOptimizer.load_state_dict expects a dict from ZeroOptimizer.state_dict()")
+        if (state_dict["rank"], state_dict["world_size"]) != (self.engine.comm.rank, self.engine.comm.world_size):
+            raise ValueError(
+                f"this optimizer shard was saved by rank {state_dict['rank']} of {state_dict['world_size']}, "
+                f"but this is rank {self.engine.comm.rank} of {self.engine.comm.world_size}; use the "
+                "zero_strategy checkpoint API to resume on another world size")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(optimizer, ZeroOptimizer):
+        raise ValueError("zero_strategy.setup was given a ZeroOptimizer: the model and optimizer are "
+                         "already set up; call setup once")
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"zero_strategy cannot shard {type(optimizer).__name__}: sharded optimizer state is exact "
+            f"only for elementwise optimizers (each element's update depends on that element alone). "
+            f"Use one of torch.optim.{{{names}}} (or a subclass of one).")

@@ -1,0 +1,336 @@
+"""The engine: hooks in one place, deciding when units gather, release and reduce.
+
+[Note: the life of one training step]
+forward   root pre-hook: gather the root unit (stage 3), cast inputs.
+          unit pre-hook: wait for / start the unit's gather, prefetch the next unit
+          in last step's forward order, wrap inputs so their gradient tells us the
+          unit's backward is done.  unit post-hook: release (stage 3), register a
+          pre-backward hook on the outputs.
+backward  pre-backward (first output gradient): gather the unit again, prefetch the
+          unit before it.  post-accumulate-grad hook per parameter: move the gradient
+          into the group's flat buffer; when a group has all its gradients, start its
+          reduce-scatter (stages 2-3, outside ``no_sync``).  input-gradient function:
+          release the unit.  end-of-backward callback: reduce what is left (unused
+          parameters contribute zeros), wait for every reduce-scatter, release all.
+step      (optimizer) stage 1 reduces here; see ``_optimizer.py``.
+
+[Note: lock-step]
+Every collective is issued in the same order on every rank: groups complete in
+autograd's deterministic order, and everything deferred to the end of backward or
+the step runs in a fixed group order. As with DDP, all ranks must use the same
+parameters in a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from ._collectives import Collectives, Handle
+from ._flat import FlatGroup, ParamSlot
+from ._plan import ShardingPlan, plan_for
+from ._units import Unit, build_units
+
+#: reduce-scatters allowed in flight during backward before the oldest is waited on
+_MAX_REDUCES_IN_FLIGHT = 4
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside nested tuples/lists/dicts (including Hugging Face ModelOutput)."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out
+
+
+def _map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _UnitBackwardDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+class ZeroEngine:
+    """Owns the units of one model and the hooks that drive them."""
+
+    def __init__(self, model: nn.Module, config, comm: Collectives, optimizer_group_of: dict[int, int]):
+        self.model = model
+        self.config = config
+        self.plan: ShardingPlan = plan_for(config.stage)
+        self.comm = comm
+        self.device = _single_device(model)
+        self.compute_dtype = config.compute_dtype
+        self.grad_dtype = config.gradient_reduce_dtype
+        self.units: list[Unit] = build_units(
+            model, plan=self.plan, unit_classes=tuple(config.unit_classes),
+            persistence_threshold=config.param_persistence_threshold,
+            optimizer_group_of=optimizer_group_of, compute_dtype=self.compute_dtype,
+            grad_dtype=self.grad_dtype, comm=comm, device=self.device,
+        )
+        self.root = self.units[0]
+        self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
+        self.trainable_groups = [g for g in self.groups if g.trainable]
+        self._slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {
+            id(s.param): (g, s) for g in self.groups for s in g.slots
+        }
+        self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
+        self._handles: list[Any] = []
+        self._pending_reduces: list[tuple[FlatGroup, Handle, torch.Tensor]] = []
+        self._callback_queued = False
+        self._sync_gradients = True
+        self._forward_order: list[Unit] = []
+        self._last_forward_order: list[Unit] = []
+        self._root_forward_depth = 0
+        self.last_step_comm: dict = {}
+        self._register_hooks()
+
+    # ------------------------------------------------------------- registration
+    def _register_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post_forward, with_kwargs=True))
+        if self.plan.shards_parameters:
+            for unit in self.units[1:]:
+                if unit.sharded_groups:
+                    self._handles.append(unit.module.register_forward_pre_hook(
+                        self._make_unit_pre_forward(unit), with_kwargs=True))
+                    self._handles.append(unit.module.register_forward_hook(
+                        self._make_unit_post_forward(unit), with_kwargs=True))
+        dropped = []
+        for g in self.groups:
+            for s in g.slots:
+                if g.trainable:
+                    self._handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                elif s.param.requires_grad:
+                    dropped.append(s.fqn)
+                    self._handles.append(s.param.register_post_accumulate_grad_hook(_drop_grad))
+        if dropped:
+            warnings.warn(
+                f"{len(dropped)} parameter(s) require grad but are in no optimizer param group "
+                f"(e.g. {dropped[:3]}); they are treated as frozen and their gradients dropped. "
+                "Add them to the optimizer or set requires_grad=False.", stacklevel=3)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre_forward(self, module, args, kwargs):
+        if self._root_forward_depth == 0 and not _in_backward():
+            self._forward_order = []
+        self._root_forward_depth += 1
+        if self.plan.shards_parameters:
+            self.root.gather(self.comm)
+        if self.config.cast_forward_inputs and self.compute_dtype != torch.float32:
+            cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t  # noqa: E731
+            return _map_tensors(args, cast), _map_tensors(kwargs, cast)
+        return None
+
+    def _root_post_forward(self, module, args, kwargs, output):
+        self._root_forward_depth -= 1
+        if self._root_forward_depth > 0 or _in_backward():
+            return None
+        if self._forward_order:
+            self._last_forward_order = self._forward_order
+        backward_expected = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors_in(output))
+        if self.plan.shards_parameters and not backward_expected:
+            self.release_all()  # eval / no_grad / generate step: nothing will come back for them
+        return None
+
+    def _make_unit_pre_forward(self, unit: Unit):
+        def hook(module, args, kwargs):
+            unit.gather(self.comm)
+            if not _in_backward():
+                if unit not in self._forward_order:
+                    self._forward_order.append(unit)
+                self._prefetch(unit, self._last_forward_order, +1)
+            if not torch.is_grad_enabled():
+                return None
+            flat = _tensors_in((args, kwargs))
+            if not any(t.requires_grad for t in flat):
+                return None
+            return self._wrap_inputs(unit, args, kwargs)
+        return hook
+
+    def _wrap_inputs(self, unit: Unit, args, kwargs):
+        needing = []
+        _map_tensors((args, kwargs), lambda t: needing.append(t) if t.requires_grad else None)
+        wrapped = _UnitBackwardDone.apply(lambda: self._post_backward(unit), *needing)
+        it = iter(wrapped)
+        replace = lambda t: next(it) if t.requires_grad else t  # noqa: E731
+        new_args, new_kwargs = _map_tensors((args, kwargs), replace)
+        return new_args, new_kwargs
+
+    def _make_unit_post_forward(self, unit: Unit):
+        def hook(module, args, kwargs, output):
+            if _in_backward():
+                return None  # recomputation (activation checkpointing): backward still needs it
+            outputs = [t for t in _tensors_in(output) if t.requires_grad]
+            if torch.is_grad_enabled() and outputs:
+                unit.pending_backward += 1
+                register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit), mode="any")
+            unit.release()
+            return None
+        return hook
+
+    def _prefetch(self, unit: Unit, order: list[Unit], direction: int) -> None:
+        if self.config.prefetch <= 0 or unit not in order:
+            return
+        i = order.index(unit)
+        for k in range(1, self.config.prefetch + 1):
+            j = i + direction * k
+            if 0 <= j < len(order):
+                order[j].begin_gather(self.comm)
+
+    # ----------------------------------------------------------------- backward
+    def _ensure_end_of_backward_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._ensure_end_of_backward_callback()
+        with torch.profiler.record_function(f"zero::pre_backward::{unit.name}"):
+            unit.gather(self.comm)
+            self._prefetch(unit, self._last_forward_order, -1)
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.pending_backward = max(0, unit.pending_backward - 1)
+        if unit.pending_backward == 0:
+            unit.release()
+
+    def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        self._ensure_end_of_backward_callback()
+        group, slot = self._slot_of[id(param)]
+        if group.reduced_this_backward:
+            raise RuntimeError(
+                f"zero_strategy: gradient of {slot.fqn} arrived after its group {group.name} was "
+                "reduced in this backward; is the parameter used after its unit's backward?")
+        group.accumulate_param_grad(slot)
+        if self.plan.reduces_in_backward and self._sync_gradients and group.grads_complete:
+            self._launch_reduce(group)
+
+    def _launch_reduce(self, group: FlatGroup) -> None:
+        with torch.profiler.record_function(f"zero::reduce::{group.name}"):
+            handle, out, _ = group.begin_reduce(self.comm)
+        self._pending_reduces.append((group, handle, out))
+        while len(self._pending_reduces) > _MAX_REDUCES_IN_FLIGHT:
+            self._finish_one_reduce()
+
+    def _finish_one_reduce(self) -> None:
+        group, handle, out = self._pending_reduces.pop(0)
+        handle.wait()
+        group.finish_reduce(out, keep_full=self.plan.keeps_full_gradients)
+
+    def wait_reduces(self) -> None:
+        while self._pending_reduces:
+            self._finish_one_reduce()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if self.plan.reduces_in_backward and self._sync_gradients:
+            for g in self.trainable_groups:  # fixed order on every rank
+                if not g.reduced_this_backward:
+                    self._launch_reduce(g)
+        self.wait_reduces()
+        for g in self.groups:
+            g.reset_backward_counters()
+        if self.plan.shards_parameters:
+            self.release_all()
+
+    # --------------------------------------------------------------- utilities
+    def release_all(self) -> None:
+        for u in self.units:
+            u.release()
+
+    def gather_all(self) -> None:
+        for u in self.units:
+            u.begin_gather(self.comm)
+        for u in self.units:
+            u.wait_gather()
+
+    def finish_gradients(self) -> None:
+        """Make every grad_shard final before clipping or stepping (stage 1 reduces here)."""
+        self.wait_reduces()
+        for g in self.trainable_groups:
+            if self.plan.keeps_full_gradients or g.has_unreduced:
+                self._launch_reduce(g)
+        self.wait_reduces()
+        for g in self.groups:
+            g.reset_backward_counters()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.zero_grad(keep_full=self.plan.keeps_full_gradients)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no reduce-scatter) inside the context."""
+        previous = self._sync_gradients
+        self._sync_gradients = False
+        try:
+            yield
+        finally:
+            self._sync_gradients = previous
+
+    def unit_of(self, group: FlatGroup) -> Unit:
+        return self._unit_of_group[id(group)]
+
+    def group_of(self, param: nn.Parameter) -> FlatGroup | None:
+        entry = self._slot_of.get(id(param))
+        return entry[0] if entry else None
+
+
+def _drop_grad(param: nn.Parameter) -> None:
+    param.grad = None
+
+
+def _single_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if not devices:
+        raise ValueError("zero_strategy.setup: the model has no parameters to shard")
+    if len(devices) > 1:
+        raise ValueError(
+            f"zero_strategy.setup: the model's parameters are on several devices {sorted(map(str, devices))}; "
+            "move the whole model to one device (model.to(device)) before setup")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError(
+            "zero_strategy.setup: the model is on the meta device; materialize it first "
+            "(model.to_empty(device=...) and initialize weights) before setup")
+    return device

@@ -1,0 +1,168 @@
+"""Units: which module subtrees are sharded together, and their flat groups.
+
+[Note: choosing units]
+A unit is gathered with one all-gather and reduced with one reduce-scatter, so it
+should be one repeated block of the model. Auto-detection takes the children of
+every outermost ``nn.ModuleList`` (transformer blocks in every common model);
+``unit_classes`` names module classes instead. Units never nest: the outermost
+match wins. Everything not inside a unit belongs to the *root* unit (embeddings,
+final norm, head), which under stage 3 stays gathered from the start of forward to
+the end of backward because it is used at both ends.
+
+A parameter registered in two units (shared across blocks) also goes to the root,
+the one unit that is materialized whenever either user runs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ._collectives import Collectives, Handle
+from ._flat import FlatGroup, ShardState
+from ._plan import ShardingPlan
+
+ROOT = "<root>"
+
+
+def find_unit_modules(root: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """Outermost unit modules in registration order, as (fully qualified name, module)."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def has_params(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            if unit_classes:
+                if type(child).__name__ in unit_classes and has_params(child):
+                    found.append((fqn, child))
+                    continue
+            elif isinstance(module, nn.ModuleList) and has_params(child):
+                found.append((fqn, child))
+                continue
+            visit(fqn + ".", child)
+
+    if unit_classes and type(root).__name__ in unit_classes:
+        return []  # the root itself: one unit holding everything
+    visit("", root)
+    if unit_classes and not found:
+        present = sorted({type(m).__name__ for m in root.modules()})
+        raise ValueError(
+            f"unit_classes={list(unit_classes)} matched no module of {type(root).__name__}; "
+            f"module classes present: {present[:30]}"
+        )
+    return found
+
+
+class Unit:
+    """A module subtree sharded together: its flat groups and its gather state."""
+
+    def __init__(self, name: str, module: nn.Module, groups: list[FlatGroup], is_root: bool):
+        self.name = name
+        self.module = module
+        self.groups = groups
+        self.is_root = is_root
+        self.sharded_groups = [g for g in groups if g.shard_params]
+        self._gather_handles: list[tuple[FlatGroup, Handle | None]] | None = None
+        #: forward calls (with grad) whose backward has not finished yet
+        self.pending_backward = 0
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}, groups={len(self.groups)}, state={self.state.value})"
+
+    @property
+    def state(self) -> ShardState:
+        if any(g.state is ShardState.SHARDED for g in self.sharded_groups):
+            return ShardState.SHARDED
+        return ShardState.GATHERED
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gather_handles is not None
+
+    def begin_gather(self, comm: Collectives) -> None:
+        """Start all-gathers of this unit's sharded groups (prefetch); no-op if gathered or started."""
+        if self._gather_handles is not None or self.state is ShardState.GATHERED:
+            return
+        with torch.profiler.record_function(f"zero::gather::{self.name}"):
+            self._gather_handles = [(g, g.begin_gather(comm)) for g in self.sharded_groups]
+
+    def wait_gather(self) -> None:
+        if self._gather_handles is None:
+            return
+        for group, handle in self._gather_handles:
+            if handle is not None:
+                handle.wait()
+            group.finish_gather()
+        self._gather_handles = None
+
+    def gather(self, comm: Collectives) -> None:
+        self.begin_gather(comm)
+        self.wait_gather()
+
+    def release(self) -> None:
+        self.wait_gather()  # never free memory an all-gather is still writing
+        for g in self.sharded_groups:
+            g.release()
+        self.pending_backward = 0
+
+
+def build_units(
+    model: nn.Module,
+    *,
+    plan: ShardingPlan,
+    unit_classes: tuple[str, ...],
+    persistence_threshold: int,
+    optimizer_group_of: dict[int, int],
+    compute_dtype: torch.dtype,
+    grad_dtype: torch.dtype,
+    comm: Collectives,
+    device: torch.device,
+) -> list[Unit]:
+    """Partition the model's parameters into units and flat groups (root unit first)."""
+    unit_modules = find_unit_modules(model, unit_classes)
+    prefixes = [(fqn + ".", fqn) for fqn, _ in unit_modules]
+
+    owner: dict[int, str] = {}
+    first_name: dict[int, str] = {}
+    params: dict[int, nn.Parameter] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if not p.is_floating_point():
+            continue
+        unit = next((u for pre, u in prefixes if fqn.startswith(pre)), ROOT)
+        pid = id(p)
+        if pid in owner and owner[pid] != unit:
+            owner[pid] = ROOT  # shared across units: the root is live whenever any user runs
+        else:
+            owner.setdefault(pid, unit)
+        first_name.setdefault(pid, fqn)
+        params[pid] = p
+
+    modules = {ROOT: model, **dict(unit_modules)}
+    units: list[Unit] = []
+    for unit_name in [ROOT] + [fqn for fqn, _ in unit_modules]:
+        buckets: "OrderedDict[tuple, list]" = OrderedDict()
+        for pid, p in params.items():
+            if owner[pid] != unit_name:
+                continue
+            trainable = p.requires_grad and pid in optimizer_group_of
+            persistent = plan.shards_parameters and p.numel() < persistence_threshold
+            key = (trainable, optimizer_group_of.get(pid) if trainable else None,
+                   plan.shards_parameters and not persistent)
+            buckets.setdefault(key, []).append((first_name[pid], p))
+        groups = []
+        for (trainable, opt_group, shard_params), named in buckets.items():
+            gname = f"{unit_name}/{'train' if trainable else 'frozen'}{'' if opt_group is None else opt_group}" \
+                    f"{'' if shard_params else '/whole'}"
+            groups.append(FlatGroup(
+                gname, named, trainable=trainable, optimizer_group=opt_group, shard_params=shard_params,
+                compute_dtype=compute_dtype, grad_dtype=grad_dtype, rank=comm.rank,
+                world_size=comm.world_size, device=device,
+            ))
+        if groups or unit_name == ROOT:
+            units.append(Unit(unit_name, modules[unit_name], groups, is_root=unit_name == ROOT))
+    return units

@@ -1,0 +1,215 @@
+"""Plain-PyTorch entry points: ``setup`` and the tools that work on a set-up model.
+
+After ``model, optimizer = setup(model, optimizer, config)`` the ordinary loop
+trains::
+
+    loss = model(batch).loss          # (fp16: optimizer.backward(loss))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+The model object is the user's own, sharded in place; no wrapper module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._collectives import Collectives
+from ._memory import MemoryReport, measure
+from ._optimizer import ZeroOptimizer, check_elementwise
+from ._state import ZeroEngine
+from .config import ZeroConfig
+
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
+_OPTIMIZERS: "weakref.WeakKeyDictionary[nn.Module, ZeroOptimizer]" = weakref.WeakKeyDictionary()
+
+
+def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+          config: ZeroConfig | str | dict | None = None,
+          process_group: dist.ProcessGroup | None = None):
+    """Shard ``model`` (in place) and re-home ``optimizer`` onto fp32 master shards.
+
+    ``config``: a :class:`ZeroConfig`, a preset name (``"zero3"``), a dict, or a path
+    to a YAML/JSON file (ours or a DeepSpeed config). Default: ``ZeroConfig()``.
+    ``process_group``: the ranks to shard over (default: the whole world; a single
+    process without ``torch.distributed`` initialized is a world of one).
+
+    Returns ``(model, zero_optimizer)``; ``zero_optimizer`` is ``None`` when no
+    optimizer is given (inference / frozen models).
+    """
+    cfg = ZeroConfig.load(config) if config is not None else ZeroConfig()
+    if model in _ENGINES:
+        raise ValueError("zero_strategy.setup: this model is already set up; call setup once per model "
+                         "(call zero_strategy.teardown(model) first to start over)")
+    _refuse_unavailable(cfg)
+    if optimizer is not None:
+        check_elementwise(optimizer)
+    comm = Collectives(process_group)
+    _sync_module_states(model, comm)
+    group_of = _optimizer_group_of(model, optimizer)
+    engine = ZeroEngine(model, cfg, comm, group_of)
+    _ENGINES[model] = engine
+    zero_opt = ZeroOptimizer(optimizer, engine) if optimizer is not None else None
+    if zero_opt is not None:
+        _OPTIMIZERS[model] = zero_opt
+    return model, zero_opt
+
+
+def _refuse_unavailable(cfg: ZeroConfig) -> None:
+    if cfg.offload_optimizer is not None or cfg.offload_params is not None:
+        raise NotImplementedError(
+            "zero_strategy: offload (offload_optimizer / offload_params) is not available yet in this "
+            "version; use the presets zero1, zero2 or zero3 (no offload) for now. No silent fallback "
+            "is made so that a run never uses more GPU memory than you planned for.")
+
+
+def _optimizer_group_of(model: nn.Module, optimizer) -> dict[int, int]:
+    if optimizer is None:
+        return {}
+    in_model = {id(p) for p in model.parameters()}
+    group_of: dict[int, int] = {}
+    for i, pg in enumerate(optimizer.param_groups):
+        for p in pg["params"]:
+            if id(p) not in in_model:
+                raise ValueError(
+                    f"zero_strategy.setup: optimizer param group {i} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not in the model; build the optimizer from this model's "
+                    "parameters")
+            group_of[id(p)] = i
+    return group_of
+
+
+def _sync_module_states(model: nn.Module, comm: Collectives) -> None:
+    """Start every rank from rank 0's parameters and buffers, as DDP does."""
+    if comm.world_size == 1:
+        return
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            comm.broadcast(t.data, src_rank=0)
+
+
+def engine_of(model: nn.Module) -> ZeroEngine:
+    try:
+        return _ENGINES[model]
+    except KeyError:
+        raise ValueError("this model was not set up with zero_strategy.setup(model, optimizer, config)") from None
+
+
+def teardown(model: nn.Module) -> None:
+    """Remove hooks and restore full (unsharded) parameters so the model is a plain module again."""
+    engine = engine_of(model)
+    full = full_state_dict(model)
+    engine.remove_hooks()
+    del _ENGINES[model]
+    _OPTIMIZERS.pop(model, None)
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=True):
+            if name in full:
+                p.data = full[name].to(p.dtype if p.numel() else engine.compute_dtype).clone()
+
+
+def no_sync(model: nn.Module):
+    """Context manager: backward passes inside accumulate gradients locally, no communication.
+
+    Stage 1 always reduces once per step and ignores it; stages 2-3 keep a full
+    gradient buffer per unit until the first backward outside the context.
+    """
+    return engine_of(model).no_sync()
+
+
+def memory_report(model: nn.Module) -> MemoryReport:
+    """Model-state bytes this rank holds now (params, grads, master, optimizer state)."""
+    return measure(engine_of(model), _OPTIMIZERS.get(model))
+
+
+def comm_stats(model: nn.Module) -> dict:
+    """What this rank communicated during the last ``optimizer.step()`` cycle (see _collectives)."""
+    return engine_of(model).last_step_comm
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, rank0_only: bool = False,
+                    dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """Full, unsharded weights (from the fp32 masters) plus buffers, keyed like ``model.state_dict()``.
+
+    Every rank must call it (it all-gathers group by group). With ``rank0_only`` the
+    other ranks return ``{}``. ``dtype=None`` keeps each tensor's stored dtype.
+    """
+    engine = engine_of(model)
+    comm = engine.comm
+    values: dict[int, torch.Tensor] = {}
+    for g in engine.groups:
+        source = g.master.data if g.master is not None else g.param_shard
+        if g.master is None and not g.shard_params:
+            full = g.full
+        else:
+            full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
+            comm.all_gather(full, source, async_op=False)
+        if rank0_only and comm.rank != 0:
+            continue
+        for s in g.slots:
+            t = full[s.offset:s.offset + s.numel].view(s.shape)
+            values[id(s.param)] = (t.to(dtype) if dtype is not None else t).clone()
+    if rank0_only and comm.rank != 0:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in values:
+            out[name] = values[id(t)]
+        else:
+            v = t.detach()
+            out[name] = (v.to(dtype) if dtype is not None and v.is_floating_point() else v).clone()
+    return out
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None = None,
+                        modifier_rank: int | None = None) -> Iterator[None]:
+    """Materialize full parameters inside the block (stage 3), then re-shard.
+
+    ``params``: only the groups holding these (default: all). ``modifier_rank``: if
+    given, changes that rank makes to the gathered parameters are broadcast to all
+    ranks and written into the fp32 masters on exit; otherwise changes are discarded
+    (stage 3) and must not be made. Every rank must enter the context.
+    """
+    engine = engine_of(model)
+    groups = engine.groups if params is None else _groups_holding(engine, params)
+    units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
+    was_sharded = {id(u): u.state.value == "sharded" for u in units}
+    for u in units:
+        u.gather(engine.comm)
+    try:
+        yield
+    finally:
+        if modifier_rank is not None:
+            with torch.no_grad():
+                for g in groups:
+                    engine.comm.broadcast(g.full, src_rank=modifier_rank)
+                    own = g.own(g.full)
+                    if g.shard_params:
+                        g.param_shard.copy_(own)
+                    if g.master is not None and not g.master_aliases_params:
+                        g.master.copy_(own)
+        for u in units:
+            if was_sharded[id(u)]:
+                u.release()
+
+
+def _groups_holding(engine: ZeroEngine, params: Iterable[nn.Parameter]):
+    out, seen = [], set()
+    for p in params:
+        g = engine.group_of(p)
+        if g is None:
+            raise ValueError(f"gathered_parameters: a parameter of shape {tuple(p.shape)} is not managed "
+                             "by zero_strategy (not in the set-up model)")
+        if id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return out

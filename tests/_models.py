@@ -1,0 +1,67 @@
+"""The small model every parity test trains: each feature ZeRO must get right, once.
+
+* tied weights: the output head shares the embedding matrix;
+* LayerNorm and biases in every block;
+* a frozen parameter (``frozen_mix``, requires_grad=False) used in forward;
+* a parameter smaller than any world size we test (``gate``, 1 element);
+* two optimizer param groups (decayed weights; undecayed biases/norms) with
+  different learning rates and weight decay.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, DIM, SEQ = 37, 24, 8
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+        self.gate = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, x):
+        return x + self.gate * self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, layers: int = 3, dim: int = DIM, vocab: int = VOCAB):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.frozen_mix = nn.Parameter(torch.randn(dim, dim) * 0.1, requires_grad=False)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.final_norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + h @ self.frozen_mix
+        for block in self.layers:
+            h = block(h)
+        return self.head(self.final_norm(h))
+
+
+def param_groups(model: nn.Module, lr: float = 3e-3) -> list[dict]:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [dict(params=decay, lr=lr, weight_decay=0.1),
+            dict(params=no_decay, lr=2 * lr, weight_decay=0.0)]
+
+
+def batch(rank: int, step: int, micro: int, size: int = 4):
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
+    tokens = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    return tokens, targets
+
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,149 @@
+"""Train the TinyLM with torch DDP (the reference) and with zero_strategy side by side.
+
+args["cases"]: list of dicts with stage, precision, accum, no_sync, clip, steps,
+persistence (param_persistence_threshold), optimizer ("adamw"|"sgd"), layers.
+Reports per case: per-step losses of both, and the largest relative difference of
+the final full weights (per tensor: max|a-b| / max|ref|).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _worker import finish, start
+from _models import TinyLM, batch, loss_fn, param_groups
+
+import zero_strategy as zs
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, momentum=0.9)
+    return torch.optim.AdamW(params, betas=(0.9, 0.95))
+
+
+class Reference:
+    """torch DDP; for bf16/fp16 the textbook mixed-precision recipe around it.
+
+    fp32: DDP over an fp32 copy, torch.optim on its parameters.
+    bf16/fp16: DDP over a low-precision copy (forward/backward and the gradient
+    all-reduce in that dtype), gradients copied to an fp32 master copy (divided by
+    a static loss scale for fp16), torch.optim steps the masters, masters are cast
+    back. Independent of zero_strategy's code; only the recipe is shared.
+    """
+
+    def __init__(self, base, case):
+        self.dtype = DTYPES.get(case["precision"], torch.float32)
+        self.master = copy.deepcopy(base)
+        self.compute = copy.deepcopy(base).to(self.dtype) if self.dtype != torch.float32 else self.master
+        self.ddp = DDP(self.compute)
+        self.opt = make_optimizer(case.get("optimizer", "adamw"), param_groups(self.master))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + s))
+        self.scale = 2.0 ** 16 if case["precision"] == "fp16" else 1.0
+
+    def micro_step(self, tokens, targets, accum, last):
+        with (contextlib.nullcontext() if last else self.ddp.no_sync()):
+            loss = loss_fn(self.ddp(tokens), targets) / accum
+            (loss.float() * self.scale).backward()
+        return loss.item()
+
+    def step(self, clip):
+        norm = None
+        if self.compute is not self.master:
+            for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+                if pc.grad is not None:
+                    pm.grad = pc.grad.float() / self.scale
+                    pc.grad = None
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), clip).item()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.sched.step()
+        if self.compute is not self.master:
+            with torch.no_grad():
+                for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
+                    pc.copy_(pm)
+        return norm
+
+    def full_state_dict(self):
+        """Trainable tensors from the masters; frozen ones as the compute copy holds them."""
+        sd = self.master.state_dict()
+        frozen = {n for n, p in self.master.named_parameters() if not p.requires_grad}
+        for name, t in self.compute.state_dict().items():
+            if name in frozen:
+                sd[name] = t.float()
+        return sd
+
+
+def run_case(case: dict) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(1234)
+    base = TinyLM(layers=case.get("layers", 3))
+    ref = Reference(base, case)
+    model = copy.deepcopy(base)
+    opt = make_optimizer(case.get("optimizer", "adamw"), param_groups(model))
+    cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
+                        param_persistence_threshold=case.get("persistence", 0),
+                        reduce_dtype=case.get("reduce_dtype"))
+    model, zopt = zs.setup(model, opt, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
+
+    accum, clip = case["accum"], case.get("clip")
+    losses_ref, losses_zero, norms_ref, norms_zero = [], [], [], []
+    for step in range(case.get("steps", 4)):
+        total_ref = total_zero = 0.0
+        for micro in range(accum):
+            tokens, targets = batch(rank, step, micro)
+            last = micro == accum - 1
+            total_ref += ref.micro_step(tokens, targets, accum, last)
+            sync = contextlib.nullcontext() if last or not case.get("no_sync", True) else zs.no_sync(model)
+            with sync:
+                lz = loss_fn(model(tokens), targets) / accum
+                zopt.backward(lz)
+            total_zero += lz.item()
+        norm = ref.step(clip)
+        if clip:
+            norms_ref.append(norm)
+            norms_zero.append(zopt.clip_grad_norm_(clip).item())
+        zopt.step()
+        zopt.zero_grad()
+        sched.step()
+        losses_ref.append(total_ref)
+        losses_zero.append(total_zero)
+    full = zs.full_state_dict(model)
+    ref_sd = ref.full_state_dict()
+    if set(full) != set(ref_sd):
+        raise AssertionError(f"state dict keys differ: {set(full) ^ set(ref_sd)}")
+    worst, worst_name = 0.0, ""
+    for name, ref_t in ref_sd.items():
+        diff = (full[name].float() - ref_t.float()).abs().max().item() / max(ref_t.float().abs().max().item(), 1e-12)
+        if diff > worst:
+            worst, worst_name = diff, name
+    return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, norms_ref=norms_ref,
+                norms_zero=norms_zero, weight_rel_diff=worst, worst_tensor=worst_name)
+
+
+def main() -> None:
+    args, out = start()
+    results = []
+    for case in args["cases"]:
+        try:
+            results.append(run_case(case))
+        except Exception:  # report, keep the other cases running in lock-step
+            results.append(dict(case=case, error=traceback.format_exc()))
+            print(traceback.format_exc(), file=sys.stderr)
+            break
+    finish(out, {"results": results})
+
+
+if __name__ == "__main__":
+    main()
