@@ -49,6 +49,7 @@ class Reference:
         self.opt = make_optimizer(case.get("optimizer", "adamw"), param_groups(self.master))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 1.0 / (1 + s))
         self.scale = 2.0 ** 16 if case["precision"] == "fp16" else 1.0
+        self.skipped = 0
 
     def micro_step(self, tokens, targets, accum, last):
         with (contextlib.nullcontext() if last else self.ddp.no_sync()):
@@ -63,6 +64,14 @@ class Reference:
                 if pc.grad is not None:
                     pm.grad = pc.grad.float() / self.scale
                     pc.grad = None
+        if self.scale != 1.0:  # dynamic loss scaling as torch.amp.GradScaler does it
+            grads = [p.grad for p in self.master.parameters() if p.grad is not None]
+            if not all(torch.isfinite(g).all() for g in grads):
+                self.skipped += 1
+                self.scale *= 0.5
+                self.opt.zero_grad()
+                self.sched.step()
+                return float("inf") if clip else None
         if clip:
             norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), clip).item()
         self.opt.step()
@@ -129,7 +138,8 @@ def run_case(case: dict) -> dict:
         if diff > worst:
             worst, worst_name = diff, name
     return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, norms_ref=norms_ref,
-                norms_zero=norms_zero, weight_rel_diff=worst, worst_tensor=worst_name)
+                norms_zero=norms_zero, skipped_ref=ref.skipped, skipped_zero=zopt.skipped_steps,
+                loss_scale_ref=ref.scale, loss_scale_zero=zopt.loss_scale, weight_rel_diff=worst, worst_tensor=worst_name)
 
 
 def main() -> None:

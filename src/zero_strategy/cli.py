@@ -1,0 +1,157 @@
+"""``zero-strategy`` command line.
+
+Subcommands register themselves in :data:`SUBCOMMANDS` as ``name -> (add_parser, run)``:
+``add_parser(subparsers)`` adds the argparse subparser and ``run(args) -> int`` executes
+it. ``estimate`` prints per-rank model-state memory for each ZeRO stage::
+
+    zero-strategy estimate --params 7e9 --world-size 8
+    zero-strategy estimate --model ./llama-config-dir --stage 3 --offload-optimizer cpu --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .config import ZeroConfig, ZeroConfigError
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
+
+_SUFFIXES = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """``"7e9"``, ``"7B"``, ``"350M"``, ``"1,300,000"`` -> a number of parameters."""
+    match = re.fullmatch(r"\s*([0-9][0-9_,]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count; write e.g. 7e9, 7B or 350M")
+    return float(match.group(1).replace(",", "").replace("_", "")) * _SUFFIXES[match.group(2).lower()]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+# ------------------------------------------------------------------ estimate
+
+
+def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate", help="per-rank model-state memory of each ZeRO stage",
+        description="Print per-rank model-state memory (parameters, gradients, optimizer state) for DDP and "
+                    "the ZeRO stages, by location (device, host, NVMe), using the ZeRO paper's formulas. "
+                    "Activations are not included.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=parse_count, metavar="N", help="trainable parameters, e.g. 7e9 or 7B")
+    source.add_argument("--model", metavar="PATH",
+                        help="Hugging Face model directory or config.json (needs transformers; built on the "
+                             "meta device, no weights are read)")
+    parser.add_argument("--frozen", type=parse_count, default=0, metavar="N", help="frozen parameters (default 0)")
+    parser.add_argument("--world-size", "-n", type=_positive_int, default=1, metavar="N", help="ranks (default 1)")
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
+                        help="one stage (0 = DDP); default: a table of all stages and usual offloads")
+    parser.add_argument("--precision", default=None, help="compute dtype: bf16 (default), fp16 or fp32")
+    parser.add_argument("--reduce-dtype", default=None, help="gradient dtype (default: the precision)")
+    parser.add_argument("--optimizer", default="adam",
+                        help="adam, adamw, sgd, sgd_momentum, adagrad, rmsprop, ... or state bytes per param")
+    parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default=None)
+    parser.add_argument("--offload-params", choices=("none", "cpu", "nvme"), default=None)
+    parser.add_argument("--config", metavar="SPEC",
+                        help="take stage/precision/offload from a preset name or a YAML/JSON/DeepSpeed config")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _load_hf_model(path: str):
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ZeroConfigError("--model", "needs the transformers package, which is not installed",
+                              "pip install transformers, or pass --params.") from None
+    target = Path(path)
+    if not target.exists():
+        raise ZeroConfigError("--model", f"{path} does not exist", "Pass a model directory or its config.json.")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(target), local_files_only=True) if target.is_dir() else \
+            AutoConfig.from_pretrained(str(target.parent), local_files_only=True) if target.name == "config.json" \
+            else AutoConfig.from_pretrained(str(target))
+    except Exception as err:  # transformers raises OSError/ValueError/KeyError variants
+        raise ZeroConfigError("--model", f"cannot read a Hugging Face config from {path}: {err}",
+                              "Pass a directory holding config.json.") from None
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(hf_config)
+        except ValueError:  # not a causal LM (e.g. an encoder): the base model has the same parameters
+            from transformers import AutoModel
+
+            return AutoModel.from_config(hf_config)
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    from .estimate import estimate_memory, format_table
+
+    optimizer: str | int = int(args.optimizer) if args.optimizer.isdigit() else args.optimizer
+    kwargs = dict(world_size=args.world_size, stage=args.stage, optimizer=optimizer,
+                  frozen_params=args.frozen)
+    names = ("precision", "reduce_dtype", "offload_optimizer", "offload_params")
+    if args.config is not None:
+        for name in names:
+            if getattr(args, name) is not None:
+                raise ZeroConfigError(f"--{name.replace('_', '-')}", "given together with --config",
+                                      "Use one of them (the config already sets it).")
+        config = ZeroConfig.load(args.config)
+        stage = config.stage if args.stage is None else args.stage  # --stage overrides the config
+        kwargs.update(stage=stage, precision=config.precision, reduce_dtype=config.reduce_dtype,
+                      offload_optimizer=config.offload_optimizer if stage else None,
+                      offload_params=config.offload_params if stage == 3 else None)
+    else:
+        kwargs.update({name: getattr(args, name) for name in names})
+    model = _load_hf_model(args.model) if args.model else args.params
+    result = estimate_memory(model, **kwargs)
+    estimates = result if isinstance(result, list) else [result]
+    if args.json:
+        print(json.dumps([e.to_dict() for e in estimates], indent=2))
+    else:
+        print(format_table(estimates))
+    return 0
+
+
+# ------------------------------------------------------------------ plumbing
+
+SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]] = {
+    "estimate": (_add_estimate, _run_estimate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-strategy",
+                                     description="ZeRO sharded data parallel for PyTorch: tools.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_parser, _ in SUBCOMMANDS.values():
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``zero-strategy``; returns the exit status (2 on a usage/config error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return SUBCOMMANDS[args.command][1](args)
+    except ZeroConfigError as err:
+        print(f"zero-strategy {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,607 @@
+"""Public configuration of the ZeRO engine: typed, frozen, validated once.
+
+Layer 1 of the design (see DESIGN.md §2): everything a user can set lives here as
+frozen dataclasses, and nothing below this layer re-validates. A config comes from
+
+* keyword arguments: ``ZeroConfig(stage=2, offload_optimizer="cpu")``;
+* a preset: ``ZeroConfig.preset("zero3_offload", gradient_clipping=1.0)``;
+* a mapping, YAML or JSON file: ``ZeroConfig.from_dict({...})`` / ``from_file(path)``;
+* a DeepSpeed ``ds_config`` (its ZeRO, fp16/bf16 and clipping parts):
+  ``ZeroConfig.from_deepspeed(path_or_dict)`` (mapping table in
+  :mod:`zero_strategy._deepspeed_config`);
+* any of the above: ``ZeroConfig.load(spec)``.
+
+[Note: one error type]
+Every problem raises :class:`ZeroConfigError` (a ``ValueError``) whose message names
+the key (as a dotted path such as ``loss_scale.growth_interval``), the bad value and
+the fix; unknown keys come with difflib "did you mean" suggestions. Front ends can
+catch one type and show the message as is.
+
+[Note: normalisation]
+Convenient spellings (``"cpu"`` for ``CPUOffload()``, ``"bfloat16"`` or
+``torch.bfloat16`` for ``"bf16"``, a single class name for ``unit_classes``) are
+normalised in ``__post_init__``, so the engine only ever sees canonical values and
+``ZeroConfig.from_dict(cfg.to_dict()) == cfg`` holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+__all__ = [
+    "ZeroConfigError",
+    "CPUOffload",
+    "NVMeOffload",
+    "LossScaleConfig",
+    "ZeroConfig",
+    "PRESETS",
+    "preset_names",
+    "OffloadPolicy",
+]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ZeroConfigError(ValueError):
+    """A configuration problem: which key, what is wrong with it, how to fix it.
+
+    ``str(err)`` reads ``"<key>: <problem>. <fix>"``. ``key`` is a dotted path
+    (``"offload_optimizer.buffer_size"``) or ``None`` for whole-config problems.
+    ``ZeroConfigError("message")`` also works, as for any ``ValueError``.
+    """
+
+    def __init__(self, key: str | None, problem: str | None = None, fix: str | None = None,
+                 source: str | None = None):
+        if problem is None:  # ZeroConfigError("plain message"), like any ValueError
+            key, problem = None, str(key)
+        self.key = key
+        self.problem = problem
+        self.fix = fix
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        msg = f"{self.key}: {self.problem}" if self.key else self.problem
+        if self.fix:
+            msg = f"{msg}{' ' if msg.endswith('.') else '. '}{self.fix}"
+        if self.source:
+            msg = f"{self.source}: {msg}"
+        return msg
+
+    def __reduce__(self):  # keep the error picklable across processes
+        return (type(self), (self.key, self.problem, self.fix, self.source))
+
+    def within(self, prefix: str) -> ZeroConfigError:
+        """The same error with ``prefix.`` in front of the key (for nested sections)."""
+        key = f"{prefix}.{self.key}" if self.key else prefix
+        return ZeroConfigError(key, self.problem, self.fix, self.source)
+
+    def from_source(self, source: str) -> ZeroConfigError:
+        return ZeroConfigError(self.key, self.problem, self.fix, source)
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    """``" (did you mean 'stage'?)"`` for the close matches of ``word``, else ``""``."""
+    matches = difflib.get_close_matches(str(word), list(choices), n=3, cutoff=0.6)
+    if matches:  # keep only the matches about as close as the best one
+        ratio = lambda m: difflib.SequenceMatcher(None, str(word), m).ratio()  # noqa: E731
+        best = ratio(matches[0])
+        matches = [m for m in matches if ratio(m) >= best - 0.05]
+    if not matches:
+        return ""
+    if len(matches) == 1:
+        return f" (did you mean {matches[0]!r}?)"
+    return " (did you mean one of " + ", ".join(repr(m) for m in matches) + "?)"
+
+
+def _check_keys(given: Iterable[str], allowed: Iterable[str], where: str | None, what: str = "key") -> None:
+    """Raise for the first key of ``given`` that is not in ``allowed``, with a suggestion."""
+    allowed = list(allowed)
+    for key in given:
+        if key not in allowed:
+            path = f"{where}.{key}" if where else str(key)
+            hint = _suggest(key, allowed)
+            fix = None
+            if not hint or len(allowed) <= 20:  # long lists only when there is no suggestion
+                fix = "Valid " + what + "s: " + ", ".join(sorted(allowed)) + "."
+            raise ZeroConfigError(path, f"unknown {what}{hint}", fix)
+
+
+# ------------------------------------------------------------------ value checking
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _as_int(key: str, value: Any, minimum: int | None = None) -> int:
+    """An int (an integral float such as ``1e5`` from YAML/JSON is accepted)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ZeroConfigError(key, f"expected an integer, got {value!r} ({type(value).__name__})",
+                              "Write a whole number such as 4.")
+    if minimum is not None and value < minimum:
+        raise ZeroConfigError(key, f"must be >= {minimum}, got {value}", f"Use a value of at least {minimum}.")
+    return value
+
+
+def _as_float(key: str, value: Any) -> float:
+    if not _is_number(value) or not math.isfinite(float(value)):
+        raise ZeroConfigError(key, f"expected a finite number, got {value!r}", "Write a number such as 1.0.")
+    return float(value)
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ZeroConfigError(key, f"expected true or false, got {value!r}", "Write true or false (no quotes).")
+    return value
+
+
+_DTYPE_ALIASES: dict[Any, str] = {
+    "fp32": "fp32", "float32": "fp32", "32": "fp32", "float": "fp32", "32-true": "fp32",
+    "torch.float32": "fp32", "f32": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "16": "fp16", "half": "fp16", "16-mixed": "fp16", "16-true": "fp16",
+    "torch.float16": "fp16", "f16": "fp16",
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _as_dtype_name(key: str, value: Any) -> str:
+    probe = str(value).lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else value
+    try:
+        name = _DTYPE_ALIASES.get(probe)
+    except TypeError:  # unhashable
+        name = None
+    if name is None:
+        hint = _suggest(str(value).lower(), [k for k in _DTYPE_ALIASES if isinstance(k, str)])
+        raise ZeroConfigError(key, f"unknown dtype {value!r}{hint}", 'Use "fp32", "bf16" or "fp16".')
+    return name
+
+
+# ------------------------------------------------------------------ offload policies
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Offloaded state lives in host memory (pinned by default for fast, async copies)."""
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        _as_bool("pin_memory", self.pin_memory)
+
+    device = "cpu"
+
+
+@dataclass(frozen=True)
+class NVMeOffload:
+    """Offloaded state lives in files under ``path``, streamed through pinned buffers.
+
+    ``path=None`` is resolved by the engine: ``$ZERO_STRATEGY_NVME_PATH``, else a
+    temporary directory. ``buffer_size`` is in bytes and a multiple of 4096 so
+    buffers can be used for O_DIRECT I/O.
+    """
+
+    path: str | None = None
+    buffer_count: int = 4
+    buffer_size: int = 64 * 2**20
+    io_threads: int = 4
+    read_ahead: int = 1
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            if isinstance(self.path, os.PathLike):
+                object.__setattr__(self, "path", os.fspath(self.path))
+            elif not isinstance(self.path, str) or not self.path:
+                raise ZeroConfigError("path", f"expected a directory path or null, got {self.path!r}",
+                                      "Give a directory on a fast local disk, or null to use "
+                                      "$ZERO_STRATEGY_NVME_PATH or a temp dir.")
+        object.__setattr__(self, "buffer_count", _as_int("buffer_count", self.buffer_count, 2))
+        size = _as_int("buffer_size", self.buffer_size, 1)
+        if size % 4096:
+            up = -(-size // 4096) * 4096
+            raise ZeroConfigError("buffer_size", f"must be a multiple of 4096 bytes, got {size}",
+                                  f"Use {up} (the next multiple of 4096).")
+        object.__setattr__(self, "buffer_size", size)
+        object.__setattr__(self, "io_threads", _as_int("io_threads", self.io_threads, 1))
+        object.__setattr__(self, "read_ahead", _as_int("read_ahead", self.read_ahead, 0))
+        _as_bool("pin_memory", self.pin_memory)
+
+    device = "nvme"
+
+
+OffloadPolicy = Union[None, CPUOffload, NVMeOffload]
+_OFFLOAD_CLASSES = {"cpu": CPUOffload, "nvme": NVMeOffload}
+
+
+def _as_offload(key: str, value: Any) -> OffloadPolicy:
+    """Normalise None / "none" / "cpu" / "nvme" / {"device": ..., ...} / a policy."""
+    if value is None or isinstance(value, (CPUOffload, NVMeOffload)):
+        return value
+    if isinstance(value, str):
+        name = value.lower()
+        if name == "none":
+            return None
+        if name in _OFFLOAD_CLASSES:
+            return _OFFLOAD_CLASSES[name]()
+        hint = _suggest(name, ["none", "cpu", "nvme"])
+        raise ZeroConfigError(key, f"unknown offload device {value!r}{hint}", 'Use "none", "cpu" or "nvme".')
+    if isinstance(value, Mapping):
+        options = dict(value)
+        device = str(options.pop("device", "cpu")).lower()
+        if device == "none":
+            if options:
+                raise ZeroConfigError(key, f"device 'none' takes no options, got {sorted(options)}",
+                                      'Drop the options or set device to "cpu" or "nvme".')
+            return None
+        if device not in _OFFLOAD_CLASSES:
+            hint = _suggest(device, ["none", "cpu", "nvme"])
+            raise ZeroConfigError(f"{key}.device", f"unknown offload device {device!r}{hint}",
+                                  'Use "none", "cpu" or "nvme".')
+        cls = _OFFLOAD_CLASSES[device]
+        _check_keys(options, ["device"] + [f.name for f in dataclasses.fields(cls)], key, "option")
+        try:
+            return cls(**options)
+        except ZeroConfigError as err:
+            raise err.within(key) from None
+    raise ZeroConfigError(key, f"expected \"none\", \"cpu\", \"nvme\", a mapping or an offload policy, got {value!r}",
+                          "Write e.g. offload_optimizer: cpu, or {device: nvme, path: /local_nvme}.")
+
+
+def _offload_to_dict(policy: OffloadPolicy) -> dict | None:
+    if policy is None:
+        return None
+    return {"device": policy.device, **dataclasses.asdict(policy)}
+
+
+# ------------------------------------------------------------------ loss scaling
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 dynamic loss scaling (ignored for fp32 and bf16).
+
+    The scale starts at ``initial_scale``; after ``growth_interval`` steps without an
+    overflow it is multiplied by ``growth_factor``; each overflowing step is skipped,
+    and after ``hysteresis`` overflows (DeepSpeed's meaning) the scale is multiplied
+    by ``backoff_factor``, never going below ``min_scale``. ``static=True`` keeps
+    ``initial_scale`` for the whole run (overflowing steps are still skipped).
+    """
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    static: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("initial_scale", "min_scale"):
+            value = _as_float(name, getattr(self, name))
+            if value <= 0:
+                raise ZeroConfigError(name, f"must be > 0, got {value}", "Use a positive scale such as 65536.")
+            object.__setattr__(self, name, value)
+        growth = _as_float("growth_factor", self.growth_factor)
+        if growth <= 1:
+            raise ZeroConfigError("growth_factor", f"must be > 1, got {growth}", "Use e.g. 2.0.")
+        backoff = _as_float("backoff_factor", self.backoff_factor)
+        if not 0 < backoff < 1:
+            raise ZeroConfigError("backoff_factor", f"must be in (0, 1), got {backoff}", "Use e.g. 0.5.")
+        object.__setattr__(self, "growth_factor", growth)
+        object.__setattr__(self, "backoff_factor", backoff)
+        object.__setattr__(self, "growth_interval", _as_int("growth_interval", self.growth_interval, 1))
+        object.__setattr__(self, "hysteresis", _as_int("hysteresis", self.hysteresis, 1))
+        _as_bool("static", self.static)
+        if self.min_scale > self.initial_scale:
+            raise ZeroConfigError("min_scale", f"{self.min_scale} is above initial_scale {self.initial_scale}",
+                                  "Lower min_scale or raise initial_scale.")
+
+
+def _as_loss_scale(value: Any) -> LossScaleConfig:
+    if isinstance(value, LossScaleConfig):
+        return value
+    if isinstance(value, Mapping):
+        _check_keys(value, [f.name for f in dataclasses.fields(LossScaleConfig)], "loss_scale")
+        try:
+            return LossScaleConfig(**value)
+        except ZeroConfigError as err:
+            raise err.within("loss_scale") from None
+    raise ZeroConfigError("loss_scale", f"expected a mapping or LossScaleConfig, got {value!r}",
+                          "Write e.g. loss_scale: {initial_scale: 65536, growth_interval: 1000}.")
+
+
+# ------------------------------------------------------------------ the config
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What to shard, where offloaded state lives, and the numerics of the step.
+
+    Attributes:
+        stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        offload_optimizer: where the fp32 master shard and optimizer state live and
+            the step runs: ``None`` (device), :class:`CPUOffload`, :class:`NVMeOffload`.
+        offload_params: stage 3 only: where parameter shards rest between uses.
+        precision: compute/parameter dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"``;
+            master weights are always fp32.
+        reduce_dtype: dtype gradients are reduced and kept in; ``None`` = precision.
+        gradient_clipping: global-norm clip applied in ``optimizer.step()``;
+            ``None`` or ``0`` disables it.
+        loss_scale: fp16 dynamic loss scaling (ignored for fp32/bf16).
+        unit_classes: module class names that become units; ``()`` auto-detects the
+            blocks held in ``nn.ModuleList`` containers.
+        param_persistence_threshold: stage 3: parameters with fewer elements stay
+            whole on every rank (not worth a collective).
+        prefetch: stage 3: how many units are gathered ahead of use.
+        cast_forward_inputs: cast floating-point inputs of the root forward to the
+            compute dtype.
+    """
+
+    stage: int = 3
+    offload_optimizer: OffloadPolicy = None
+    offload_params: OffloadPolicy = None
+    precision: str = "fp32"
+    reduce_dtype: str | None = None
+    gradient_clipping: float | None = None
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    unit_classes: tuple[str, ...] = ()
+    param_persistence_threshold: int = 100_000
+    prefetch: int = 1
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        stage = _as_int("stage", self.stage)
+        if stage == 0:
+            raise ZeroConfigError("stage", "stage 0 is plain data parallel (no sharding)",
+                                  "Use torch DistributedDataParallel, or stage 1 to shard optimizer state.")
+        if stage not in (1, 2, 3):
+            raise ZeroConfigError("stage", f"must be 1, 2 or 3, got {stage}",
+                                  "1 shards optimizer state, 2 also gradients, 3 also parameters.")
+        set_("stage", stage)
+        set_("offload_optimizer", _as_offload("offload_optimizer", self.offload_optimizer))
+        set_("offload_params", _as_offload("offload_params", self.offload_params))
+        if self.offload_params is not None and stage != 3:
+            raise ZeroConfigError("offload_params", f"needs stage 3 (parameters are only sharded there), "
+                                  f"got stage {stage}", "Set stage: 3, or drop offload_params.")
+        set_("precision", _as_dtype_name("precision", self.precision))
+        if self.reduce_dtype is not None:
+            set_("reduce_dtype", _as_dtype_name("reduce_dtype", self.reduce_dtype))
+        if self.gradient_clipping is not None:
+            clip = _as_float("gradient_clipping", self.gradient_clipping)
+            if clip < 0:
+                raise ZeroConfigError("gradient_clipping", f"must be >= 0, got {clip}",
+                                      "Use a positive max norm such as 1.0, or null / 0 to disable clipping.")
+            set_("gradient_clipping", clip)
+        set_("loss_scale", _as_loss_scale(self.loss_scale))
+        set_("unit_classes", _as_unit_classes(self.unit_classes))
+        set_("param_persistence_threshold",
+             _as_int("param_persistence_threshold", self.param_persistence_threshold, 0))
+        set_("prefetch", _as_int("prefetch", self.prefetch, 0))
+        _as_bool("cast_forward_inputs", self.cast_forward_inputs)
+
+    # -- derived values --------------------------------------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of parameters in forward/backward."""
+        return _DTYPES[self.precision]
+
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype:
+        """dtype gradients are reduced and kept in: ``reduce_dtype`` or the compute dtype."""
+        return _DTYPES[self.reduce_dtype or self.precision]
+
+    # -- construction ----------------------------------------------------------
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with ``changes`` applied and validated (unknown names raise)."""
+        _check_keys(changes, _FIELD_NAMES, None, "field")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """A plain, JSON-able dict that :meth:`from_dict` reads back to an equal config."""
+        return {
+            "stage": self.stage,
+            "offload_optimizer": _offload_to_dict(self.offload_optimizer),
+            "offload_params": _offload_to_dict(self.offload_params),
+            "precision": self.precision,
+            "reduce_dtype": self.reduce_dtype,
+            "gradient_clipping": self.gradient_clipping,
+            "loss_scale": dataclasses.asdict(self.loss_scale),
+            "unit_classes": list(self.unit_classes),
+            "param_persistence_threshold": self.param_persistence_threshold,
+            "prefetch": self.prefetch,
+            "cast_forward_inputs": self.cast_forward_inputs,
+        }
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ZeroConfig:
+        """A named preset (see :data:`PRESETS`) with ``overrides`` applied."""
+        key = _preset_key(name)
+        _check_keys(overrides, _FIELD_NAMES, None, "field")
+        return cls(**{**PRESETS[key][1], **overrides})
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> ZeroConfig:
+        """Build from a mapping of field names; nested sections may be mappings.
+
+        An optional ``"preset"`` key names the base the other keys override.
+        Offload sections are ``"none"``/``"cpu"``/``"nvme"`` or
+        ``{"device": "nvme", "path": ..., "buffer_count": ...}``.
+        """
+        if not isinstance(d, Mapping):
+            raise ZeroConfigError(None, f"a ZeRO config must be a mapping, got {type(d).__name__}",
+                                  "Write key: value pairs such as {stage: 3}.")
+        d = dict(d)
+        _check_keys(d, ["preset", *_FIELD_NAMES], None)
+        base: dict[str, Any] = {}
+        if "preset" in d:
+            base = dict(PRESETS[_preset_key(d.pop("preset"), "preset")][1])
+        return cls(**{**base, **d})
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> ZeroConfig:
+        """Read a ``.yaml``/``.yml``/``.json`` file (ours, or a DeepSpeed ``ds_config``)."""
+        data = _read_mapping_file(Path(path))
+        try:
+            if _looks_like_deepspeed(data):
+                return cls.from_deepspeed(data)
+            return cls.from_dict(data)
+        except ZeroConfigError as err:
+            raise err.from_source(str(path)) from None
+
+    @classmethod
+    def from_deepspeed(cls, path_or_dict: str | os.PathLike | Mapping) -> ZeroConfig:
+        """Translate a DeepSpeed ``ds_config`` (see :mod:`zero_strategy._deepspeed_config`)."""
+        from ._deepspeed_config import translate_deepspeed
+
+        if isinstance(path_or_dict, Mapping):
+            return cls(**translate_deepspeed(path_or_dict).fields)
+        source = str(path_or_dict)
+        data = _read_mapping_file(Path(path_or_dict))
+        try:
+            return cls(**translate_deepspeed(data).fields)
+        except ZeroConfigError as err:
+            raise err.from_source(source) from None
+
+    @classmethod
+    def load(cls, spec: Any) -> ZeroConfig:
+        """Accept whatever a user may hand a front end.
+
+        ``spec`` is a :class:`ZeroConfig`, a preset name, a path to a YAML/JSON file,
+        or a mapping (ours, or a DeepSpeed ``ds_config``).
+        """
+        if isinstance(spec, ZeroConfig):
+            return spec
+        if isinstance(spec, Mapping):
+            return cls.from_deepspeed(spec) if _looks_like_deepspeed(spec) else cls.from_dict(spec)
+        if isinstance(spec, (str, os.PathLike)):
+            text = os.fspath(spec)
+            if isinstance(spec, str) and _preset_key_or_none(text) is not None:
+                return cls.preset(text)
+            if Path(text).suffix.lower() in _FILE_SUFFIXES or Path(text).exists():
+                return cls.from_file(text)
+            hint = _suggest(text.lower(), PRESETS)
+            raise ZeroConfigError(None, f"{text!r} is neither a preset name nor an existing config file{hint}",
+                                  "Presets: " + ", ".join(PRESETS) + "; files: .yaml, .yml, .json.")
+        raise ZeroConfigError(None, f"cannot build a ZeRO config from {type(spec).__name__} {spec!r}",
+                              "Pass a ZeroConfig, a preset name, a path to a .yaml/.json file, or a mapping.")
+
+
+_FIELD_NAMES = [f.name for f in dataclasses.fields(ZeroConfig)]
+
+
+def _as_unit_classes(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, (str, type)) else value
+    if not isinstance(items, Iterable) or isinstance(items, Mapping):
+        raise ZeroConfigError("unit_classes", f"expected a class name or a list of them, got {value!r}",
+                              'Write e.g. unit_classes: ["LlamaDecoderLayer"].')
+    names = []
+    for item in items:
+        name = item.__name__ if isinstance(item, type) else item
+        if not isinstance(name, str) or not name.strip():
+            raise ZeroConfigError("unit_classes", f"expected class names, got {item!r}",
+                                  'Write e.g. unit_classes: ["LlamaDecoderLayer"].')
+        names.append(name.strip())
+    return tuple(names)
+
+
+# ------------------------------------------------------------------ presets
+
+PRESETS: dict[str, tuple[str, dict]] = {
+    "zero1": ("stage 1: shard optimizer state", {"stage": 1}),
+    "zero2": ("stage 2: shard optimizer state and gradients", {"stage": 2}),
+    "zero2_offload": ("stage 2, optimizer state and step on the CPU",
+                      {"stage": 2, "offload_optimizer": "cpu"}),
+    "zero3": ("stage 3: shard optimizer state, gradients and parameters", {"stage": 3}),
+    "zero3_offload": ("stage 3, optimizer state and parameter shards in CPU memory",
+                      {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}),
+    "zero3_offload_nvme": ("stage 3, optimizer state and parameter shards on NVMe",
+                           {"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"}),
+}
+
+
+def preset_names() -> list[str]:
+    """Names accepted by :meth:`ZeroConfig.preset`, in order of increasing savings."""
+    return list(PRESETS)
+
+
+def _preset_key_or_none(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return None
+    key = name.strip().lower().replace("-", "_")
+    return key if key in PRESETS else None
+
+
+def _preset_key(name: Any, key: str | None = None) -> str:
+    found = _preset_key_or_none(name)
+    if found is None:
+        hint = _suggest(str(name).lower().replace("-", "_"), PRESETS)
+        listing = "; ".join(f"{n} ({desc})" for n, (desc, _) in PRESETS.items())
+        raise ZeroConfigError(key, f"unknown preset {name!r}{hint}", f"Presets: {listing}.")
+    return found
+
+
+# ------------------------------------------------------------------ files
+
+_FILE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _looks_like_deepspeed(data: Mapping) -> bool:
+    return "zero_optimization" in data
+
+
+def _read_mapping_file(path: Path) -> Mapping:
+    """Parse a YAML/JSON file into a mapping, with the line of a syntax error."""
+    suffix = path.suffix.lower()
+    if suffix not in _FILE_SUFFIXES:
+        raise ZeroConfigError(None, f"unsupported config file type {suffix or '(none)'!r} for {path}",
+                              "Use a .yaml, .yml or .json file.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ZeroConfigError(None, f"config file {path} does not exist",
+                              "Check the path (relative paths are resolved from the working directory "
+                              f"{os.getcwd()}).") from None
+    except OSError as err:
+        raise ZeroConfigError(None, f"cannot read config file {path}: {err.strerror or err}",
+                              "Check that it is a readable file.") from None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ZeroConfigError(None, f"invalid JSON in {path} at line {err.lineno}, column {err.colno}: "
+                                  f"{err.msg}", "Fix the syntax there.") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err)
+            raise ZeroConfigError(None, f"invalid YAML in {path}{where}: {problem}",
+                                  "Fix the syntax there.") from None
+    if not isinstance(data, Mapping):
+        raise ZeroConfigError(None, f"the top level of {path} must be a mapping, got "
+                              f"{'an empty file' if data is None else type(data).__name__}",
+                              "Write key: value pairs such as 'stage: 3'.")
+    return data

@@ -1,0 +1,123 @@
+"""`zero-strategy estimate` prints the memory table (or JSON) and fails cleanly."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_strategy.cli import main, parse_count
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def run_cli(*args):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "zero_strategy.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_subprocess_prints_the_table_for_every_stage():
+    proc = run_cli("estimate", "--params", "7.5e9", "--world-size", "64")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "GiB" in lines[0]
+    labels = [line.split("  ")[0].strip() for line in lines[2:]]
+    assert labels[:5] == ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-2 opt:cpu", "ZeRO-3"]
+    zero3 = next(line for line in lines if line.startswith("ZeRO-3 "))
+    assert float(zero3.split()[4]) == round(16 * 7.5e9 / 64 / 2**30, 2)
+
+
+def test_subprocess_json_single_stage():
+    proc = run_cli("estimate", "--params", "7B", "-n", "8", "--stage", "3", "--offload-optimizer", "cpu",
+                   "--offload-params", "cpu", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)
+    psi, n = 7e9, 8
+    assert (row["stage"], row["offload_optimizer"], row["offload_params"]) == (3, "cpu", "cpu")
+    assert row["total_device"] == 2 * psi / n  # bf16 gradient shard only
+    assert row["total_host"] == (2 + 12 + 4) * psi / n  # params + master/Adam + fp32 grad shard
+
+
+def test_subprocess_error_exit_code_and_message():
+    proc = run_cli("estimate", "--params", "1e9", "--optimizer", "adamm")
+    assert proc.returncode == 2
+    assert "optimizer: unknown optimizer 'adamm'" in proc.stderr and "did you mean" in proc.stderr
+
+
+def test_main_returns_zero_and_prints(capsys):
+    assert main(["estimate", "--params", "1e6", "--stage", "2", "--precision", "fp32", "--optimizer", "sgd",
+                 "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["device_params"] == 4e6 and row["device_grads"] == 4e6 and row["device_optimizer"] == 0
+
+
+def test_frozen_and_config_options(capsys, tmp_path):
+    path = tmp_path / "z.yaml"
+    path.write_text("preset: zero3_offload\nprecision: bf16\n")
+    assert main(["estimate", "--params", "1e6", "--frozen", "1e6", "-n", "2", "--config", str(path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["stage"], row["offload_params"], row["frozen_params"]) == (3, "cpu", 1_000_000)
+    assert row["host_params"] == 2 * 2e6 / 2
+
+
+def test_config_preset_with_stage_override(capsys):
+    assert main(["estimate", "--params", "1e6", "--config", "zero2_offload", "--stage", "0", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["stage"], row["offload_optimizer"]) == (0, "none")
+
+
+def test_config_conflicts_with_explicit_options(capsys):
+    assert main(["estimate", "--params", "1e6", "--config", "zero3", "--precision", "fp16"]) == 2
+    assert "--precision: given together with --config" in capsys.readouterr().err
+
+
+def test_unknown_config_spec(capsys):
+    assert main(["estimate", "--params", "1e6", "--config", "zero9"]) == 2
+    assert "neither a preset name nor an existing config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, value", [("7e9", 7e9), ("7B", 7e9), ("350m", 350e6), ("1,300", 1300), ("2.5k", 2500)])
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["estimate", "--params", "lots"])
+    assert info.value.code == 2
+    assert "'lots' is not a parameter count" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["estimate"])  # --params or --model is required
+    with pytest.raises(SystemExit):
+        main([])  # a subcommand is required
+
+
+def test_model_needs_transformers(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
+    assert main(["estimate", "--model", str(tmp_path)]) == 2
+    assert "--model: needs the transformers package" in capsys.readouterr().err
+
+
+def test_model_path_must_exist(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    assert main(["estimate", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_model_from_hugging_face_config(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    vocab, hidden, inter, layers = 100, 16, 32, 2
+    transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                             num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                             tie_word_embeddings=True).save_pretrained(tmp_path)
+    # Hand count: per layer q,k,v,o (no bias) + gate,up,down + two RMSNorms; embeddings tied to lm_head.
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden
+    expected = vocab * hidden + layers * per_layer + hidden
+    assert main(["estimate", "--model", str(tmp_path), "--stage", "3", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["num_params"] == expected == 6800
+    assert main(["estimate", "--model", str(tmp_path / "config.json"), "--stage", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["num_params"] == expected
