@@ -57,7 +57,7 @@ class Reference:
             (loss.float() * self.scale).backward()
         return loss.item()
 
-    def step(self, clip):
+    def step(self, clip, norm_type=2.0):
         norm = None
         if self.compute is not self.master:
             for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
@@ -73,7 +73,7 @@ class Reference:
                 self.sched.step()
                 return float("inf") if clip else None
         if clip:
-            norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), clip).item()
+            norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), clip, norm_type).item()
         self.opt.step()
         self.opt.zero_grad()
         self.sched.step()
@@ -93,7 +93,61 @@ class Reference:
         return sd
 
 
+class _DeferredHandle:
+    """Runs the collective only when waited on: a missing wait leaves garbage, visibly."""
+
+    def __init__(self, run):
+        self._run = run
+
+    def wait(self):
+        if self._run is not None:
+            self._run()
+            self._run = None
+
+
+def _poison_except(out, inp):
+    """NaN-fill ``out`` except where it holds the input (in-place all-gather)."""
+    if out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr():
+        out.fill_(float("nan"))
+        return
+    start = (inp.data_ptr() - out.data_ptr()) // out.element_size()
+    out[:start].fill_(float("nan"))
+    out[start + inp.numel():].fill_(float("nan"))
+
+
+@contextlib.contextmanager
+def deferred_collectives(enabled: bool):
+    if not enabled:
+        yield
+        return
+    from zero_strategy._collectives import Collectives
+    originals = {name: getattr(Collectives, name) for name in ("all_gather", "reduce_scatter")}
+
+    def wrap(name):
+        original = originals[name]
+
+        def deferred(self, out, inp, async_op=True):
+            if not async_op:
+                return original(self, out, inp, async_op=False)
+            _poison_except(out, inp)
+            return _DeferredHandle(lambda: original(self, out, inp, async_op=False))
+        return deferred
+
+    for name in originals:
+        setattr(Collectives, name, wrap(name))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(Collectives, name, fn)
+
+
 def run_case(case: dict) -> dict:
+    with deferred_collectives(case.get("defer", False)):
+        return _run_case(case)
+
+
+def _run_case(case: dict) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(1234)
     base = TinyLM(layers=case.get("layers", 3))
@@ -102,7 +156,8 @@ def run_case(case: dict) -> dict:
     opt = make_optimizer(case.get("optimizer", "adamw"), param_groups(model))
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
                         param_persistence_threshold=case.get("persistence", 0),
-                        reduce_dtype=case.get("reduce_dtype"))
+                        reduce_dtype=case.get("reduce_dtype"),
+                        gradient_clipping=case.get("clip") if case.get("clip_in_config") else None)
     model, zopt = zs.setup(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
 
@@ -119,10 +174,11 @@ def run_case(case: dict) -> dict:
                 lz = loss_fn(model(tokens), targets) / accum
                 zopt.backward(lz)
             total_zero += lz.item()
-        norm = ref.step(clip)
-        if clip:
+        norm_type = float(case.get("clip_norm_type", 2.0))
+        norm = ref.step(clip, norm_type)
+        if clip and not case.get("clip_in_config"):
             norms_ref.append(norm)
-            norms_zero.append(zopt.clip_grad_norm_(clip).item())
+            norms_zero.append(zopt.clip_grad_norm_(clip, norm_type).item())
         zopt.step()
         zopt.zero_grad()
         sched.step()

@@ -1,0 +1,54 @@
+"""Communication per step equals ZeRO theory within 1% (the rest is padding).
+
+Counted in elements of the full buffers each collective covers (the ZeRO paper's
+convention, in which DDP's all-reduce moves 2 x params):
+* stages 1-2: reduce-scatter Psi_t + all-gather Psi_t = 2 Psi_t (trainable params);
+* stage 3: forward gathers every sharded parameter, backward gathers them again
+  except the root unit's (kept gathered from forward to backward), reduce-scatter
+  Psi_t: 3 Psi_t + 2 Psi_f - Psi_root (Psi_f frozen; Psi_root params outside the
+  blocks). With no frozen and no root parameters this is the paper's 3 Psi.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _accounting import CASES, accounting
+
+
+def theory(stage: int, n: dict) -> tuple[int, int]:
+    """(reduce-scatter elements, all-gather elements) per step."""
+    if stage in (1, 2):
+        return n["trainable"], n["trainable"]
+    everything = n["trainable"] + n["frozen"]
+    return n["trainable"], 2 * everything - n["root"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage,precision", [(c["stage"], c["precision"]) for c in CASES])
+def test_elements_per_step_match_theory(world_size, stage, precision):
+    for rank, res in enumerate(accounting(world_size)[(stage, precision)]):
+        rs, ag = theory(stage, res["counts"])
+        comm = res["comm"]
+        assert comm["reduce_scatter"]["volume_elements"] == pytest.approx(rs, rel=0.01), (rank, comm)
+        assert comm["all_gather"]["volume_elements"] == pytest.approx(ag, rel=0.01), (rank, comm)
+        assert comm["reduce_scatter"]["volume_elements"] >= rs  # padding only adds
+        # what a ring sends is (N-1)/N of the volume, in the dtype actually used
+        sent = comm["reduce_scatter"]["sent_bytes"] + comm["all_gather"]["sent_bytes"]
+        vol_bytes = comm["reduce_scatter"]["volume_bytes"] + comm["all_gather"]["volume_bytes"]
+        assert sent == pytest.approx(vol_bytes * (world_size - 1) / world_size, rel=1e-3)
+
+
+@pytest.mark.multiprocess
+def test_stage3_sends_about_one_and_a_half_times_stage2():
+    n = accounting(2)[(3, "fp32")][0]
+    s2 = accounting(2)[(2, "fp32")][0]["comm"]["volume_elements"]
+    s3 = n["comm"]["volume_elements"]
+    assert 1.2 * s2 < s3 <= 1.5 * s2 * 1.01 + n["counts"]["frozen"] * 2
+
+
+@pytest.mark.multiprocess
+def test_single_rank_sends_nothing():
+    for results in accounting(1).values():
+        assert results[0]["comm"]["volume_elements"] == 0

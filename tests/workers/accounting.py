@@ -1,0 +1,58 @@
+"""Measure what the engine holds and sends, for the memory and communication tests.
+
+args["cases"]: list of {stage, precision}. Per case: two training steps of TinyLM
+with AdamW; the memory report is taken after the second backward (every kind of
+model state exists then: parameters, reduced gradients, masters, Adam moments),
+the communication counters cover the second step (forward, backward, step).
+Parameter counts come from the unsharded model, before setup.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from _worker import finish, start
+from _models import TinyLM, batch, loss_fn, param_groups
+
+import zero_strategy as zs
+
+
+def counts(model: torch.nn.Module) -> dict:
+    unique = {id(p): (n, p) for n, p in model.named_parameters()}.values()
+    return dict(
+        trainable=sum(p.numel() for _, p in unique if p.requires_grad),
+        frozen=sum(p.numel() for _, p in unique if not p.requires_grad),
+        # outside the ModuleList blocks: the root unit, kept gathered forward-to-backward in stage 3
+        root=sum(p.numel() for n, p in unique if not n.startswith("layers.")),
+    )
+
+
+def run_case(case: dict) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TinyLM(layers=case.get("layers", 4))
+    numbers = counts(model)
+    opt = torch.optim.AdamW(param_groups(model))
+    model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
+                                                     param_persistence_threshold=0))
+    report = None
+    for step in range(2):
+        tokens, targets = batch(rank, step, 0)
+        zopt.backward(loss_fn(model(tokens), targets))
+        if step == 1:
+            report = zs.memory_report(model)
+        zopt.step()
+        zopt.zero_grad()
+    return dict(case=case, counts=numbers, memory=report.by_category, comm=zs.comm_stats(model))
+
+
+def main() -> None:
+    args, out = start()
+    finish(out, {"results": [run_case(c) for c in args["cases"]]})
+
+
+if __name__ == "__main__":
+    main()
