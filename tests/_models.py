@@ -38,10 +38,11 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
 
-    def forward(self, tokens):
+    def forward(self, tokens, depth: int | None = None):
+        """``depth``: run only the first ``depth`` blocks (an early exit, out of the usual order)."""
         h = self.embed(tokens)
         h = h + h @ self.frozen_mix
-        for block in self.layers:
+        for block in self.layers[:depth]:
             h = block(h)
         return self.head(self.final_norm(h))
 

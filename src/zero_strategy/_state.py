@@ -202,7 +202,6 @@ class ZeroEngine:
                 return None  # recomputation (activation checkpointing): backward still needs it
             outputs = [t for t in _tensors_in(output) if t.requires_grad]
             if torch.is_grad_enabled() and outputs:
-                unit.pending_backward += 1
                 register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit), mode="any")
             unit.release()
             return None
@@ -230,9 +229,9 @@ class ZeroEngine:
             self._prefetch(unit, self._last_forward_order, -1)
 
     def _post_backward(self, unit: Unit) -> None:
-        unit.pending_backward = max(0, unit.pending_backward - 1)
-        if unit.pending_backward == 0:
-            unit.release()
+        """The unit's backward is done. A unit called twice in one forward is gathered
+        again by the pre-backward hook of its earlier call, so releasing here is safe."""
+        unit.release()
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         self._ensure_end_of_backward_callback()

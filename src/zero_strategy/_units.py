@@ -68,8 +68,6 @@ class Unit:
         self.is_root = is_root
         self.sharded_groups = [g for g in groups if g.shard_params]
         self._gather_handles: list[tuple[FlatGroup, Handle | None]] | None = None
-        #: forward calls (with grad) whose backward has not finished yet
-        self.pending_backward = 0
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, groups={len(self.groups)}, state={self.state.value})"
@@ -108,7 +106,6 @@ class Unit:
         self.wait_gather()  # never free memory an all-gather is still writing
         for g in self.sharded_groups:
             g.release()
-        self.pending_backward = 0
 
 
 def build_units(
