@@ -9,7 +9,7 @@ Parameter counts come from the unsharded model, before setup.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,13 @@ def run_case(case: dict) -> dict:
     model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
                                                      param_persistence_threshold=0))
     report = None
+    accum = case.get("accum", 1)
     for step in range(2):
-        tokens, targets = batch(rank, step, 0)
-        zopt.backward(loss_fn(model(tokens), targets))
+        for micro in range(accum):
+            tokens, targets = batch(rank, step, micro)
+            quiet = case.get("no_sync") and micro < accum - 1
+            with zs.no_sync(model) if quiet else contextlib.nullcontext():
+                zopt.backward(loss_fn(model(tokens), targets) / accum)
         if step == 1:
             report = zs.memory_report(model)
         zopt.step()

@@ -1,0 +1,83 @@
+"""Flat buffers: layout, padding to equal shards, views, and release/gather state."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from zero_strategy._collectives import Collectives
+from zero_strategy._flat import FlatGroup, ShardState
+
+
+def make_group(shapes, world_size, rank, shard_params=False, dtype=torch.float32):
+    params = [(f"p{i}", nn.Parameter(torch.randn(*s))) for i, s in enumerate(shapes)]
+    originals = [p.detach().clone() for _, p in params]
+    g = FlatGroup("g", params, trainable=True, optimizer_group=0, shard_params=shard_params,
+                  compute_dtype=dtype, grad_dtype=dtype, rank=rank, world_size=world_size,
+                  device=torch.device("cpu"))
+    return g, params, originals
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("shapes", [[(3, 5), (7,), (1,)], [(1,)], [(4, 4), (2, 3, 2)]])
+def test_padding_gives_equal_shards_covering_everything(world_size, shapes):
+    total = sum(math.prod(s) for s in shapes)
+    for rank in range(world_size):
+        g, _, _ = make_group(shapes, world_size, rank)
+        assert g.numel == total
+        assert g.padded_numel % world_size == 0 and g.padded_numel - total < world_size
+        assert g.shard_numel * world_size == g.padded_numel
+        assert g.shard_start == rank * g.shard_numel
+
+
+def test_parameters_are_views_into_the_flat_buffer():
+    g, params, originals = make_group([(3, 5), (7,)], world_size=2, rank=0)
+    for (_, p), orig in zip(params, originals):
+        assert torch.equal(p, orig)
+        assert p.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr()
+    with torch.no_grad():
+        params[1][1].fill_(3.0)
+    assert torch.equal(g.full[15:22], torch.full((7,), 3.0))
+
+
+def test_master_shard_holds_this_ranks_slice_of_the_originals():
+    shapes = [(3, 5), (7,), (1,)]
+    for rank in range(3):
+        g, params, originals = make_group(shapes, world_size=3, rank=rank)
+        flat = torch.cat([o.reshape(-1) for o in originals] + [torch.zeros(g.padded_numel - g.numel)])
+        assert torch.equal(g.master.detach(), flat[g.shard_start:g.shard_start + g.shard_numel])
+
+
+def test_bf16_compute_keeps_fp32_master_from_the_original_values():
+    g, params, originals = make_group([(64,)], world_size=1, rank=0, dtype=torch.bfloat16)
+    assert params[0][1].dtype == torch.bfloat16
+    assert g.master.dtype == torch.float32
+    assert torch.equal(g.master.detach()[:64], originals[0])  # not rounded through bf16
+
+
+def test_stage3_release_empties_parameters_and_gather_restores_them():
+    g, params, originals = make_group([(3, 5), (7,)], world_size=1, rank=0, shard_params=True)
+    assert g.state is ShardState.SHARDED
+    assert all(p.numel() == 0 for _, p in params)
+    assert g.full.untyped_storage().nbytes() == 0
+    handle = g.begin_gather(Collectives())
+    assert handle is not None
+    handle.wait()
+    g.finish_gather()
+    assert g.state is ShardState.GATHERED
+    for (_, p), orig in zip(params, originals):
+        assert torch.equal(p, orig)
+    g.release()
+    assert g.full.untyped_storage().nbytes() == 0
+
+
+def test_gradients_move_into_the_flat_buffer_and_are_dropped():
+    g, params, _ = make_group([(2, 2), (3,)], world_size=2, rank=1)
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    for slot in g.slots:
+        g.accumulate_param_grad(slot)
+    assert all(p.grad is None for _, p in params)
+    assert torch.equal(g.full_grad[:7], torch.ones(7)) and g.full_grad[7:].abs().sum() == 0
+    assert g.grads_complete and g.has_unreduced
