@@ -48,6 +48,7 @@ class ShardState(enum.Enum):
 class ParamSlot:
     """Where one parameter's elements sit in its group's flat buffer."""
 
+    index: int
     fqn: str
     param: nn.Parameter
     shape: torch.Size
@@ -89,7 +90,7 @@ class FlatGroup:
         self.slots: list[ParamSlot] = []
         offset = 0
         for fqn, p in named_params:
-            self.slots.append(ParamSlot(fqn, p, p.shape, offset, p.numel()))
+            self.slots.append(ParamSlot(len(self.slots), fqn, p, p.shape, offset, p.numel()))
             offset += p.numel()
         self.numel = offset                                                # real elements
         self.padded_numel = max(1, math.ceil(offset / world_size)) * world_size
@@ -119,6 +120,11 @@ class FlatGroup:
         self.reduced_this_backward = False
         #: full_grad holds gradients not yet reduced (e.g. accumulated inside no_sync)
         self.has_unreduced = False
+        #: which slots of full_grad hold data since it was last consumed; the rest is
+        #: zeroed only at reduce time (saves a full memset per backward)
+        self._written = [False] * len(self.slots)
+        #: grad_shard is this rank's slice of full_grad, reduced in place (stage 1)
+        self._reduced_in_place = False
 
         self.state = ShardState.GATHERED
         self._attach_views()
@@ -179,13 +185,22 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ grads
     def accumulate_param_grad(self, slot: ParamSlot) -> None:
-        """Move ``param.grad`` into ``full_grad`` (adding) and drop it, freeing memory early."""
+        """Move ``param.grad`` into ``full_grad`` (copy or add) and drop it, freeing memory early."""
         grad = slot.param.grad
         if grad is None:
             return
+        if self._reduced_in_place:
+            raise RuntimeError(
+                "zero_strategy: a backward started after optimizer.step() without optimizer.zero_grad(); "
+                "stage 1 reduces gradients in place, so call optimizer.zero_grad() after every step")
         if self.full_grad is None:
-            self.full_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-        self.full_grad[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+            self.full_grad = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        view = self.full_grad[slot.offset:slot.offset + slot.numel]
+        if self._written[slot.index]:
+            view.add_(grad.reshape(-1))
+        else:
+            view.copy_(grad.reshape(-1))
+            self._written[slot.index] = True
         slot.param.grad = None
         self.grads_this_backward += 1
         self.has_unreduced = True
@@ -194,29 +209,43 @@ class FlatGroup:
     def grads_complete(self) -> bool:
         return self.grads_this_backward >= len(self.slots)
 
-    def begin_reduce(self, comm: Collectives) -> tuple[Handle, torch.Tensor, torch.Tensor]:
-        """Average ``full_grad`` over ranks into this rank's slice. Returns (handle, out, full)."""
+    def begin_reduce(self, comm: Collectives, in_place: bool) -> tuple[Handle, torch.Tensor]:
+        """Start summing ``full_grad`` over ranks into this rank's slice; ``finish_reduce`` averages.
+
+        ``in_place``: the slice is reduced into ``full_grad`` itself (stage 1, whose full
+        buffer persists anyway), so stepping needs no extra gradient memory.
+        """
         if self.full_grad is None:  # unused on this backward: contribute zeros, stay in lock-step
             self.full_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        else:
+            for s in self.slots:
+                if not self._written[s.index]:
+                    self.full_grad[s.offset:s.offset + s.numel].zero_()
+            self.full_grad[self.numel:].zero_()
         full = self.full_grad
-        if comm.world_size > 1:
-            full.div_(comm.world_size)  # pre-divide like DDP: average, and no fp16 overflow in the sum
-        out = torch.empty(self.shard_numel, dtype=self.grad_dtype, device=self.device)
+        if comm.world_size > 1 and full.dtype == torch.float16:
+            full.div_(comm.world_size)  # fp16: divide before summing so the sum cannot overflow
+        out = self.own(full) if in_place else torch.empty(self.shard_numel, dtype=self.grad_dtype,
+                                                          device=self.device)
         handle = comm.reduce_scatter(out, full, async_op=True)
         self.reduced_this_backward = True
         self.has_unreduced = False
-        return handle, out, full
+        return handle, out
 
-    def finish_reduce(self, out: torch.Tensor, keep_full: bool) -> None:
-        """Accumulate the reduced slice into ``grad_shard``; zero or free ``full_grad``."""
+    def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
+        """Average the reduced slice into ``grad_shard``; free ``full_grad`` unless it persists."""
+        if comm.world_size > 1 and out.dtype != torch.float16:
+            out.div_(comm.world_size)  # on the shard: 1/N of the work of dividing the full buffer
+        self._written = [False] * len(self.slots)
+        if in_place:
+            self.grad_shard = out
+            self._reduced_in_place = True
+            return
         if self.grad_shard is None:
             self.grad_shard = out
         else:
             self.grad_shard.add_(out)
-        if keep_full:
-            self.full_grad.zero_()
-        else:
-            self.full_grad = None
+        self.full_grad = None
 
     def reset_backward_counters(self) -> None:
         self.grads_this_backward = 0
@@ -224,11 +253,10 @@ class FlatGroup:
 
     def zero_grad(self, keep_full: bool) -> None:
         self.grad_shard = None
-        if self.full_grad is not None:
-            if keep_full:
-                self.full_grad.zero_()
-            else:
-                self.full_grad = None
+        self._reduced_in_place = False
+        self._written = [False] * len(self.slots)
+        if not keep_full:
+            self.full_grad = None
         self.has_unreduced = False
         if self.master is not None:
             self.master.grad = None

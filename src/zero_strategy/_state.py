@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -96,6 +97,7 @@ class ZeroEngine:
         self.device = _single_device(model)
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.gradient_reduce_dtype
+        self._optimizer_group_of = optimizer_group_of
         self.units: list[Unit] = build_units(
             model, plan=self.plan, unit_classes=tuple(config.unit_classes),
             persistence_threshold=config.param_persistence_threshold,
@@ -117,6 +119,7 @@ class ZeroEngine:
         self._last_forward_order: list[Unit] = []
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
+        self.optimizer_ref = None  # weakref to the ZeroOptimizer stepping this engine's masters
         self._register_hooks()
 
     # ------------------------------------------------------------- registration
@@ -131,14 +134,24 @@ class ZeroEngine:
                     self._handles.append(unit.module.register_forward_hook(
                         self._make_unit_post_forward(unit), with_kwargs=True))
         dropped = []
+        # [Note: weak self in tensor hooks] tensor hooks live in C++, where Python's
+        # garbage collector cannot see the cycle parameter -> hook -> engine -> parameter;
+        # a strong reference here would keep every set-up model alive forever.
+        engine_ref = weakref.ref(self)
+
+        def on_grad(param, engine_ref=engine_ref):
+            engine = engine_ref()
+            if engine is not None:
+                engine._on_grad_accumulated(param)
+
         for g in self.groups:
             for s in g.slots:
                 if g.trainable:
-                    self._handles.append(s.param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                    self._handles.append(s.param.register_post_accumulate_grad_hook(on_grad))
                 elif s.param.requires_grad:
                     dropped.append(s.fqn)
                     self._handles.append(s.param.register_post_accumulate_grad_hook(_drop_grad))
-        if dropped:
+        if dropped and self._optimizer_group_of:  # without any optimizer (inference) nothing is surprising
             warnings.warn(
                 f"{len(dropped)} parameter(s) require grad but are in no optimizer param group "
                 f"(e.g. {dropped[:3]}); they are treated as frozen and their gradients dropped. "
@@ -174,11 +187,12 @@ class ZeroEngine:
 
     def _make_unit_pre_forward(self, unit: Unit):
         def hook(module, args, kwargs):
-            unit.gather(self.comm)
+            unit.begin_gather(self.comm)  # usually already started by the previous unit's prefetch
             if not _in_backward():
                 if unit not in self._forward_order:
                     self._forward_order.append(unit)
                 self._prefetch(unit, self._last_forward_order, +1)
+            unit.wait_gather()
             if not torch.is_grad_enabled():
                 return None
             flat = _tensors_in((args, kwargs))
@@ -225,8 +239,9 @@ class ZeroEngine:
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
         with torch.profiler.record_function(f"zero::pre_backward::{unit.name}"):
-            unit.gather(self.comm)
+            unit.begin_gather(self.comm)
             self._prefetch(unit, self._last_forward_order, -1)
+            unit.wait_gather()
 
     def _post_backward(self, unit: Unit) -> None:
         """The unit's backward is done. A unit called twice in one forward is gathered
@@ -246,7 +261,7 @@ class ZeroEngine:
 
     def _launch_reduce(self, group: FlatGroup) -> None:
         with torch.profiler.record_function(f"zero::reduce::{group.name}"):
-            handle, out, _ = group.begin_reduce(self.comm)
+            handle, out = group.begin_reduce(self.comm, in_place=self.plan.keeps_full_gradients)
         self._pending_reduces.append((group, handle, out))
         while len(self._pending_reduces) > _MAX_REDUCES_IN_FLIGHT:
             self._finish_one_reduce()
@@ -254,7 +269,7 @@ class ZeroEngine:
     def _finish_one_reduce(self) -> None:
         group, handle, out = self._pending_reduces.pop(0)
         handle.wait()
-        group.finish_reduce(out, keep_full=self.plan.keeps_full_gradients)
+        group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
 
     def wait_reduces(self) -> None:
         while self._pending_reduces:
@@ -287,7 +302,8 @@ class ZeroEngine:
         """Make every grad_shard final before clipping or stepping (stage 1 reduces here)."""
         self.wait_reduces()
         for g in self.trainable_groups:
-            if self.plan.keeps_full_gradients or g.has_unreduced:
+            # stage 1 reduces every group once per step (zeros for an unused one, in lock-step)
+            if g.has_unreduced or (self.plan.keeps_full_gradients and g.grad_shard is None):
                 self._launch_reduce(g)
         self.wait_reduces()
         for g in self.groups:

@@ -27,8 +27,17 @@ from ._optimizer import ZeroOptimizer, check_elementwise
 from ._state import ZeroEngine
 from .config import ZeroConfig
 
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
-_OPTIMIZERS: "weakref.WeakKeyDictionary[nn.Module, ZeroOptimizer]" = weakref.WeakKeyDictionary()
+# [Note: engine lookup without keeping models alive]
+# id(model) -> engine, weakly: the model's own hooks keep its engine alive, so both
+# are collected together once the user drops the model. (A WeakKeyDictionary would
+# not do: its value, the engine, refers to the key, the model.) The engine holds
+# the ZeroOptimizer only weakly for the same reason.
+_ENGINES: "weakref.WeakValueDictionary[int, ZeroEngine]" = weakref.WeakValueDictionary()
+
+
+def _lookup(model: nn.Module) -> ZeroEngine | None:
+    engine = _ENGINES.get(id(model))
+    return engine if engine is not None and engine.model is model else None
 
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -45,7 +54,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     optimizer is given (inference / frozen models).
     """
     cfg = ZeroConfig.load(config) if config is not None else ZeroConfig()
-    if model in _ENGINES:
+    if _lookup(model) is not None:
         raise ValueError("zero_strategy.setup: this model is already set up; call setup once per model "
                          "(call zero_strategy.teardown(model) first to start over)")
     _refuse_unavailable(cfg)
@@ -55,10 +64,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizer)
     engine = ZeroEngine(model, cfg, comm, group_of)
-    _ENGINES[model] = engine
+    _ENGINES[id(model)] = engine
     zero_opt = ZeroOptimizer(optimizer, engine) if optimizer is not None else None
-    if zero_opt is not None:
-        _OPTIMIZERS[model] = zero_opt
+    engine.optimizer_ref = weakref.ref(zero_opt) if zero_opt is not None else None
     return model, zero_opt
 
 
@@ -96,10 +104,10 @@ def _sync_module_states(model: nn.Module, comm: Collectives) -> None:
 
 
 def engine_of(model: nn.Module) -> ZeroEngine:
-    try:
-        return _ENGINES[model]
-    except KeyError:
-        raise ValueError("this model was not set up with zero_strategy.setup(model, optimizer, config)") from None
+    engine = _lookup(model)
+    if engine is None:
+        raise ValueError("this model was not set up with zero_strategy.setup(model, optimizer, config)")
+    return engine
 
 
 def teardown(model: nn.Module) -> None:
@@ -107,12 +115,11 @@ def teardown(model: nn.Module) -> None:
     engine = engine_of(model)
     full = full_state_dict(model)
     engine.remove_hooks()
-    del _ENGINES[model]
-    _OPTIMIZERS.pop(model, None)
+    _ENGINES.pop(id(model), None)
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
-                p.data = full[name].to(p.dtype if p.numel() else engine.compute_dtype).clone()
+                p.data = full[name].to(engine.compute_dtype)
 
 
 def no_sync(model: nn.Module):
@@ -126,7 +133,8 @@ def no_sync(model: nn.Module):
 
 def memory_report(model: nn.Module) -> MemoryReport:
     """Model-state bytes this rank holds now (params, grads, master, optimizer state)."""
-    return measure(engine_of(model), _OPTIMIZERS.get(model))
+    engine = engine_of(model)
+    return measure(engine, engine.optimizer_ref() if engine.optimizer_ref is not None else None)
 
 
 def comm_stats(model: nn.Module) -> dict:

@@ -1,0 +1,42 @@
+"""A set-up model is freed like any other once the user drops it; teardown undoes setup."""
+
+import gc
+import weakref
+
+import torch
+
+import zero_strategy as zs
+from _models import TinyLM, batch, loss_fn
+
+
+def train_one_step(model, zopt):
+    tokens, targets = batch(0, 0, 0)
+    loss_fn(model(tokens), targets).backward()
+    zopt.step()
+    zopt.zero_grad()
+
+
+def test_dropped_model_and_optimizer_are_collected():
+    model = TinyLM(layers=2)
+    model, zopt = zs.setup(model, torch.optim.AdamW(model.parameters()), "zero3")
+    train_one_step(model, zopt)
+    model_ref, engine_ref = weakref.ref(model), weakref.ref(zs.engine_of(model))
+    del model, zopt
+    gc.collect()
+    assert model_ref() is None and engine_ref() is None
+
+
+def test_teardown_leaves_a_plain_module_with_the_trained_weights():
+    model = TinyLM(layers=2)
+    model, zopt = zs.setup(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                           "zero3")
+    train_one_step(model, zopt)
+    trained = zs.full_state_dict(model)
+    zs.teardown(model)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, trained[name]), name
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    tokens, _ = batch(0, 1, 0)
+    model(tokens).sum().backward()  # plain autograd again: gradients land on the parameters
+    assert model.layers[0].fc1.weight.grad is not None
+    zs.setup(model, None, "zero2")  # and it can be set up again
