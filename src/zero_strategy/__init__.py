@@ -26,6 +26,8 @@ from .api import (
     setup,
     teardown,
 )
+from . import checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 __version__ = "0.1.0"
 
@@ -34,4 +36,5 @@ __all__ = [
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
     "comm_stats", "engine_of", "full_state_dict", "gathered_parameters", "memory_report",
     "no_sync", "setup", "teardown", "__version__",
+    "checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint",
 ]

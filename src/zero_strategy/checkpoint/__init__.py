@@ -1,0 +1,29 @@
+"""Sharded checkpoints: save on N ranks, load on any number of ranks and any stage, consolidate.
+
+``save_checkpoint(path, model, optimizer, extra_state)`` writes a directory with one
+safetensors file per rank (its master/frozen shards and elementwise optimizer
+state), ``buffers.safetensors`` and ``metadata.json`` (format version, per-parameter
+layout by fully qualified name, optimizer class, hyperparameters and scalar state,
+loss scale, per-file sha256). ``load_checkpoint`` re-shards by name onto the running
+world size and stage; ``consolidate`` streams a full state dict out in one process.
+See ``_layout.py`` for the on-disk layout and ``_save.py`` for atomic replacement.
+
+[Note: why not torch.distributed.checkpoint]
+DCP would give us planning and storage writers, but not what this feature is for:
+it has no per-file checksums (we refuse truncated/corrupted shards by name), no
+atomic replacement of a previous checkpoint directory, and resharding our flat,
+padded 1-D shards across stages and world sizes would need each shard wrapped as a
+DTensor/ShardedTensor with a per-parameter view that does not exist in the flat
+buffer (a parameter can span shards; a shard holds several parameters). Its
+consolidation (``dcp_to_torch_save``) loads the whole model into memory. Our
+layout is a small JSON table plus plain safetensors files that any tool can read,
+and both re-sharding and streaming consolidation are a few lines over it.
+"""
+
+from ._consolidate import consolidate, parse_size
+from ._layout import FORMAT_VERSION, CheckpointError
+from ._load import load_checkpoint, load_metadata
+from ._save import save_checkpoint
+
+__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError", "FORMAT_VERSION",
+           "load_metadata", "parse_size"]

@@ -1,0 +1,269 @@
+"""What a checkpoint holds and where each element sits: the metadata, by fully qualified name.
+
+[Note: the on-disk layout]
+A checkpoint is a directory::
+
+    metadata.json                       written last: its presence marks a complete checkpoint
+    rank00000-of-00002.safetensors      rank 0's shards (one file per rank)
+    rank00001-of-00002.safetensors
+    buffers.safetensors                 module buffers (rank 0)
+    extra_state.pt                      user state that is not JSON (rank 0; optional)
+
+A rank file holds, for flat group ``i`` of the saving run, 1-D tensors of
+``shard_numel`` elements: ``g{i}.master`` (fp32 master shard, trainable groups) or
+``g{i}.frozen`` (the parameter shard in the compute dtype, frozen groups), and
+``g{i}.state.<key>`` for every elementwise optimizer-state tensor (Adam's
+``exp_avg``...). Scalar optimizer state (Adam's ``step``) is the same on every rank
+and lives in the metadata.
+
+Each parameter is recorded by its fully qualified name with its group and offset
+in that group's flat buffer; with the group's ``shard_numel`` this says which rank
+file holds any element: flat element ``e`` of group ``g`` is element
+``e % shard_numel`` of rank ``e // shard_numel``'s ``g{g}.*`` tensors. This is all
+a reader needs to re-shard onto any world size, stage or grouping, one parameter
+slice at a time. Nothing here depends on where the engine keeps its tensors
+(device, CPU offload, NVMe): savers read shards through host copies.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT_NAME = "zero_strategy.checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+BUFFERS_FILE = "buffers.safetensors"
+EXTRA_STATE_FILE = "extra_state.pt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written, read or consolidated; the message names the cause."""
+
+
+def rank_file_name(rank: int, world_size: int) -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unsupported dtype {name!r} in checkpoint metadata") from None
+
+
+@dataclass
+class GroupLayout:
+    """One flat group of the saving run."""
+
+    index: int
+    name: str
+    trainable: bool
+    optimizer_group: int | None
+    shard_params: bool
+    dtype: str                 # dtype of the stored weight shard (float32 for masters)
+    numel: int                 # real elements
+    padded_numel: int
+    shard_numel: int
+    world_size: int
+    #: elementwise optimizer-state tensors: key -> dtype name (stored as g{i}.state.<key>)
+    state_tensors: dict[str, str] = field(default_factory=dict)
+    #: scalar optimizer state: key -> {"value", "tensor", "dtype", "on_param_device"}
+    state_scalars: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def weight_tensor(self) -> str:
+        return f"g{self.index}.{'master' if self.trainable else 'frozen'}"
+
+    def state_tensor(self, key: str) -> str:
+        return f"g{self.index}.state.{key}"
+
+
+@dataclass
+class ParamLayout:
+    """Where one parameter's elements sit: ``numel`` elements from ``offset`` of group ``group``."""
+
+    fqn: str
+    names: list[str]           # every name it is registered under (tied parameters: several)
+    shape: list[int]
+    group: int
+    offset: int
+    numel: int
+
+
+@dataclass
+class FileRecord:
+    name: str
+    sha256: str
+    bytes: int
+    rank: int | None = None
+
+
+@dataclass
+class Metadata:
+    world_size: int
+    stage: int
+    precision: str
+    groups: list[GroupLayout]
+    params: dict[str, ParamLayout]
+    #: model.state_dict() keys in order: [key, "param", fqn] or [key, "buffer", key]
+    state_dict_keys: list[list[str]]
+    files: list[FileRecord]
+    optimizer: dict | None = None      # {"class", "module", "param_groups"}
+    loss_scaler: dict | None = None
+    extra_state: dict | None = None    # {"kind": "json", "value": ...} | {"kind": "torch", "file": ...}
+    format: str = FORMAT_NAME
+    version: int = FORMAT_VERSION
+    zero_strategy_version: str = ""
+
+    # ------------------------------------------------------------ (de)serialize
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "Metadata":
+        if d.get("format") != FORMAT_NAME:
+            raise CheckpointError(f"{where} is not a zero_strategy checkpoint (format {d.get('format')!r})")
+        if d.get("version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: unknown checkpoint format version {d.get('version')!r}; this zero_strategy "
+                f"reads version {FORMAT_VERSION} (upgrade zero_strategy to read newer checkpoints)")
+        d = dict(d)
+        d["groups"] = [GroupLayout(**g) for g in d["groups"]]
+        d["params"] = {k: ParamLayout(**p) for k, p in d["params"].items()}
+        d["files"] = [FileRecord(**f) for f in d["files"]]
+        return cls(**d)
+
+    # ----------------------------------------------------------------- queries
+    def file(self, name: str) -> FileRecord:
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise CheckpointError(f"checkpoint metadata lists no file {name!r}")
+
+    def rank_file(self, rank: int) -> str:
+        return rank_file_name(rank, self.world_size)
+
+    def alias_map(self) -> dict[str, str]:
+        """Every registered parameter name -> the fqn its layout is recorded under."""
+        return {name: fqn for fqn, p in self.params.items() for name in p.names}
+
+    def buffer_keys(self) -> list[str]:
+        return [k for k, kind, _ in self.state_dict_keys if kind == "buffer"]
+
+    def pieces(self, fqn: str, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """Elements [lo, hi) of parameter ``fqn`` as (rank, start, stop, dst): rank file ``rank``
+        holds them at [start, stop) of its group tensors; they go to [dst, dst + stop - start)."""
+        p = self.params[fqn]
+        s = self.groups[p.group].shard_numel
+        first, last = p.offset + lo, p.offset + hi
+        out = []
+        for k in range(first // s, (last - 1) // s + 1):
+            a, b = max(first, k * s), min(last, (k + 1) * s)
+            out.append((k, a - k * s, b - k * s, a - first))
+        return out
+
+
+def read_metadata(ckpt_dir: Path) -> Metadata:
+    path = ckpt_dir / METADATA_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir} is not a zero_strategy checkpoint: it has no {METADATA_FILE} "
+                              "(an interrupted save never leaves one)")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is unreadable or corrupted: {err}") from None
+    return Metadata.from_dict(d, str(ckpt_dir))
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    try:
+        d = json.loads((path / METADATA_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(d, dict) and d.get("format") == FORMAT_NAME
+
+
+# ------------------------------------------------------- engine -> layout
+def param_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it is registered under, in registration order."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def describe_groups(engine) -> list[GroupLayout]:
+    """The saving run's flat groups (without optimizer state), from the engine's public attributes."""
+    out = []
+    for i, g in enumerate(engine.groups):
+        stored = g.master.dtype if g.trainable else g.param_shard.dtype
+        out.append(GroupLayout(
+            index=i, name=g.name, trainable=bool(g.trainable), optimizer_group=g.optimizer_group,
+            shard_params=bool(g.shard_params), dtype=dtype_name(stored), numel=int(g.numel),
+            padded_numel=int(g.padded_numel), shard_numel=int(g.shard_numel),
+            world_size=int(engine.comm.world_size)))
+    return out
+
+
+def describe_params(engine, model: torch.nn.Module) -> dict[str, ParamLayout]:
+    names = param_names(model)
+    out: dict[str, ParamLayout] = {}
+    for i, g in enumerate(engine.groups):
+        for s in g.slots:
+            out[s.fqn] = ParamLayout(fqn=s.fqn, names=names.get(id(s.param), [s.fqn]), shape=list(s.shape),
+                                     group=i, offset=int(s.offset), numel=int(s.numel))
+    return out
+
+
+def resolve_zero_optimizer(engine, optimizer):
+    """Accept the ZeroOptimizer from ``setup`` or the user's optimizer it re-homed; None stays None."""
+    if optimizer is None:
+        return None
+    from .._optimizer import ZeroOptimizer
+
+    if isinstance(optimizer, ZeroOptimizer):
+        if optimizer.engine is not engine:
+            raise CheckpointError("the optimizer was set up with a different model than the one given")
+        return optimizer
+    zopt = engine.optimizer_ref() if engine.optimizer_ref is not None else None
+    if zopt is not None and zopt.optimizer is optimizer:
+        return zopt
+    raise CheckpointError("optimizer: pass the optimizer returned by zero_strategy.setup(model, optimizer) "
+                          "for this model")
+
+
+def jsonable(value: Any) -> Any:
+    """Hyperparameter values as JSON (tensors as numbers, tuples as lists); ``_SKIP`` if impossible."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else _SKIP
+    if isinstance(value, (list, tuple)):
+        items = [jsonable(v) for v in value]
+        return _SKIP if any(v is _SKIP for v in items) else items
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return _SKIP
+
+
+class _Skip:
+    def __repr__(self) -> str:
+        return "<not JSON>"
+
+
+_SKIP = _Skip()
+SKIP = _SKIP

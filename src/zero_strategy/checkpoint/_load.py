@@ -1,0 +1,281 @@
+"""Load a checkpoint into a set-up model on any world size and any stage.
+
+[Note: re-sharding by name]
+The running model's flat groups need not match the saved ones (other world size,
+stage, persistence threshold or frozen set). For each running group, each rank
+walks the slots intersecting its own shard, looks the parameter up by name in the
+checkpoint layout, and reads just the elements it owns from the one or more saved
+rank files that hold them (``safe_open(...).get_slice(name)[a:b]``): memory stays
+at one shard, and no rank reads what it does not keep. Master shards, frozen
+shards and elementwise optimizer state all move this way; scalar optimizer state
+(``step``) and hyperparameters come from the metadata. Afterwards the compute-dtype
+parameters are rebuilt from the masters exactly as after an optimizer step (copy
+into the parameter shard, all-gather where parameters are replicated).
+
+Every file a rank reads is first checked against the sha256 in the metadata. All
+local work (checks, reads) happens before the first collective, and its errors are
+agreed on across ranks, so a bad file raises on every rank instead of hanging some.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..api import engine_of
+from ._layout import (BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata,
+                      resolve_zero_optimizer)
+from ._safetensors_stream import verify_file
+from ._sync import agree, describe
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path``, or the previous checkpoint a save interrupted between its two renames left beside it."""
+    path = Path(path).absolute()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is a file, not a zero_strategy checkpoint directory")
+        return path
+    olds = [p for p in path.parent.glob(f"{path.name}.old-*") if (p / "metadata.json").is_file()]
+    if not olds:
+        raise CheckpointError(f"no checkpoint at {path}")
+    newest = max(olds, key=lambda p: (p / "metadata.json").stat().st_mtime)
+    warnings.warn(f"{path} is missing but {newest.name} beside it is a complete checkpoint left by an "
+                  "interrupted save; loading that one", stacklevel=3)
+    return newest
+
+
+class _Reader:
+    """Verified, lazily opened saved files; reads element ranges of their tensors."""
+
+    def __init__(self, ckpt_dir: Path, meta: Metadata):
+        self.dir, self.meta = ckpt_dir, meta
+        self._open: dict[str, Any] = {}
+
+    def handle(self, name: str):
+        if name not in self._open:
+            from safetensors import safe_open
+
+            rec = self.meta.file(name)
+            verify_file(self.dir / name, rec.sha256, rec.bytes)
+            try:
+                self._open[name] = safe_open(str(self.dir / name), framework="pt")
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+                raise CheckpointError(f"checkpoint file {self.dir / name} is unreadable: {err}") from None
+        return self._open[name]
+
+    def fill(self, dst: torch.Tensor, fqn: str, lo: int, hi: int, tensor_of) -> None:
+        """dst[0:hi-lo] <- elements [lo, hi) of parameter ``fqn``; ``tensor_of(group)`` names the tensor."""
+        group = self.meta.groups[self.meta.params[fqn].group]
+        for rank, a, b, at in self.meta.pieces(fqn, lo, hi):
+            piece = self.handle(self.meta.rank_file(rank)).get_slice(tensor_of(group))[a:b]
+            dst[at:at + b - a].copy_(piece)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, strict: bool = True) -> Any:
+    """Load a checkpoint saved by :func:`save_checkpoint` into a set-up model; return ``extra_state``.
+
+    Works on any world size and stage. Every rank must call it. ``optimizer``: the one
+    ``setup`` returned, to restore its state, hyperparameters and the loss scale (None:
+    weights only). ``strict=False`` tolerates parameters or buffers missing on either
+    side (with a warning) instead of raising.
+    """
+    engine = engine_of(model)
+    comm = engine.comm
+    zopt = resolve_zero_optimizer(engine, optimizer)
+    error, meta, extra, reader = None, None, None, None
+    try:
+        ckpt_dir = resolve_checkpoint_dir(path)
+        meta = read_metadata(ckpt_dir)
+        _check_compatible(meta, model, engine, zopt, strict, ckpt_dir)
+        reader = _Reader(ckpt_dir, meta)
+        _load_shards(reader, model, engine, zopt)
+        _load_buffers(reader, model, engine)
+        extra = _extra_state(reader, meta)
+    except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
+        error = f"cannot load checkpoint {path}: {describe(err)}"
+    finally:
+        if reader is not None:
+            reader.close()
+    agree(comm, error)
+    _publish(engine)
+    if zopt is not None:
+        _load_hyperparameters(meta, zopt)
+        if meta.loss_scaler is not None and zopt.scaler.enabled:
+            zopt.scaler.load_state_dict(meta.loss_scaler)
+    return extra
+
+
+# ------------------------------------------------------------------ checks
+def _model_names(model, engine) -> tuple[dict[int, list[str]], list[str]]:
+    from ._layout import param_names
+
+    names = param_names(model)
+    managed = {id(s.param) for g in engine.groups for s in g.slots}
+    buffers = [k for k, t in model.state_dict(keep_vars=True).items() if id(t) not in managed]
+    return {pid: n for pid, n in names.items() if pid in managed}, buffers
+
+
+def _check_compatible(meta: Metadata, model, engine, zopt, strict: bool, ckpt_dir: Path) -> None:
+    names, buffers = _model_names(model, engine)
+    alias = meta.alias_map()
+    model_keys = {n for ns in names.values() for n in ns} | set(buffers)
+    ckpt_keys = set(alias) | set(meta.buffer_keys())
+    missing, unexpected = sorted(model_keys - ckpt_keys), sorted(ckpt_keys - model_keys)
+    mismatched = []
+    for g in engine.groups:
+        for s in g.slots:
+            fqn = next((alias[n] for n in names[id(s.param)] if n in alias), None)
+            if fqn is not None and list(meta.params[fqn].shape) != list(s.shape):
+                mismatched.append(f"{s.fqn}: checkpoint {tuple(meta.params[fqn].shape)}, model {tuple(s.shape)}")
+    if mismatched:
+        raise CheckpointError(f"{ckpt_dir}: parameter shapes differ: {mismatched}")
+    if missing or unexpected:
+        msg = (f"{ckpt_dir} does not match the model: missing from the checkpoint: {missing or 'none'}; "
+               f"in the checkpoint but not in the model: {unexpected or 'none'}")
+        if strict:
+            raise CheckpointError(msg + " (strict=False loads the rest)")
+        warnings.warn(msg, stacklevel=4)
+    if zopt is None:
+        return
+    if meta.optimizer is None:
+        raise CheckpointError(f"{ckpt_dir} was saved without optimizer state; pass optimizer=None to load "
+                              "the model weights only (the optimizer then starts fresh)")
+    have, saved = type(zopt.optimizer).__name__, meta.optimizer["class"]
+    if have != saved:
+        raise CheckpointError(f"{ckpt_dir} holds {saved} optimizer state but the optimizer is {have}")
+    if len(meta.optimizer["param_groups"]) != len(zopt.optimizer.param_groups):
+        raise CheckpointError(f"{ckpt_dir} has {len(meta.optimizer['param_groups'])} optimizer param groups, "
+                              f"the optimizer {len(zopt.optimizer.param_groups)}")
+
+
+# ------------------------------------------------------------------ shards
+def _fqn_in_checkpoint(meta: Metadata, alias: dict[str, str], names: list[str]) -> str | None:
+    return next((alias[n] for n in names if n in alias), None)
+
+
+def _load_shards(reader: _Reader, model, engine, zopt) -> None:
+    meta = reader.meta
+    names, _ = _model_names(model, engine)
+    alias = meta.alias_map()
+    for g in engine.groups:
+        target = g.master.data if g.trainable else g.param_shard
+        for s, lo, hi in g.slot_ranges_in_shard():
+            fqn = _fqn_in_checkpoint(meta, alias, names[id(s.param)])
+            if fqn is None:
+                continue  # missing: allowed by strict=False, keeps its current value
+            dst = target[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
+            reader.fill(dst, fqn, lo, hi, lambda grp: grp.weight_tensor)
+        if zopt is not None and g.trainable:
+            _load_optimizer_state(reader, g, zopt, names, alias)
+
+
+def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
+    """Rebuild ``optimizer.state[master]`` for one running group from the saved groups of its slots."""
+    meta = reader.meta
+    sources = [(s, _fqn_in_checkpoint(meta, alias, names[id(s.param)])) for s in g.slots]
+    sources = [(s, fqn) for s, fqn in sources if fqn is not None]
+    zopt.optimizer.state.pop(g.master, None)
+    if not sources:
+        return
+    saved = [meta.groups[meta.params[fqn].group] for _, fqn in sources]
+    first = saved[0]
+    for grp, (s, fqn) in zip(saved, sources):
+        if not grp.trainable:
+            raise CheckpointError(f"{s.fqn} is trainable here but was frozen in the checkpoint: it has no "
+                                  "optimizer state (load with optimizer=None, or freeze it again)")
+        if grp.state_tensors != first.state_tensors or set(grp.state_scalars) != set(first.state_scalars):
+            raise CheckpointError(f"{s.fqn} and {sources[0][0].fqn} share a group here but their saved "
+                                  "optimizer state has different entries")
+    if not first.state_tensors and not first.state_scalars:
+        return  # saved before the first step
+    state: dict[str, Any] = {}
+    device = g.master.device
+    for key, dname in first.state_tensors.items():
+        t = torch.zeros(g.shard_numel, dtype=dtype_from_name(dname), device=device)
+        for s, lo, hi in g.slot_ranges_in_shard():
+            fqn = _fqn_in_checkpoint(meta, alias, names[id(s.param)])
+            if fqn is not None:
+                dst = t[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
+                reader.fill(dst, fqn, lo, hi, lambda grp, key=key: grp.state_tensor(key))
+        state[key] = t
+    for key, sc in first.state_scalars.items():
+        if sc["tensor"]:
+            state[key] = torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"]),
+                                      device=device if sc["on_param_device"] else "cpu").reshape(sc["shape"])
+        else:
+            state[key] = sc["value"]
+    zopt.optimizer.state[g.master] = state
+
+
+def _load_buffers(reader: _Reader, model, engine) -> None:
+    meta = reader.meta
+    saved = set(meta.buffer_keys())
+    _, buffers = _model_names(model, engine)
+    sd = model.state_dict(keep_vars=True)
+    todo = [k for k in buffers if k in saved]
+    if not todo:
+        return
+    f = reader.handle(BUFFERS_FILE)
+    for key in todo:
+        value = f.get_tensor(key)
+        target = sd[key]
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(f"buffer {key}: checkpoint shape {tuple(value.shape)}, model {tuple(target.shape)}")
+        target.data.copy_(value)
+
+
+def _extra_state(reader: _Reader, meta: Metadata) -> Any:
+    extra = meta.extra_state
+    if extra is None:
+        return None
+    if extra["kind"] == "json":
+        return extra["value"]
+    rec = meta.file(extra["file"])
+    path = reader.dir / rec.name
+    verify_file(path, rec.sha256, rec.bytes)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - pickle refusals come in several types
+        raise CheckpointError(
+            f"{path}: torch.load(weights_only=True) refused the saved extra_state ({err}); allow its types "
+            "with torch.serialization.add_safe_globals([...]) before loading") from None
+
+
+# ------------------------------------------------------------ after reading
+def _publish(engine) -> None:
+    """Compute-dtype parameters from the loaded shards, as after an optimizer step."""
+    handles = []
+    for g in engine.groups:
+        if g.trainable and not g.master_aliases_params:
+            g.param_shard.copy_(g.master.detach())
+        if not g.shard_params or g.state.value == "gathered":  # stage 3 inside gathered_parameters
+            with torch.autograd._unsafe_preserve_version_counter(g.full):
+                handles.append(engine.comm.all_gather(g.full, g.param_shard, async_op=True))
+    for h in handles:
+        h.wait()
+
+
+def _load_hyperparameters(meta: Metadata, zopt) -> None:
+    for pg, saved in zip(zopt.optimizer.param_groups, meta.optimizer["param_groups"]):
+        for key, value in saved.items():
+            current = pg.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            elif isinstance(current, tuple) and isinstance(value, list):
+                pg[key] = tuple(value)
+            else:
+                pg[key] = value
+
+
+def load_metadata(path: str | Path) -> dict:
+    """The metadata of a checkpoint as a plain dict (for tools and inspection)."""
+    return json.loads((resolve_checkpoint_dir(path) / "metadata.json").read_text())

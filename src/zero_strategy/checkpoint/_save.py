@@ -1,0 +1,245 @@
+"""Sharded, atomic save: every rank writes its own shards; rank 0 writes metadata and swaps.
+
+[Note: atomic replacement]
+1. rank 0 checks the target and broadcasts a random token; every rank writes its
+   file into ``<path>.tmp-<token>``, hashing it on the way, and fsyncs it;
+2. ranks all-gather (file, sha256, size) or their error: any error aborts on all
+   ranks and removes the temporary directory;
+3. rank 0 writes ``metadata.json`` last and fsyncs the directory, then renames an
+   existing ``path`` to ``<path>.old-<token>``, the temporary directory to ``path``,
+   fsyncs the parent and deletes the old one; the result is broadcast, so no rank
+   returns before the checkpoint is in place.
+A save killed before step 3's first rename leaves ``path`` untouched (and a
+``.tmp-`` directory without metadata, removed by the next save). Killed between the
+two renames, ``path`` is missing and the previous checkpoint sits complete at
+``<path>.old-<token>``: ``load_checkpoint(path)`` finds and loads it (with a warning).
+All ranks must see the same filesystem (as with any multi-node checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..api import engine_of
+from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
+                      GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,
+                      jsonable, rank_file_name, resolve_zero_optimizer)
+from ._safetensors_stream import StreamWriter, sha256_file
+from ._sync import agree, all_gather_object, broadcast_object, describe
+
+_rename = os.rename  # module-level so tests can interrupt a save between the renames
+
+
+@torch.no_grad()
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=None,
+                    extra_state: Any = None) -> None:
+    """Save ``model`` (and ``optimizer``'s state) as a sharded checkpoint directory at ``path``.
+
+    Every rank must call it. ``optimizer``: the one ``setup`` returned (or None for
+    weights only). ``extra_state``: anything of yours to resume with (step counter,
+    scheduler or data-loader state); JSON-able values go into the metadata, others
+    into ``extra_state.pt`` (torch.save). An existing checkpoint at ``path`` is
+    replaced atomically; any other existing file or directory there is refused.
+    """
+    engine = engine_of(model)
+    comm = engine.comm
+    zopt = resolve_zero_optimizer(engine, optimizer)
+    path = Path(path).absolute()
+    decision: tuple[str, str] | None = None
+    if comm.rank == 0:
+        try:
+            _check_target(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            token = secrets.token_hex(6)
+            (path.parent / f"{path.name}.tmp-{token}").mkdir()
+            decision = ("ok", token)
+        except (OSError, CheckpointError) as err:
+            decision = ("error", describe(err))
+    kind, value = broadcast_object(comm, decision)
+    if kind == "error":
+        raise CheckpointError(value)
+    token = value
+    tmp = path.parent / f"{path.name}.tmp-{token}"
+
+    groups = describe_groups(engine)
+    records: list[FileRecord] = []
+    error = None
+    try:
+        records.append(_write_rank_file(tmp, engine, zopt, groups))
+        if comm.rank == 0:
+            records.append(_write_buffers(tmp, model, engine))
+            extra_meta, extra_record = _write_extra_state(tmp, extra_state)
+            if extra_record is not None:
+                records.append(extra_record)
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        error = f"rank {comm.rank} could not write its checkpoint file in {tmp}: {describe(err)}"
+    gathered = all_gather_object(comm, (records, error))
+    errors = [e for _, e in gathered if e]
+    if errors:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError("; ".join(errors))
+
+    error = None
+    if comm.rank == 0:
+        try:
+            files = [r for recs, _ in gathered for r in recs]
+            meta = _metadata(model, engine, zopt, groups, files, extra_meta)
+            _write_metadata(tmp, meta)
+            _swap_into_place(tmp, path, token)
+        except Exception as err:  # noqa: BLE001
+            error = f"rank 0 could not finish the checkpoint at {path}: {describe(err)}"
+    agree(comm, error if comm.rank == 0 else None)
+
+
+# ------------------------------------------------------------------ targets
+def _check_target(path: Path) -> None:
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise CheckpointError(f"{path} exists and is not a checkpoint directory; refusing to replace it "
+                              "(choose another path or remove it)")
+    if path.is_dir() and not is_checkpoint_dir(path):
+        raise CheckpointError(f"{path} exists and is not a zero_strategy checkpoint (no valid "
+                              f"{METADATA_FILE}); refusing to replace it (choose another path or remove it)")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(tmp: Path, path: Path, token: str) -> None:
+    _fsync_dir(tmp)
+    old = None
+    if path.exists():
+        old = path.parent / f"{path.name}.old-{token}"
+        _rename(path, old)
+    _rename(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in path.parent.glob(f"{path.name}.tmp-*"):  # left by killed saves
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in path.parent.glob(f"{path.name}.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ files
+def _optimizer_state(zopt, g, layout: GroupLayout) -> list[tuple[str, torch.Tensor]]:
+    """Split one master's optimizer state: elementwise tensors (returned) and scalars (into layout)."""
+    if zopt is None or not g.trainable:
+        return []
+    tensors = []
+    for key, v in sorted(zopt.optimizer.state.get(g.master, {}).items()):
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == g.shard_numel:
+            layout.state_tensors[key] = dtype_name(v.dtype)
+            tensors.append((key, v))
+        elif isinstance(v, torch.Tensor) and v.numel() == 1:
+            layout.state_scalars[key] = {"value": v.item(), "tensor": True, "dtype": dtype_name(v.dtype),
+                                         "shape": list(v.shape), "on_param_device": v.device == g.master.device}
+        elif v is None or isinstance(v, (bool, int, float)):
+            layout.state_scalars[key] = {"value": v, "tensor": False}
+        else:
+            raise CheckpointError(
+                f"optimizer state {key!r} of group {g.name} is neither elementwise (a tensor of the master "
+                f"shard's {g.shard_numel} elements) nor a scalar: {type(v).__name__}"
+                f"{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}; cannot shard it")
+    return tensors
+
+
+def _write_rank_file(tmp: Path, engine, zopt, groups: list[GroupLayout]) -> FileRecord:
+    entries: list[tuple[str, torch.Tensor]] = []
+    for layout, g in zip(groups, engine.groups):
+        weight = g.master if g.trainable else g.param_shard
+        entries.append((layout.weight_tensor, weight.detach()))
+        for key, t in _optimizer_state(zopt, g, layout):
+            entries.append((layout.state_tensor(key), t.detach()))
+    name = rank_file_name(engine.comm.rank, engine.comm.world_size)
+    specs = [(n, t.dtype, [t.numel()]) for n, t in entries]
+    with StreamWriter(tmp / name, specs, {"format": "pt"}) as w:
+        for n, t in entries:
+            w.write(n, t)
+        digest, size = w.close()
+    return FileRecord(name=name, sha256=digest, bytes=size, rank=engine.comm.rank)
+
+
+def _managed_ids(engine) -> set[int]:
+    return {id(s.param) for g in engine.groups for s in g.slots}
+
+
+def _buffers(model: torch.nn.Module, engine) -> list[tuple[str, torch.Tensor]]:
+    """state_dict entries that are not sharded parameters (buffers, non-float parameters)."""
+    managed = _managed_ids(engine)
+    out = []
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in managed:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"model.state_dict() entry {key!r} is a {type(t).__name__}, not a tensor; "
+                                  "save it through extra_state instead")
+        out.append((key, t.detach()))
+    return out
+
+
+def _write_buffers(tmp: Path, model, engine) -> FileRecord:
+    entries = _buffers(model, engine)
+    specs = [(k, t.dtype, list(t.shape)) for k, t in entries]
+    with StreamWriter(tmp / BUFFERS_FILE, specs, {"format": "pt"}) as w:
+        for k, t in entries:
+            w.write(k, t)
+        digest, size = w.close()
+    return FileRecord(name=BUFFERS_FILE, sha256=digest, bytes=size)
+
+
+def _write_extra_state(tmp: Path, extra_state: Any) -> tuple[dict | None, FileRecord | None]:
+    if extra_state is None:
+        return None, None
+    try:
+        if json.loads(json.dumps(extra_state)) == extra_state:
+            return {"kind": "json", "value": extra_state}, None
+    except (TypeError, ValueError):
+        pass
+    target = tmp / EXTRA_STATE_FILE
+    with open(target, "wb") as f:
+        torch.save(extra_state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    record = FileRecord(name=EXTRA_STATE_FILE, sha256=sha256_file(target), bytes=target.stat().st_size)
+    return {"kind": "torch", "file": EXTRA_STATE_FILE}, record
+
+
+def _metadata(model, engine, zopt, groups, files, extra_meta) -> Metadata:
+    from .. import __version__
+
+    managed = {id(s.param): s.fqn for g in engine.groups for s in g.slots}
+    keys = [[k, "param", managed[id(t)]] if id(t) in managed else [k, "buffer", k]
+            for k, t in model.state_dict(keep_vars=True).items()]
+    optimizer = None
+    if zopt is not None:
+        opt = zopt.optimizer
+        hyper = []
+        for pg in opt.param_groups:
+            hyper.append({k: v for k, v in ((k, jsonable(v)) for k, v in pg.items() if k != "params")
+                          if v is not SKIP})
+        optimizer = {"class": type(opt).__name__, "module": type(opt).__module__, "param_groups": hyper}
+    return Metadata(
+        world_size=engine.comm.world_size, stage=engine.plan.stage, precision=str(engine.config.precision),
+        groups=groups, params=describe_params(engine, model), state_dict_keys=keys, files=files,
+        optimizer=optimizer, loss_scaler=zopt.scaler.state_dict() if zopt is not None and zopt.scaler.enabled
+        else None, extra_state=extra_meta, zero_strategy_version=__version__)
+
+
+def _write_metadata(tmp: Path, meta: Metadata) -> None:
+    with open(tmp / METADATA_FILE, "w") as f:
+        f.write(meta.to_json())
+        f.flush()
+        os.fsync(f.fileno())
