@@ -11,6 +11,15 @@ single-tensor form for 64 MiB buffers (../shared/ANCHORS.md), so gloo gets the l
 form and everything else (NCCL) the single-tensor form. Both need equal shards,
 which the flat buffers guarantee by padding.
 
+[Note: streams]
+Async collectives (``async_op=True``) run on the backend's own stream (NCCL keeps an
+internal stream per device; gloo uses its own threads), so they overlap with the
+compute stream without one of ours. ``Handle.wait()`` makes the *current* stream
+wait for the collective, and the engine keeps every input and output alive until
+that wait (``Handle`` holds them) and frees or reads them only after it. Anything
+the engine writes into a buffer before launching a collective on it is ordered
+before the launch on the same stream.
+
 [Note: what the byte counters count]
 ``volume_elements`` counts the full (unsharded) buffer of every collective, the
 convention of the ZeRO paper in which DDP's all-reduce moves 2x the parameters and
