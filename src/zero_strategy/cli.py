@@ -6,6 +6,10 @@ it. ``estimate`` prints per-rank model-state memory for each ZeRO stage::
 
     zero-strategy estimate --params 7e9 --world-size 8
     zero-strategy estimate --model ./llama-config-dir --stage 3 --offload-optimizer cpu --json
+
+``consolidate`` streams a sharded checkpoint into one full model::
+
+    zero-strategy consolidate ckpt/step-1000 ./model --dtype bf16 --max-shard-size 5GB --hf-config ./base
 """
 
 from __future__ import annotations
@@ -126,10 +130,49 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ consolidate
+
+
+def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "consolidate", help="write a sharded checkpoint as one full model (safetensors or torch)",
+        description="Stream a zero_strategy checkpoint directory into a full state dict in one process "
+                    "(no torch.distributed): peak memory stays near one read chunk, not the model. "
+                    "OUT is a new directory with model.safetensors (or sharded files plus "
+                    "model.safetensors.index.json, or pytorch_model.bin).")
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory written by save_checkpoint")
+    parser.add_argument("out", metavar="OUT", help="output directory (must not exist)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="dtype of floating tensors (default: as stored; trained weights are fp32 masters)")
+    parser.add_argument("--format", choices=("safetensors", "torch"), default="safetensors",
+                        help="safetensors (streamed; default) or torch (pytorch_model.bin, needs the model in memory)")
+    parser.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="split safetensors output into files of at most SIZE (e.g. 5GB) with an index")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="also write optimizer.safetensors (per-parameter optimizer state)")
+    parser.add_argument("--hf-config", default=None, metavar="DIR",
+                        help="Hugging Face model dir: copy its config.json and tokenizer files into OUT")
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, consolidate
+
+    try:
+        out = consolidate(args.ckpt_dir, args.out, dtype=args.dtype, format=args.format,
+                          max_shard_size=args.max_shard_size, include_optimizer=args.optimizer,
+                          hf_config=args.hf_config)
+    except CheckpointError as err:
+        print(f"zero-strategy consolidate: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 # ------------------------------------------------------------------ plumbing
 
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]] = {
     "estimate": (_add_estimate, _run_estimate),
+    "consolidate": (_add_consolidate, _run_consolidate),
 }
 
 
