@@ -8,7 +8,9 @@ args["cases"]: list of dicts with
   name, stage, precision, start, end (steps [start, end)), load (checkpoint path),
   save ({"<step>": path}: save after finishing that many steps), sd_out (rank 0
   torch.saves full_state_dict(dtype=None) at the end), crash ("write" | "rename":
-  the save of the last entry of ``save`` is killed midway, after the report is written).
+  the save of the last entry of ``save`` is killed midway, after the report is written),
+  sd_at_save (rank 0 torch.saves full_state_dict(dtype=None) to "<sd_at_save>-<step>.pt"
+  after each save).
 Reports per case: global losses per step, loss-scaler state after each step, extra state.
 """
 
@@ -99,6 +101,10 @@ def run_case(case: dict, out, report: dict) -> dict:
                 dist.barrier()
                 _arm_crash(case["crash"])
             zs.save_checkpoint(saves[done], model, zopt, extra_state=extra_state)
+            if case.get("sd_at_save"):
+                sd_now = zs.full_state_dict(model, dtype=None)
+                if rank == 0:
+                    torch.save(sd_now, f"{case['sd_at_save']}-{done}.pt")
     full = zs.full_state_dict(model, dtype=None)
     if case.get("sd_out") and rank == 0:
         torch.save(full, case["sd_out"])

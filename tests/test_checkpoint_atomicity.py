@@ -1,0 +1,93 @@
+"""A save killed midway never costs the previous checkpoint; non-checkpoint paths are refused.
+
+The kill is real: the worker ranks ``os._exit`` inside the streaming file writer
+(after part of their rank file is on disk) or right after the previous checkpoint
+was moved aside (between the two renames of the swap).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from _launch import launch
+from _models import TinyLM, param_groups
+
+
+def _tiny(stage: int = 2):
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    return zs.setup(model, torch.optim.AdamW(param_groups(model)), zs.ZeroConfig(stage=stage))
+
+
+def _assert_loads_as(path, sd_file) -> None:
+    model, opt = _tiny()
+    extra = zs.load_checkpoint(path, model, opt)
+    assert extra == {"next_step": 1}
+    want = torch.load(sd_file)
+    got = zs.full_state_dict(model, dtype=None)
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.multiprocess
+def test_rank_killed_while_writing_keeps_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    case = dict(name="crash", stage=2, precision="fp32", start=0, end=2, save={"1": str(path), "2": str(path)},
+                crash="write", sd_at_save=str(tmp_path / "sd"))
+    launch("checkpoint.py", 2, {"cases": [case]}, timeout=120)
+    leftovers = list(tmp_path.glob("ckpt.tmp-*"))
+    assert leftovers, "the second save was not interrupted"
+    assert not (leftovers[0] / "metadata.json").exists()
+    assert any(leftovers[0].glob("rank*.safetensors")), "the kill came before any shard was written"
+    _assert_loads_as(path, tmp_path / "sd-1.pt")
+    # the next save cleans up what the killed one left
+    model, opt = _tiny()
+    zs.save_checkpoint(path, model, opt)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
+
+
+@pytest.mark.multiprocess
+def test_killed_between_renames_loads_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    case = dict(name="crash", stage=3, precision="fp32", start=0, end=2, save={"1": str(path), "2": str(path)},
+                crash="rename", sd_at_save=str(tmp_path / "sd"))
+    launch("checkpoint.py", 1, {"cases": [case]}, timeout=120)
+    assert not path.exists() and list(tmp_path.glob("ckpt.old-*")), "the save was not killed between renames"
+    with pytest.warns(UserWarning, match="interrupted save"):
+        _assert_loads_as(path, tmp_path / "sd-1.pt")
+
+
+def test_existing_file_is_refused(tmp_path):
+    model, opt = _tiny()
+    target = tmp_path / "weights.bin"
+    target.write_bytes(b"not ours")
+    with pytest.raises(zs.CheckpointError, match="weights.bin.*not a checkpoint directory"):
+        zs.save_checkpoint(target, model, opt)
+    assert target.read_bytes() == b"not ours"
+
+
+def test_existing_foreign_directory_is_refused(tmp_path):
+    model, opt = _tiny()
+    target = tmp_path / "results"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    with pytest.raises(zs.CheckpointError, match="results.*not a zero_strategy checkpoint"):
+        zs.save_checkpoint(target, model, opt)
+    assert (target / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]  # no temporary directory left
+
+
+def test_save_replaces_previous_checkpoint(tmp_path):
+    model, opt = _tiny()
+    zs.save_checkpoint(tmp_path / "c", model, opt, extra_state={"n": 1})
+    zs.save_checkpoint(tmp_path / "c", model, opt, extra_state={"n": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    model2, opt2 = _tiny()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zs.load_checkpoint(tmp_path / "c", model2, opt2) == {"n": 2}

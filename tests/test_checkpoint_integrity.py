@@ -1,0 +1,126 @@
+"""Damaged or mismatched checkpoints are refused with errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from _models import TinyLM, param_groups
+
+RANK_FILE = "rank00000-of-00001.safetensors"
+
+
+def _tiny(layers: int = 2, optimizer: str = "adamw"):
+    torch.manual_seed(0)
+    model = TinyLM(layers=layers)
+    opt = torch.optim.AdamW(param_groups(model)) if optimizer == "adamw" else \
+        torch.optim.SGD(param_groups(model), momentum=0.9)
+    return zs.setup(model, opt, zs.ZeroConfig(stage=2))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    model, opt = _tiny()
+    tokens = torch.randint(0, 37, (2, 8))
+    model(tokens).float().mean().backward()
+    opt.step()
+    zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+    return tmp_path / "ckpt"
+
+
+def _load(path, **kw):
+    model, opt = _tiny(**{k: kw.pop(k) for k in ("layers", "optimizer") if k in kw})
+    return zs.load_checkpoint(path, model, kw.pop("opt", opt), **kw)
+
+
+def test_intact_checkpoint_loads(ckpt):
+    _load(ckpt)
+
+
+def test_corrupted_shard_is_named(ckpt):
+    f = ckpt / RANK_FILE
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted"):
+        _load(ckpt)
+    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted"):
+        zs.checkpoint.consolidate(ckpt, ckpt.parent / "out")
+    assert not (ckpt.parent / "out").exists()
+
+
+def test_truncated_shard_is_named(ckpt):
+    f = ckpt / RANK_FILE
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is truncated"):
+        _load(ckpt)
+
+
+def test_missing_rank_file(ckpt):
+    (ckpt / RANK_FILE).unlink()
+    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is missing"):
+        _load(ckpt)
+
+
+def test_unknown_format_version(ckpt):
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    meta["version"] = 99
+    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(zs.CheckpointError, match="unknown checkpoint format version 99"):
+        _load(ckpt)
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "x").mkdir()
+    with pytest.raises(zs.CheckpointError, match="no metadata.json"):
+        _load(tmp_path / "x")
+    with pytest.raises(zs.CheckpointError, match="no checkpoint at"):
+        _load(tmp_path / "nothing")
+
+
+def test_parameters_missing_from_checkpoint_are_listed(ckpt):
+    with pytest.raises(zs.CheckpointError, match=r"missing from the checkpoint: \['layers.2.fc1.bias'") as err:
+        _load(ckpt, layers=3, opt=None)
+    assert "layers.2.gate" in str(err.value) and "in the checkpoint but not in the model: none" in str(err.value)
+
+
+def test_unexpected_parameters_are_listed(tmp_path):
+    model, opt = _tiny(layers=3)
+    zs.save_checkpoint(tmp_path / "big", model, opt)
+    with pytest.raises(zs.CheckpointError, match=r"in the checkpoint but not in the model: \['layers.2.fc1.bias'"):
+        _load(tmp_path / "big", layers=2)
+
+
+def test_strict_false_loads_the_rest_with_a_warning(ckpt):
+    model, opt = _tiny(layers=3)
+    with pytest.warns(UserWarning, match="layers.2.fc1.weight"):
+        zs.load_checkpoint(ckpt, model, None, strict=False)
+    small, _ = _tiny()
+    zs.load_checkpoint(ckpt, small, None)
+    got, want = zs.full_state_dict(model), zs.full_state_dict(small)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_shape_mismatch(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM(layers=2, dim=16)
+    model, _ = zs.setup(model, None, zs.ZeroConfig(stage=2))
+    zs.save_checkpoint(tmp_path / "c", model)
+    with pytest.raises(zs.CheckpointError, match=r"shapes differ.*embed.weight: checkpoint \(37, 16\), model \(37, 24\)"):
+        _load(tmp_path / "c", opt=None)
+
+
+def test_optimizer_class_mismatch(ckpt):
+    with pytest.raises(zs.CheckpointError, match="holds AdamW optimizer state but the optimizer is SGD"):
+        _load(ckpt, optimizer="sgd")
+
+
+def test_checkpoint_without_optimizer_state(tmp_path):
+    model, _ = _tiny()
+    zs.save_checkpoint(tmp_path / "w", model)
+    with pytest.raises(zs.CheckpointError, match="saved without optimizer state; pass optimizer=None"):
+        _load(tmp_path / "w")
+    _load(tmp_path / "w", opt=None)
