@@ -258,8 +258,11 @@ def _publish(engine) -> None:
         if g.trainable and not g.master_aliases_params:
             g.param_shard.copy_(g.master.detach())
         if not g.shard_params or g.state.value == "gathered":  # stage 3 inside gathered_parameters
+            own = g.own(g.full)
             with torch.autograd._unsafe_preserve_version_counter(g.full):
-                handles.append(engine.comm.all_gather(g.full, g.param_shard, async_op=True))
+                if own.data_ptr() != g.param_shard.data_ptr():  # resting shard elsewhere (offload)
+                    own.copy_(g.param_shard)
+                handles.append(engine.comm.all_gather(g.full, own, async_op=True))
     for h in handles:
         h.wait()
 
