@@ -26,3 +26,19 @@ def accounting_accumulation(world_size: int) -> dict:
     reports = launch("accounting.py", world_size, {"cases": ACCUM_CASES}, timeout=240)
     return {(r["case"]["stage"], r["case"]["no_sync"]): [rep["results"][i] for rep in reports]
             for i, r in enumerate(reports[0]["results"])}
+
+
+OFFLOAD_CASES = [dict(stage=s, precision=p, offload_optimizer="cpu") for s in (1, 2, 3) for p in ("fp32", "bf16")]
+OFFLOAD_CASES += [dict(stage=3, precision=p, offload_optimizer="cpu", offload_params="cpu") for p in ("fp32", "bf16")]
+
+
+def _offload_key(case: dict) -> tuple:
+    return (case["stage"], case["precision"], case.get("offload_params"))
+
+
+@functools.lru_cache(maxsize=None)
+def accounting_offload(world_size: int) -> dict:
+    """{(stage, precision, offload_params): [result of each rank]} for OFFLOAD_CASES."""
+    reports = launch("accounting.py", world_size, {"cases": OFFLOAD_CASES}, timeout=240)
+    return {_offload_key(r["case"]): [rep["results"][i] for rep in reports]
+            for i, r in enumerate(reports[0]["results"])}

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ._collectives import Collectives, Handle
+from ._offload import HOST, OffloadPlan, Transfers  # noqa: F401
 
 
 class ShardState(enum.Enum):
@@ -77,6 +78,8 @@ class FlatGroup:
         rank: int,
         world_size: int,
         device: torch.device,
+        offload: OffloadPlan = OffloadPlan(),
+        transfers: Transfers | None = None,
     ):
         self.name = name
         self.trainable = trainable
@@ -86,6 +89,9 @@ class FlatGroup:
         self.grad_dtype = grad_dtype
         self.master_dtype = torch.float32
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.offload = offload
+        self.transfers = transfers if transfers is not None else Transfers(device, pin_memory=False)
+        master_device = HOST if offload.optimizer else device
 
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -101,19 +107,27 @@ class FlatGroup:
         self._copy_params_into(self.full, 0, self.padded_numel)
         self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
         self.master: nn.Parameter | None = None
-        if trainable:
-            master = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=device)
-            # from the original values, so bf16/fp16 compute loses nothing at start
-            self._copy_params_into(master, self.shard_start, self.shard_numel)
-        if shard_params:
+        if shard_params and offload.params:
+            self.param_shard = self.transfers.host_empty(self.shard_numel, compute_dtype)
+            self.param_shard.copy_(self.own(self.full))
+        elif shard_params:
             self.param_shard = self.own(self.full).clone()
         else:
             self.param_shard = self.own(self.full)
         if trainable:
-            if compute_dtype == self.master_dtype:
-                self.master = nn.Parameter(self.param_shard, requires_grad=True)  # alias, no copy
+            if self.param_shard.dtype == self.master_dtype and self.param_shard.device == master_device:
+                master = self.param_shard  # alias, no second copy
             else:
-                self.master = nn.Parameter(master, requires_grad=True)
+                master = (self.transfers.host_empty(self.shard_numel, self.master_dtype) if offload.optimizer
+                          else torch.empty(self.shard_numel, dtype=self.master_dtype, device=device))
+                master.zero_()
+                # from the original values, so bf16/fp16 compute loses nothing at start
+                self._copy_params_into(master, self.shard_start, self.shard_numel)
+            self.master = nn.Parameter(master, requires_grad=True)
+        #: offload: the fp32 host copy of grad_shard the CPU step reads, and its download
+        self.host_grad: torch.Tensor | None = None
+        self._download = None
+
         self.full_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.grads_this_backward = 0
@@ -166,6 +180,10 @@ class FlatGroup:
         storage = self.full.untyped_storage()
         storage.resize_(self.padded_numel * self.full.element_size())
         with _preserve_version(self.full):
+            if self.offload.params:  # upload this rank's shard into its slot, gather in place
+                own = self.own(self.full)
+                self.transfers.upload(own, self.param_shard).wait()
+                return comm.all_gather(self.full, own, async_op=True)
             return comm.all_gather(self.full, self.param_shard, async_op=True)
 
     def finish_gather(self) -> None:
@@ -240,12 +258,20 @@ class FlatGroup:
         if in_place:
             self.grad_shard = out
             self._reduced_in_place = True
-            return
-        if self.grad_shard is None:
-            self.grad_shard = out
         else:
-            self.grad_shard.add_(out)
-        self.full_grad = None
+            if self.grad_shard is None:
+                self.grad_shard = out
+            else:
+                self.grad_shard.add_(out)
+            self.full_grad = None
+        if self.offload.optimizer:
+            self.begin_grad_download()
+
+    def begin_grad_download(self) -> None:
+        """Start copying the (accumulated) gradient shard to host_grad; overlaps what follows."""
+        if self.host_grad is None:
+            self.host_grad = self.transfers.host_empty(self.shard_numel, self.master_dtype)
+        self._download = self.transfers.download(self.host_grad, self.grad_shard)
 
     def reset_backward_counters(self) -> None:
         self.grads_this_backward = 0
@@ -253,6 +279,7 @@ class FlatGroup:
 
     def zero_grad(self, keep_full: bool) -> None:
         self.grad_shard = None
+        self._download = None
         self._reduced_in_place = False
         self._written = [False] * len(self.slots)
         if not keep_full:
@@ -264,16 +291,25 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ step
     def master_grad(self) -> torch.Tensor | None:
-        """The fp32 gradient the optimizer sees (aliasing ``grad_shard`` when dtypes match)."""
+        """The fp32 gradient the optimizer sees, next to the master (host when offloaded).
+
+        Aliases ``grad_shard`` when dtype and device already match.
+        """
         if self.grad_shard is None:
             return None
+        if self.offload.optimizer:
+            if self._download is None:
+                self.begin_grad_download()
+            self._download.synchronize()
+            return self.host_grad
         if self.grad_shard.dtype == self.master_dtype:
             return self.grad_shard
         return self.grad_shard.to(self.master_dtype)
 
     @property
     def master_aliases_params(self) -> bool:
-        return self.master is not None and self.master.data_ptr() == self.param_shard.data_ptr()
+        return (self.master is not None and self.master.device == self.param_shard.device
+                and self.master.data_ptr() == self.param_shard.data_ptr())
 
     def publish_master(self, comm: Collectives) -> Handle | None:
         """Copy the stepped master into the parameters; all-gather them where replicated."""
@@ -282,24 +318,49 @@ class FlatGroup:
         with torch.no_grad():
             if not self.master_aliases_params:
                 self.param_shard.copy_(self.master)
-            if self.shard_params:
+            return self.gather_replicated(comm)
+
+    def stage_master_upload(self):
+        """Offloaded step, on the CPU worker: master -> compute-dtype parameter shard.
+
+        Parameters resting on the host (param offload) take the cast directly; otherwise
+        the cast goes to a pinned staging buffer and is uploaded on the H2D stream.
+        Returns the upload's event (``wait()`` it before using the parameters).
+        """
+        with torch.no_grad():
+            if self.master_aliases_params:
                 return None
-            with _preserve_version(self.full):
-                return comm.all_gather(self.full, self.own(self.full), async_op=True)
+            if self.offload.params:  # parameters rest on the host: cast in place, no upload
+                self.param_shard.copy_(self.master)
+                return None
+            return self.transfers.upload_cast(self.param_shard, self.master.detach())
+
+    def gather_replicated(self, comm: Collectives) -> Handle | None:
+        """Stages 1-2 (and persistent stage-3 groups): all-gather ``full`` from the own slice."""
+        if self.shard_params:
+            return None
+        with _preserve_version(self.full):
+            return comm.all_gather(self.full, self.own(self.full), async_op=True)
 
     # ---------------------------------------------------------------- reporting
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Model-state tensors this group holds now, by category (for the memory report)."""
-        out: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "master": []}
+    def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
+        """Model-state tensors held now as (category, offloaded, tensor), for the memory report.
+
+        ``offloaded`` says the engine placed the tensor in host memory on purpose, which
+        the report shows as "host" even on a CPU-only machine where both are the CPU.
+        """
+        out: list[tuple[str, bool, torch.Tensor]] = []
         if not self.shard_params:
-            out["params"].append(self.full)
+            out.append(("params", False, self.full))
         else:
-            out["params"].append(self.param_shard)
+            out.append(("params", self.offload.params, self.param_shard))
             if self.state is ShardState.GATHERED:
-                out["params"].append(self.full)
+                out.append(("params", False, self.full))
         if self.master is not None and not self.master_aliases_params:
-            out["master"].append(self.master.data)
+            out.append(("master", self.offload.optimizer, self.master.data))
         for g in (self.full_grad, self.grad_shard):
             if g is not None:
-                out["grads"].append(g)
+                out.append(("grads", False, g))
+        if self.host_grad is not None:
+            out.append(("grads", True, self.host_grad))
         return out

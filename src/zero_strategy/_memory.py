@@ -1,8 +1,10 @@
-"""Memory report: model-state bytes this rank actually holds, by category and location.
+"""Memory report: model-state bytes this rank actually holds, by category and placement.
 
 Measured from the tensors the engine and the optimizer hold (each storage counted
 once), not from a formula, so tests can compare it with the ZeRO formula in
-``estimate.py``.
+``estimate.py``. Placement is the engine's: "host" for what offload put in host
+memory on purpose, "device" for the rest; ``by_location`` gives the real device
+types as well (identical placements on a CPU-only machine).
 """
 
 from __future__ import annotations
@@ -11,50 +13,66 @@ from dataclasses import dataclass, field
 
 import torch
 
+CATEGORIES = ("params", "grads", "master", "optimizer_state", "staging")
+
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes per category (params, grads, master, optimizer_state) and per device type."""
+    """Bytes per category, per placement ("device"/"host") and per real device type."""
 
     by_category: dict[str, int]
+    by_placement: dict[str, dict[str, int]] = field(default_factory=dict)
     by_location: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(self.by_category.values())
 
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.by_placement.get("device", {}).values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.by_placement.get("host", {}).values())
+
     def __str__(self) -> str:
-        lines = [f"{'category':<16}{'MiB':>12}"]
-        for k, v in self.by_category.items():
-            lines.append(f"{k:<16}{v / 2**20:>12.3f}")
-        lines.append(f"{'total':<16}{self.total / 2**20:>12.3f}")
-        for loc, cats in self.by_location.items():
-            lines.append(f"on {loc}: {sum(cats.values()) / 2**20:.3f} MiB")
+        lines = [f"{'category':<16}{'device MiB':>12}{'host MiB':>12}"]
+        for k in CATEGORIES:
+            d = self.by_placement.get("device", {}).get(k, 0) / 2**20
+            h = self.by_placement.get("host", {}).get(k, 0) / 2**20
+            lines.append(f"{k:<16}{d:>12.3f}{h:>12.3f}")
+        lines.append(f"{'total':<16}{self.device_bytes / 2**20:>12.3f}{self.host_bytes / 2**20:>12.3f}")
         return "\n".join(lines)
 
 
 def measure(engine, optimizer=None) -> MemoryReport:
     seen: set[tuple[int, int]] = set()
-    cats = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0}
+    cats = {k: 0 for k in CATEGORIES}
+    placements: dict[str, dict[str, int]] = {"device": {k: 0 for k in CATEGORIES},
+                                             "host": {k: 0 for k in CATEGORIES}}
     locs: dict[str, dict[str, int]] = {}
 
-    def add(cat: str, t: torch.Tensor) -> None:
+    def add(cat: str, on_host: bool, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if storage.nbytes() == 0 or key in seen:
             return
         seen.add(key)
         cats[cat] += storage.nbytes()
-        loc = locs.setdefault(t.device.type, {k: 0 for k in cats})
+        placements["host" if on_host else "device"][cat] += storage.nbytes()
+        loc = locs.setdefault(t.device.type, {k: 0 for k in CATEGORIES})
         loc[cat] += storage.nbytes()
 
     for g in engine.groups:
-        for cat, tensors in g.held_tensors().items():
-            for t in tensors:
-                add(cat, t)
+        for cat, on_host, t in g.held_tensors():
+            add(cat, on_host, t)
     if optimizer is not None:
+        offloaded = engine.offload.optimizer
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
-                    add("optimizer_state", v)
-    return MemoryReport(cats, locs)
+                    add("optimizer_state", offloaded, v)
+    for t in engine.transfers.staging_tensors():
+        add("staging", True, t)
+    return MemoryReport(cats, placements, locs)

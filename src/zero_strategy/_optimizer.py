@@ -110,6 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._prepared = False
         self._found_inf = False
         self._scaled_backward = False
+        self._factor: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.skipped_steps = 0
 
@@ -134,6 +135,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- grads
     def _prepare_gradients(self) -> None:
+        """Final gradient shards, the fp16 overflow verdict, and the unscale factor.
+
+        Works on the device-side shards only (cheap, also when the optimizer is
+        offloaded); the factor (1/loss scale, times the clip coefficient once
+        clipping ran) is applied where the fp32 gradients are materialized.
+        """
         if self._prepared:
             return
         if self.scaler.enabled and not self._scaled_backward:
@@ -141,19 +148,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "zero_strategy: precision='fp16' needs loss scaling: call optimizer.backward(loss) "
                 "or optimizer.scale_loss(loss).backward() instead of loss.backward()")
         self.engine.finish_gradients()
-        inv_scale = 1.0 / self.scaler.scale
-        local_inf = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
-        for g in self.engine.trainable_groups:
-            mg = g.master_grad()
-            if mg is not None and inv_scale != 1.0:
-                mg.mul_(inv_scale)
-            g.master.grad = mg
-            if mg is not None and self.scaler.enabled:
-                local_inf = torch.maximum(local_inf, (~torch.isfinite(mg)).any().float().reshape(1))
+        self._factor = torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32, device=self.engine.device)
         if self.scaler.enabled:
+            local_inf = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
+            for g in self._shards():
+                local_inf = torch.maximum(local_inf, (~torch.isfinite(g)).any().float().reshape(1))
             self.engine.comm.all_reduce(local_inf, op="max")
             self._found_inf = bool(local_inf.item())
         self._prepared = True
+
+    def _shards(self) -> list[torch.Tensor]:
+        return [g.grad_shard for g in self.engine.trainable_groups if g.grad_shard is not None]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over *all* shards on all ranks; returns that global norm.
@@ -162,25 +167,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         unsharded model. Call after the last backward of the step, before ``step()``.
         """
         self._prepare_gradients()
-        grads = [g.master.grad for g in self.engine.trainable_groups if g.master.grad is not None]
         device = self.engine.device
         if self._found_inf:
             self.last_grad_norm = torch.tensor(float("inf"), device=device)
             return self.last_grad_norm
+        shards = self._shards()
         norm_type = float(norm_type)
         if norm_type == float("inf"):
-            local = torch.stack([x.abs().max() for x in grads]).max() if grads else torch.zeros((), device=device)
-            local = local.reshape(1).float()
+            local = torch.zeros(1, dtype=torch.float32, device=device)
+            for x in shards:
+                local = torch.maximum(local, x.abs().max().float().reshape(1))
             self.engine.comm.all_reduce(local, op="max")
-            total = local[0]
+            total = local[0] * self._factor
         else:
-            local = sum((x.float().abs().pow(norm_type).sum() for x in grads),
-                        torch.zeros((), device=device)).reshape(1)
+            local = torch.zeros(1, dtype=torch.float32, device=device)
+            for x in shards:
+                local += x.float().abs().pow(norm_type).sum()
             self.engine.comm.all_reduce(local, op="sum")
-            total = local[0].pow(1.0 / norm_type)
+            total = local[0].pow(1.0 / norm_type) * self._factor
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for x in grads:
-            x.mul_(coef.to(x.dtype))
+        self._factor = self._factor * coef
         self.last_grad_norm = total
         return total
 
@@ -198,22 +204,67 @@ class ZeroOptimizer(torch.optim.Optimizer):
             clip = self.config.gradient_clipping
             if clip:
                 self.clip_grad_norm_(clip)
-            self.optimizer.step()
-            handles = [g.publish_master(self.engine.comm) for g in self.engine.trainable_groups]
-            for h in handles:
-                if h is not None:
-                    h.wait()
+            if self.engine.offload.optimizer:
+                self._offloaded_step()
+            else:
+                self._device_step()
         finally:
             self.scaler.update(self._found_inf)
-            for g in self.engine.trainable_groups:
-                if not self._found_inf and g.master.grad is not None and g.master.grad is not g.grad_shard:
-                    g.master.grad = None  # fp32 copy of a low-precision shard: free it now
             self._prepared = False
             self._found_inf = False
             self._scaled_backward = False
             self.engine.last_step_comm = self.engine.comm.stats.as_dict()
             self.engine.comm.stats.reset()
         return None
+
+    def _device_step(self) -> None:
+        groups = self.engine.trainable_groups
+        factor = None if float(self._factor) == 1.0 else self._factor
+        for g in groups:
+            mg = g.master_grad()
+            if mg is not None and factor is not None:
+                mg.mul_(factor)
+            g.master.grad = mg
+        self.optimizer.step()
+        handles = [g.publish_master(self.engine.comm) for g in groups]
+        for g, h in zip(groups, handles):
+            if h is not None:
+                h.wait()
+            if g.master.grad is not g.grad_shard:
+                g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
+
+    def _offloaded_step(self) -> None:
+        """CPU step, pipelined: the worker steps group i+1 while group i uploads and gathers.
+
+        Stepping one group at a time with the user's optimizer is exact: only that
+        group's master has a ``.grad``, and torch optimizers skip parameters without
+        one (all state is per parameter).
+        """
+        factor = float(self._factor)
+        groups = [g for g in self.engine.trainable_groups if g.grad_shard is not None]
+        pool = self.engine.transfers.pool
+        futures = [pool.submit(self._cpu_step_one, g, factor) for g in groups]
+        handles = []
+        for g, fut in zip(groups, futures):
+            uploaded = fut.result()
+            if uploaded is not None:
+                uploaded.wait()  # the compute stream waits for the H2D copy
+            handles.append(g.gather_replicated(self.engine.comm))
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+    @torch.no_grad()
+    def _cpu_step_one(self, g, factor: float):
+        grad = g.master_grad()  # waits for this group's download only
+        if factor != 1.0:
+            grad.mul_(factor)
+        g.master.grad = grad
+        try:
+            self.optimizer.step()
+        finally:
+            g.master.grad = None
+        return g.stage_master_upload()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""

@@ -34,6 +34,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from ._collectives import Collectives, Handle
 from ._flat import FlatGroup, ParamSlot
+from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan, plan_for
 from ._units import Unit, build_units
 
@@ -98,11 +99,19 @@ class ZeroEngine:
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.gradient_reduce_dtype
         self._optimizer_group_of = optimizer_group_of
+        self.offload = OffloadPlan(
+            optimizer=config.offload_optimizer is not None,
+            params=config.offload_params is not None,
+            pin_memory=all(getattr(p, "pin_memory", True)
+                           for p in (config.offload_optimizer, config.offload_params) if p is not None),
+        )
+        self.transfers = Transfers(self.device, pin_memory=self.offload.pin_memory)
         self.units: list[Unit] = build_units(
             model, plan=self.plan, unit_classes=tuple(config.unit_classes),
             persistence_threshold=config.param_persistence_threshold,
             optimizer_group_of=optimizer_group_of, compute_dtype=self.compute_dtype,
             grad_dtype=self.grad_dtype, comm=comm, device=self.device,
+            offload=self.offload, transfers=self.transfers,
         )
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
@@ -161,6 +170,7 @@ class ZeroEngine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.transfers.close()
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module, args, kwargs):

@@ -22,6 +22,7 @@ from torch import nn
 
 from ._collectives import Collectives, Handle
 from ._flat import FlatGroup, ShardState
+from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan
 
 ROOT = "<root>"
@@ -119,6 +120,8 @@ def build_units(
     grad_dtype: torch.dtype,
     comm: Collectives,
     device: torch.device,
+    offload: OffloadPlan,
+    transfers: Transfers,
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first)."""
     unit_modules = find_unit_modules(model, unit_classes)
@@ -159,6 +162,10 @@ def build_units(
                 gname, named, trainable=trainable, optimizer_group=opt_group, shard_params=shard_params,
                 compute_dtype=compute_dtype, grad_dtype=grad_dtype, rank=comm.rank,
                 world_size=comm.world_size, device=device,
+                offload=OffloadPlan(optimizer=offload.optimizer and trainable,
+                                    params=offload.params and shard_params,
+                                    pin_memory=offload.pin_memory),
+                transfers=transfers,
             ))
         if groups or unit_name == ROOT:
             units.append(Unit(unit_name, modules[unit_name], groups, is_root=unit_name == ROOT))

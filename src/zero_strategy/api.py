@@ -25,7 +25,7 @@ from ._collectives import Collectives
 from ._memory import MemoryReport, measure
 from ._optimizer import ZeroOptimizer, check_elementwise
 from ._state import ZeroEngine
-from .config import ZeroConfig
+from .config import NVMeOffload, ZeroConfig
 
 # [Note: engine lookup without keeping models alive]
 # id(model) -> engine, weakly: the model's own hooks keep its engine alive, so both
@@ -71,11 +71,13 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
 
 
 def _refuse_unavailable(cfg: ZeroConfig) -> None:
-    if cfg.offload_optimizer is not None or cfg.offload_params is not None:
+    nvme = [name for name in ("offload_optimizer", "offload_params")
+            if isinstance(getattr(cfg, name), NVMeOffload)]
+    if nvme:
         raise NotImplementedError(
-            "zero_strategy: offload (offload_optimizer / offload_params) is not available yet in this "
-            "version; use the presets zero1, zero2 or zero3 (no offload) for now. No silent fallback "
-            "is made so that a run never uses more GPU memory than you planned for.")
+            f"zero_strategy: NVMe offload ({', '.join(nvme)}=\"nvme\") is not available yet in this "
+            "version; use CPU offload (presets zero2_offload, zero3_offload) for now. No silent "
+            "fallback is made so that a run never uses more memory than you planned for.")
 
 
 def _optimizer_group_of(model: nn.Module, optimizer) -> dict[int, int]:

@@ -37,7 +37,9 @@ def run_case(case: dict) -> dict:
     numbers = counts(model)
     opt = torch.optim.AdamW(param_groups(model))
     model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
-                                                     param_persistence_threshold=0))
+                                                     param_persistence_threshold=0,
+                                                     offload_optimizer=case.get("offload_optimizer"),
+                                                     offload_params=case.get("offload_params")))
     report = None
     accum = case.get("accum", 1)
     for step in range(2):
@@ -50,7 +52,9 @@ def run_case(case: dict) -> dict:
             report = zs.memory_report(model)
         zopt.step()
         zopt.zero_grad()
-    return dict(case=case, counts=numbers, memory=report.by_category, comm=zs.comm_stats(model))
+    largest_shard = max(g.shard_numel for g in zs.engine_of(model).groups)
+    return dict(case=case, counts=numbers, memory=report.by_category, placement=report.by_placement,
+                comm=zs.comm_stats(model), largest_shard=largest_shard)
 
 
 def main() -> None:

@@ -157,7 +157,9 @@ def _run_case(case: dict) -> dict:
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
                         param_persistence_threshold=case.get("persistence", 0),
                         reduce_dtype=case.get("reduce_dtype"),
-                        gradient_clipping=case.get("clip") if case.get("clip_in_config") else None)
+                        gradient_clipping=case.get("clip") if case.get("clip_in_config") else None,
+                        offload_optimizer=case.get("offload_optimizer"),
+                        offload_params=case.get("offload_params"))
     model, zopt = zs.setup(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
 

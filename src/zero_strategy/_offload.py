@@ -1,0 +1,163 @@
+"""CPU offload: pinned host buffers, copies on side streams, and the pipelined CPU step.
+
+[Note: what lives where with offload_optimizer="cpu"]
+Per flat group: the fp32 master shard and the optimizer state in (pinned) host
+memory, an fp32 host copy of the reduced gradient shard (``host_grad``), and the
+optimizer step on the CPU with the user's own optimizer (torch's fused CPU AdamW
+when it was built with ``fused=True``). The compute device keeps the parameters
+(stages 1-2: whole; stage 3: the shard) and the reduced gradient shard. With
+``offload_params="cpu"`` (stage 3) the compute-dtype parameter shard rests in
+pinned host memory too and is uploaded just in time for each gather.
+
+[Note: the offloaded step overlaps in three places]
+1. Backward: each time a unit's reduce-scatter finishes, its accumulated gradient
+   shard starts downloading to ``host_grad`` on the D2H stream while backward goes
+   on. (A later micro-batch's reduce downloads again and overwrites it; stage 1,
+   which reduces at the step, downloads there.)
+2. The step: groups are stepped one by one on the CPU by a worker thread; the main
+   thread uploads group i's new parameters (H2D stream) and all-gathers them
+   (stages 1-2) while the worker steps group i+1.
+3. Stage 3 parameter offload: the upload of a unit's parameter shard is part of its
+   gather, so prefetching a unit prefetches its upload.
+The step itself cannot start during backward: clipping needs the global norm and
+fp16 needs the global overflow check, both known only once every gradient is in,
+and without an explicit accumulation boundary a later micro-batch may still add to
+the gradients. Norms and the overflow check are computed on the device shards (fast)
+and applied on the host as one scale factor per group.
+
+On a machine without CUDA the same code runs: host buffers are not pinned, copies
+are synchronous, and "events" are already complete; the CPU tests exercise it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+import torch
+
+HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What a group keeps off the compute device (from the config's offload policies)."""
+
+    optimizer: bool = False   # fp32 master + optimizer state + CPU step
+    params: bool = False      # stage 3 parameter shard rests on the host
+    pin_memory: bool = True
+
+    @property
+    def any(self) -> bool:
+        return self.optimizer or self.params
+
+
+class _Done:
+    """A completed transfer (CPU-only machines, or nothing was copied)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+
+DONE = _Done()
+
+
+class Transfers:
+    """Host<->device copies: on dedicated CUDA streams when the device is a GPU.
+
+    Every method returns an event-like object: ``synchronize()`` blocks the host
+    until the copy is done, ``wait(stream)`` orders a stream after it.
+    """
+
+    def __init__(self, device: torch.device, pin_memory: bool):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pin = pin_memory and self.cuda
+        self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # two staging slots: one fills while the other uploads (bounded host memory)
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging_done: list = [DONE, DONE]
+        self._next_slot = 0
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
+
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_empty(numel, dtype).zero_()
+
+    def download(self, dst_host: torch.Tensor, src_dev: torch.Tensor):
+        """dst_host <- src_dev (any dtypes), after the work queued so far on the current stream."""
+        if not self.cuda:
+            dst_host.copy_(src_dev)
+            return DONE
+        current = torch.cuda.current_stream(self.device)
+        self.d2h_stream.wait_stream(current)
+        with torch.cuda.stream(self.d2h_stream):
+            dst_host.copy_(src_dev, non_blocking=True)
+            src_dev.record_stream(self.d2h_stream)
+            event = torch.cuda.Event()
+            event.record(self.d2h_stream)
+        return _CudaEvent(event)
+
+    def upload(self, dst_dev: torch.Tensor, src_host: torch.Tensor):
+        """dst_dev <- src_host; the caller orders its stream after the returned event."""
+        if not self.cuda:
+            dst_dev.copy_(src_host)
+            return DONE
+        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d_stream):
+            dst_dev.copy_(src_host, non_blocking=True)
+            dst_dev.record_stream(self.h2d_stream)
+            event = torch.cuda.Event()
+            event.record(self.h2d_stream)
+        return _CudaEvent(event)
+
+    def upload_cast(self, dst_dev: torch.Tensor, src_host: torch.Tensor):
+        """dst_dev <- src_host cast to dst's dtype on the CPU, through a pinned staging slot.
+
+        Casting on the host halves the bytes over PCIe for bf16/fp16 parameters. Only
+        one thread (the CPU-step worker) calls this, so the slot ring needs no lock.
+        """
+        k = self._next_slot
+        self._next_slot ^= 1
+        self._staging_done[k].synchronize()  # the upload that last used this slot is done
+        buf = self._staging[k]
+        if buf is None or buf.numel() < src_host.numel() or buf.dtype != dst_dev.dtype:
+            buf = self._staging[k] = self.host_empty(src_host.numel(), dst_dev.dtype)
+        view = buf[:src_host.numel()]
+        view.copy_(src_host)
+        done = self._staging_done[k] = self.upload(dst_dev, view)
+        return done
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        return [b for b in self._staging if b is not None]
+
+    @property
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One worker: CPU optimizer steps run there, in order, while the main thread uploads."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-cpu-step")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class _CudaEvent:
+    __slots__ = ("event",)
+
+    def __init__(self, event):
+        self.event = event
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def wait(self, stream=None) -> None:
+        (stream or torch.cuda.current_stream()).wait_event(self.event)
