@@ -31,6 +31,8 @@ ACCUMS = (1, 2)
 CASES = [dict(stage=s, precision=p, accum=a) for s in STAGES for p in PRECISIONS for a in ACCUMS]
 # Adam hides a uniform gradient scale error; SGD with momentum exposes it.
 CASES += [dict(stage=s, precision="fp32", accum=2, optimizer="sgd") for s in STAGES]
+# gradients kept across a step (zero_grad every other step) accumulate as in torch
+CASES += [dict(stage=s, precision="fp32", accum=1, zero_grad_every=2, optimizer="sgd") for s in STAGES]
 # stages 2-3 without no_sync: reduce-scatter every micro-batch, accumulate shards
 CASES += [dict(stage=s, precision="fp32", accum=2, no_sync=False, optimizer="sgd") for s in (2, 3)]
 

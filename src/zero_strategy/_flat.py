@@ -72,6 +72,7 @@ class FlatGroup:
         *,
         trainable: bool,
         optimizer_group: int | None,
+        optimizer_index: int | None = None,
         shard_params: bool,
         compute_dtype: torch.dtype,
         grad_dtype: torch.dtype,
@@ -83,6 +84,8 @@ class FlatGroup:
     ):
         self.name = name
         self.trainable = trainable
+        #: which of setup()'s optimizers steps this group, and which of its param groups
+        self.optimizer_index = optimizer_index if optimizer_index is not None else (0 if trainable else None)
         self.optimizer_group = optimizer_group
         self.shard_params = shard_params
         self.compute_dtype = compute_dtype
@@ -139,6 +142,8 @@ class FlatGroup:
         self._written = [False] * len(self.slots)
         #: grad_shard is this rank's slice of full_grad, reduced in place (stage 1)
         self._reduced_in_place = False
+        #: stage 1: reduced gradients to add back at the next reduce (see accumulate_param_grad)
+        self._carry: torch.Tensor | None = None
 
         self.state = ShardState.GATHERED
         self._attach_views()
@@ -208,9 +213,13 @@ class FlatGroup:
         if grad is None:
             return
         if self._reduced_in_place:
-            raise RuntimeError(
-                "zero_strategy: a backward started after optimizer.step() without optimizer.zero_grad(); "
-                "stage 1 reduces gradients in place, so call optimizer.zero_grad() after every step")
+            # Gradients accumulate onto reduced ones (no zero_grad since the last reduce, e.g.
+            # another optimizer stepped): keep this rank's reduced slice aside and start a
+            # fresh local sum; the next reduce adds it back, as torch would accumulate.
+            self._carry = self.grad_shard.clone()
+            self.grad_shard = None
+            self._reduced_in_place = False
+            self._written = [False] * len(self.slots)
         if self.full_grad is None:
             self.full_grad = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
         view = self.full_grad[slot.offset:slot.offset + slot.numel]
@@ -256,6 +265,9 @@ class FlatGroup:
             out.div_(comm.world_size)  # on the shard: 1/N of the work of dividing the full buffer
         self._written = [False] * len(self.slots)
         if in_place:
+            if self._carry is not None:
+                out.add_(self._carry)
+                self._carry = None
             self.grad_shard = out
             self._reduced_in_place = True
         else:
@@ -279,6 +291,7 @@ class FlatGroup:
 
     def zero_grad(self, keep_full: bool) -> None:
         self.grad_shard = None
+        self._carry = None
         self._download = None
         self._reduced_in_place = False
         self._written = [False] * len(self.slots)

@@ -46,7 +46,7 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def measure(engine, optimizer=None) -> MemoryReport:
+def measure(engine, optimizers=()) -> MemoryReport:
     seen: set[tuple[int, int]] = set()
     cats = {k: 0 for k in CATEGORIES}
     placements: dict[str, dict[str, int]] = {"device": {k: 0 for k in CATEGORIES},
@@ -67,8 +67,8 @@ def measure(engine, optimizer=None) -> MemoryReport:
     for g in engine.groups:
         for cat, on_host, t in g.held_tensors():
             add(cat, on_host, t)
-    if optimizer is not None:
-        offloaded = engine.offload.optimizer
+    offloaded = engine.offload.optimizer
+    for optimizer in optimizers:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:

@@ -80,7 +80,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     user's object, so LR schedulers built on either work.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, index: int = 0):
+        """``index``: which of the optimizers given to ``setup`` this is (several: e.g. a GAN)."""
         check_elementwise(optimizer)
         if len(optimizer.state) > 0:
             raise ValueError(
@@ -90,8 +91,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.engine = engine
         self.config = engine.config
+        self.index = index
+        #: the flat groups this optimizer steps (all trainable groups when it is the only one)
+        self.groups = [g for g in engine.trainable_groups if g.optimizer_index == index]
         by_group: dict[int, list] = {i: [] for i in range(len(optimizer.param_groups))}
-        for g in engine.trainable_groups:
+        for g in self.groups:
             by_group[g.optimizer_group].append(g.master)
         for i, pg in enumerate(optimizer.param_groups):
             pg["params"] = by_group[i]
@@ -147,7 +151,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "zero_strategy: precision='fp16' needs loss scaling: call optimizer.backward(loss) "
                 "or optimizer.scale_loss(loss).backward() instead of loss.backward()")
-        self.engine.finish_gradients()
+        self.engine.finish_gradients(self.groups)
         self._factor = torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32, device=self.engine.device)
         if self.scaler.enabled:
             local_inf = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
@@ -158,7 +162,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._prepared = True
 
     def _shards(self) -> list[torch.Tensor]:
-        return [g.grad_shard for g in self.engine.trainable_groups if g.grad_shard is not None]
+        return [g.grad_shard for g in self.groups if g.grad_shard is not None]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over *all* shards on all ranks; returns that global norm.
@@ -218,7 +222,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return None
 
     def _device_step(self) -> None:
-        groups = self.engine.trainable_groups
+        groups = self.groups
         factor = None if float(self._factor) == 1.0 else self._factor
         for g in groups:
             mg = g.master_grad()
@@ -241,7 +245,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         one (all state is per parameter).
         """
         factor = float(self._factor)
-        groups = [g for g in self.engine.trainable_groups if g.grad_shard is not None]
+        groups = [g for g in self.groups if g.grad_shard is not None]
         pool = self.engine.transfers.pool
         futures = [pool.submit(self._cpu_step_one, g, factor) for g in groups]
         handles = []
@@ -268,7 +272,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
-        self.engine.zero_grad()
+        self.engine.zero_grad(self.groups)
         self._prepared = False
         self._found_inf = False
 

@@ -90,7 +90,9 @@ class _UnitBackwardDone(torch.autograd.Function):
 class ZeroEngine:
     """Owns the units of one model and the hooks that drive them."""
 
-    def __init__(self, model: nn.Module, config, comm: Collectives, optimizer_group_of: dict[int, int]):
+    def __init__(self, model: nn.Module, config, comm: Collectives,
+                 optimizer_group_of: dict[int, tuple[int, int]]):
+        """``optimizer_group_of``: id(param) -> (which optimizer, which of its param groups)."""
         self.model = model
         self.config = config
         self.plan: ShardingPlan = plan_for(config.stage)
@@ -128,7 +130,7 @@ class ZeroEngine:
         self._last_forward_order: list[Unit] = []
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
-        self.optimizer_ref = None  # weakref to the ZeroOptimizer stepping this engine's masters
+        self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
         self._register_hooks()
 
     # ------------------------------------------------------------- registration
@@ -308,10 +310,13 @@ class ZeroEngine:
         for u in self.units:
             u.wait_gather()
 
-    def finish_gradients(self) -> None:
-        """Make every grad_shard final before clipping or stepping (stage 1 reduces here)."""
+    def finish_gradients(self, groups: list[FlatGroup] | None = None) -> None:
+        """Make the groups' grad_shards final before clipping or stepping (stage 1 reduces here).
+
+        ``groups``: one optimizer's groups (default: all trainable groups).
+        """
         self.wait_reduces()
-        for g in self.trainable_groups:
+        for g in self.trainable_groups if groups is None else groups:
             # stage 1 reduces every group once per step (zeros for an unused one, in lock-step)
             if g.has_unreduced or (self.plan.keeps_full_gradients and g.grad_shard is None):
                 self._launch_reduce(g)
@@ -319,8 +324,8 @@ class ZeroEngine:
         for g in self.groups:
             g.reset_backward_counters()
 
-    def zero_grad(self) -> None:
-        for g in self.groups:
+    def zero_grad(self, groups: list[FlatGroup] | None = None) -> None:
+        for g in self.groups if groups is None else groups:
             g.zero_grad(keep_full=self.plan.keeps_full_gradients)
 
     @contextlib.contextmanager

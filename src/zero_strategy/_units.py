@@ -115,7 +115,7 @@ def build_units(
     plan: ShardingPlan,
     unit_classes: tuple[str, ...],
     persistence_threshold: int,
-    optimizer_group_of: dict[int, int],
+    optimizer_group_of: dict[int, tuple[int, int]],
     compute_dtype: torch.dtype,
     grad_dtype: torch.dtype,
     comm: Collectives,
@@ -155,11 +155,13 @@ def build_units(
                    plan.shards_parameters and not persistent)
             buckets.setdefault(key, []).append((first_name[pid], p))
         groups = []
-        for (trainable, opt_group, shard_params), named in buckets.items():
-            gname = f"{unit_name}/{'train' if trainable else 'frozen'}{'' if opt_group is None else opt_group}" \
-                    f"{'' if shard_params else '/whole'}"
+        for (trainable, opt_key, shard_params), named in buckets.items():
+            opt_index, opt_group = opt_key if opt_key is not None else (None, None)
+            label = "" if opt_key is None else (f"{opt_group}" if opt_index == 0 else f"{opt_index}.{opt_group}")
+            gname = f"{unit_name}/{'train' if trainable else 'frozen'}{label}{'' if shard_params else '/whole'}"
             groups.append(FlatGroup(
-                gname, named, trainable=trainable, optimizer_group=opt_group, shard_params=shard_params,
+                gname, named, trainable=trainable, optimizer_group=opt_group, optimizer_index=opt_index,
+                shard_params=shard_params,
                 compute_dtype=compute_dtype, grad_dtype=grad_dtype, rank=comm.rank,
                 world_size=comm.world_size, device=device,
                 offload=OffloadPlan(optimizer=offload.optimizer and trainable,

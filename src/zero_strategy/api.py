@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,14 @@ def _lookup(model: nn.Module) -> ZeroEngine | None:
     return engine if engine is not None and engine.model is model else None
 
 
-def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
           config: ZeroConfig | str | dict | None = None,
           process_group: dist.ProcessGroup | None = None):
     """Shard ``model`` (in place) and re-home ``optimizer`` onto fp32 master shards.
+
+    ``optimizer`` may also be a list of optimizers over disjoint parameters of the
+    model (a GAN's generator and discriminator optimizers); then a list of
+    ``ZeroOptimizer`` comes back, each stepping and zeroing only its own parameters.
 
     ``config``: a :class:`ZeroConfig`, a preset name (``"zero3"``), a dict, or a path
     to a YAML/JSON file (ours or a DeepSpeed config). Default: ``ZeroConfig()``.
@@ -53,21 +57,25 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     Returns ``(model, zero_optimizer)``; ``zero_optimizer`` is ``None`` when no
     optimizer is given (inference / frozen models).
     """
+    several = isinstance(optimizer, (list, tuple))
+    optimizers = list(optimizer) if several else ([] if optimizer is None else [optimizer])
     cfg = ZeroConfig.load(config) if config is not None else ZeroConfig()
     if _lookup(model) is not None:
         raise ValueError("zero_strategy.setup: this model is already set up; call setup once per model "
                          "(call zero_strategy.teardown(model) first to start over)")
     _refuse_unavailable(cfg)
-    if optimizer is not None:
-        check_elementwise(optimizer)
+    for opt in optimizers:
+        check_elementwise(opt)
     comm = Collectives(process_group)
     _sync_module_states(model, comm)
-    group_of = _optimizer_group_of(model, optimizer)
+    group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of)
     _ENGINES[id(model)] = engine
-    zero_opt = ZeroOptimizer(optimizer, engine) if optimizer is not None else None
-    engine.optimizer_ref = weakref.ref(zero_opt) if zero_opt is not None else None
-    return model, zero_opt
+    zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
+    engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
+    if several:
+        return model, zero_opts
+    return model, (zero_opts[0] if zero_opts else None)
 
 
 def _refuse_unavailable(cfg: ZeroConfig) -> None:
@@ -80,19 +88,23 @@ def _refuse_unavailable(cfg: ZeroConfig) -> None:
             "fallback is made so that a run never uses more memory than you planned for.")
 
 
-def _optimizer_group_of(model: nn.Module, optimizer) -> dict[int, int]:
-    if optimizer is None:
-        return {}
+def _optimizer_group_of(model: nn.Module, optimizers: list) -> dict[int, tuple[int, int]]:
+    """id(param) -> (index of its optimizer, index of its param group there)."""
     in_model = {id(p) for p in model.parameters()}
-    group_of: dict[int, int] = {}
-    for i, pg in enumerate(optimizer.param_groups):
-        for p in pg["params"]:
-            if id(p) not in in_model:
-                raise ValueError(
-                    f"zero_strategy.setup: optimizer param group {i} holds a parameter of shape "
-                    f"{tuple(p.shape)} that is not in the model; build the optimizer from this model's "
-                    "parameters")
-            group_of[id(p)] = i
+    group_of: dict[int, tuple[int, int]] = {}
+    for k, optimizer in enumerate(optimizers):
+        for i, pg in enumerate(optimizer.param_groups):
+            for p in pg["params"]:
+                if id(p) not in in_model:
+                    raise ValueError(
+                        f"zero_strategy.setup: optimizer param group {i} holds a parameter of shape "
+                        f"{tuple(p.shape)} that is not in the model; build the optimizer from this model's "
+                        "parameters")
+                if id(p) in group_of and group_of[id(p)][0] != k:
+                    raise ValueError(
+                        f"zero_strategy.setup: a parameter of shape {tuple(p.shape)} is in optimizers "
+                        f"{group_of[id(p)][0]} and {k}; give each parameter to one optimizer")
+                group_of[id(p)] = (k, i)
     return group_of
 
 
@@ -136,7 +148,7 @@ def no_sync(model: nn.Module):
 def memory_report(model: nn.Module) -> MemoryReport:
     """Model-state bytes this rank holds now (params, grads, master, optimizer state)."""
     engine = engine_of(model)
-    return measure(engine, engine.optimizer_ref() if engine.optimizer_ref is not None else None)
+    return measure(engine, [z for z in (ref() for ref in engine.optimizer_refs) if z is not None])
 
 
 def comm_stats(model: nn.Module) -> dict:

@@ -57,12 +57,13 @@ class Reference:
             (loss.float() * self.scale).backward()
         return loss.item()
 
-    def step(self, clip, norm_type=2.0):
+    def step(self, clip, norm_type=2.0, zero_grad=True):
         norm = None
         if self.compute is not self.master:
             for pm, pc in zip(self.master.parameters(), self.compute.parameters()):
                 if pc.grad is not None:
-                    pm.grad = pc.grad.float() / self.scale
+                    g = pc.grad.float() / self.scale
+                    pm.grad = g if pm.grad is None else pm.grad + g
                     pc.grad = None
         if self.scale != 1.0:  # dynamic loss scaling as torch.amp.GradScaler does it
             grads = [p.grad for p in self.master.parameters() if p.grad is not None]
@@ -75,7 +76,8 @@ class Reference:
         if clip:
             norm = torch.nn.utils.clip_grad_norm_(self.master.parameters(), clip, norm_type).item()
         self.opt.step()
-        self.opt.zero_grad()
+        if zero_grad:
+            self.opt.zero_grad()
         self.sched.step()
         if self.compute is not self.master:
             with torch.no_grad():
@@ -177,12 +179,14 @@ def _run_case(case: dict) -> dict:
                 zopt.backward(lz)
             total_zero += lz.item()
         norm_type = float(case.get("clip_norm_type", 2.0))
-        norm = ref.step(clip, norm_type)
+        zero_now = (step + 1) % case.get("zero_grad_every", 1) == 0  # else gradients carry over
+        norm = ref.step(clip, norm_type, zero_now)
         if clip and not case.get("clip_in_config"):
             norms_ref.append(norm)
             norms_zero.append(zopt.clip_grad_norm_(clip, norm_type).item())
         zopt.step()
-        zopt.zero_grad()
+        if zero_now:
+            zopt.zero_grad()
         sched.step()
         losses_ref.append(total_ref)
         losses_zero.append(total_zero)

@@ -85,6 +85,8 @@ class GroupLayout:
     state_tensors: dict[str, str] = field(default_factory=dict)
     #: scalar optimizer state: key -> {"value", "tensor", "dtype", "on_param_device"}
     state_scalars: dict[str, dict] = field(default_factory=dict)
+    #: which of the saving run's optimizers stepped this group (several: e.g. a GAN)
+    optimizer_index: int | None = None
 
     @property
     def weight_tensor(self) -> str:
@@ -124,8 +126,11 @@ class Metadata:
     #: model.state_dict() keys in order: [key, "param", fqn] or [key, "buffer", key]
     state_dict_keys: list[list[str]]
     files: list[FileRecord]
-    optimizer: dict | None = None      # {"class", "module", "param_groups"}
+    optimizer: dict | None = None      # {"class", "module", "param_groups"} of the first optimizer
     loss_scaler: dict | None = None
+    #: every optimizer given to setup(), in order (``optimizer`` is the first of them)
+    optimizers: list | None = None
+    loss_scalers: list | None = None
     extra_state: dict | None = None    # {"kind": "json", "value": ...} | {"kind": "torch", "file": ...}
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
@@ -215,6 +220,7 @@ def describe_groups(engine) -> list[GroupLayout]:
         stored = g.master.dtype if g.trainable else g.param_shard.dtype
         out.append(GroupLayout(
             index=i, name=g.name, trainable=bool(g.trainable), optimizer_group=g.optimizer_group,
+            optimizer_index=g.optimizer_index,
             shard_params=bool(g.shard_params), dtype=dtype_name(stored), numel=int(g.numel),
             padded_numel=int(g.padded_numel), shard_numel=int(g.shard_numel),
             world_size=int(engine.comm.world_size)))
@@ -231,21 +237,35 @@ def describe_params(engine, model: torch.nn.Module) -> dict[str, ParamLayout]:
     return out
 
 
-def resolve_zero_optimizer(engine, optimizer):
-    """Accept the ZeroOptimizer from ``setup`` or the user's optimizer it re-homed; None stays None."""
+def resolve_zero_optimizers(engine, optimizer) -> list:
+    """The engine's ZeroOptimizers, in setup() order, from what the caller passed.
+
+    Accepts None (weights only: ``[]``), the ZeroOptimizer(s) ``setup`` returned, or the
+    user's optimizer(s) they re-homed. A model set up with several optimizers needs all
+    of them (their states share the rank files).
+    """
     if optimizer is None:
-        return None
+        return []
     from .._optimizer import ZeroOptimizer
 
-    if isinstance(optimizer, ZeroOptimizer):
-        if optimizer.engine is not engine:
-            raise CheckpointError("the optimizer was set up with a different model than the one given")
-        return optimizer
-    zopt = engine.optimizer_ref() if engine.optimizer_ref is not None else None
-    if zopt is not None and zopt.optimizer is optimizer:
-        return zopt
-    raise CheckpointError("optimizer: pass the optimizer returned by zero_strategy.setup(model, optimizer) "
-                          "for this model")
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    mine = [z for z in (ref() for ref in engine.optimizer_refs) if z is not None]
+    out = []
+    for opt in given:
+        if isinstance(opt, ZeroOptimizer):
+            if opt.engine is not engine:
+                raise CheckpointError("the optimizer was set up with a different model than the one given")
+            out.append(opt)
+            continue
+        match = next((z for z in mine if z.optimizer is opt), None)
+        if match is None:
+            raise CheckpointError("optimizer: pass the optimizer returned by zero_strategy.setup(model, "
+                                  "optimizer) for this model")
+        out.append(match)
+    if len(out) != len(mine):
+        raise CheckpointError(f"the model was set up with {len(mine)} optimizers; pass all of them "
+                              f"(a list, in setup order), not {len(out)}")
+    return sorted(out, key=lambda z: z.index)
 
 
 def jsonable(value: Any) -> Any:

@@ -28,7 +28,7 @@ import torch
 
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata,
-                      resolve_zero_optimizer)
+                      resolve_zero_optimizers)
 from ._safetensors_stream import verify_file
 from ._sync import agree, describe
 
@@ -90,14 +90,14 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     """
     engine = engine_of(model)
     comm = engine.comm
-    zopt = resolve_zero_optimizer(engine, optimizer)
+    zopts = resolve_zero_optimizers(engine, optimizer)
     error, meta, extra, reader = None, None, None, None
     try:
         ckpt_dir = resolve_checkpoint_dir(path)
         meta = read_metadata(ckpt_dir)
-        _check_compatible(meta, model, engine, zopt, strict, ckpt_dir)
+        _check_compatible(meta, model, engine, zopts, strict, ckpt_dir)
         reader = _Reader(ckpt_dir, meta)
-        _load_shards(reader, model, engine, zopt)
+        _load_shards(reader, model, engine, zopts)
         _load_buffers(reader, model, engine)
         extra = _extra_state(reader, meta)
     except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
@@ -107,11 +107,23 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
             reader.close()
     agree(comm, error)
     _publish(engine)
-    if zopt is not None:
-        _load_hyperparameters(meta, zopt)
-        if meta.loss_scaler is not None and zopt.scaler.enabled:
-            zopt.scaler.load_state_dict(meta.loss_scaler)
+    for zopt, saved, scaler in zip(zopts, _saved_optimizers(meta), _saved_scalers(meta)):
+        _load_hyperparameters(saved, zopt)
+        if scaler is not None and zopt.scaler.enabled:
+            zopt.scaler.load_state_dict(scaler)
     return extra
+
+
+def _saved_optimizers(meta: Metadata) -> list:
+    if meta.optimizers is not None:
+        return meta.optimizers
+    return [meta.optimizer] if meta.optimizer is not None else []
+
+
+def _saved_scalers(meta: Metadata) -> list:
+    if meta.loss_scalers is not None:
+        return meta.loss_scalers
+    return [meta.loss_scaler] * len(_saved_optimizers(meta))
 
 
 # ------------------------------------------------------------------ checks
@@ -124,7 +136,7 @@ def _model_names(model, engine) -> tuple[dict[int, list[str]], list[str]]:
     return {pid: n for pid, n in names.items() if pid in managed}, buffers
 
 
-def _check_compatible(meta: Metadata, model, engine, zopt, strict: bool, ckpt_dir: Path) -> None:
+def _check_compatible(meta: Metadata, model, engine, zopts, strict: bool, ckpt_dir: Path) -> None:
     names, buffers = _model_names(model, engine)
     alias = meta.alias_map()
     model_keys = {n for ns in names.values() for n in ns} | set(buffers)
@@ -144,17 +156,22 @@ def _check_compatible(meta: Metadata, model, engine, zopt, strict: bool, ckpt_di
         if strict:
             raise CheckpointError(msg + " (strict=False loads the rest)")
         warnings.warn(msg, stacklevel=4)
-    if zopt is None:
+    if not zopts:
         return
-    if meta.optimizer is None:
+    saved_all = _saved_optimizers(meta)
+    if not saved_all:
         raise CheckpointError(f"{ckpt_dir} was saved without optimizer state; pass optimizer=None to load "
                               "the model weights only (the optimizer then starts fresh)")
-    have, saved = type(zopt.optimizer).__name__, meta.optimizer["class"]
-    if have != saved:
-        raise CheckpointError(f"{ckpt_dir} holds {saved} optimizer state but the optimizer is {have}")
-    if len(meta.optimizer["param_groups"]) != len(zopt.optimizer.param_groups):
-        raise CheckpointError(f"{ckpt_dir} has {len(meta.optimizer['param_groups'])} optimizer param groups, "
-                              f"the optimizer {len(zopt.optimizer.param_groups)}")
+    if len(saved_all) != len(zopts):
+        raise CheckpointError(f"{ckpt_dir} holds the state of {len(saved_all)} optimizer(s), but "
+                              f"{len(zopts)} were given")
+    for zopt, saved_opt in zip(zopts, saved_all):
+        have, saved = type(zopt.optimizer).__name__, saved_opt["class"]
+        if have != saved:
+            raise CheckpointError(f"{ckpt_dir} holds {saved} optimizer state but the optimizer is {have}")
+        if len(saved_opt["param_groups"]) != len(zopt.optimizer.param_groups):
+            raise CheckpointError(f"{ckpt_dir} has {len(saved_opt['param_groups'])} optimizer param groups, "
+                                  f"the optimizer {len(zopt.optimizer.param_groups)}")
 
 
 # ------------------------------------------------------------------ shards
@@ -162,7 +179,7 @@ def _fqn_in_checkpoint(meta: Metadata, alias: dict[str, str], names: list[str]) 
     return next((alias[n] for n in names if n in alias), None)
 
 
-def _load_shards(reader: _Reader, model, engine, zopt) -> None:
+def _load_shards(reader: _Reader, model, engine, zopts) -> None:
     meta = reader.meta
     names, _ = _model_names(model, engine)
     alias = meta.alias_map()
@@ -174,8 +191,8 @@ def _load_shards(reader: _Reader, model, engine, zopt) -> None:
                 continue  # missing: allowed by strict=False, keeps its current value
             dst = target[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
             reader.fill(dst, fqn, lo, hi, lambda grp: grp.weight_tensor)
-        if zopt is not None and g.trainable:
-            _load_optimizer_state(reader, g, zopt, names, alias)
+        if zopts and g.trainable:
+            _load_optimizer_state(reader, g, zopts[g.optimizer_index], names, alias)
 
 
 def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
@@ -267,8 +284,8 @@ def _publish(engine) -> None:
         h.wait()
 
 
-def _load_hyperparameters(meta: Metadata, zopt) -> None:
-    for pg, saved in zip(zopt.optimizer.param_groups, meta.optimizer["param_groups"]):
+def _load_hyperparameters(saved_optimizer: dict, zopt) -> None:
+    for pg, saved in zip(zopt.optimizer.param_groups, saved_optimizer["param_groups"]):
         for key, value in saved.items():
             current = pg.get(key)
             if isinstance(current, torch.Tensor):

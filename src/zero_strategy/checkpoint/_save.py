@@ -30,7 +30,7 @@ import torch
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
                       GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,
-                      jsonable, rank_file_name, resolve_zero_optimizer)
+                      jsonable, rank_file_name, resolve_zero_optimizers)
 from ._safetensors_stream import StreamWriter, sha256_file
 from ._sync import agree, all_gather_object, broadcast_object, describe
 
@@ -50,7 +50,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = engine_of(model)
     comm = engine.comm
-    zopt = resolve_zero_optimizer(engine, optimizer)
+    zopts = resolve_zero_optimizers(engine, optimizer)
     path = Path(path).absolute()
     decision: tuple[str, str] | None = None
     if comm.rank == 0:
@@ -72,7 +72,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     records: list[FileRecord] = []
     error = None
     try:
-        records.append(_write_rank_file(tmp, engine, zopt, groups))
+        records.append(_write_rank_file(tmp, engine, zopts, groups))
         if comm.rank == 0:
             records.append(_write_buffers(tmp, model, engine))
             extra_meta, extra_record = _write_extra_state(tmp, extra_state)
@@ -91,7 +91,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     if comm.rank == 0:
         try:
             files = [r for recs, _ in gathered for r in recs]
-            meta = _metadata(model, engine, zopt, groups, files, extra_meta)
+            meta = _metadata(model, engine, zopts, groups, files, extra_meta)
             _write_metadata(tmp, meta)
             _swap_into_place(tmp, path, token)
         except Exception as err:  # noqa: BLE001
@@ -134,10 +134,11 @@ def _swap_into_place(tmp: Path, path: Path, token: str) -> None:
 
 
 # ------------------------------------------------------------------ files
-def _optimizer_state(zopt, g, layout: GroupLayout) -> list[tuple[str, torch.Tensor]]:
+def _optimizer_state(zopts, g, layout: GroupLayout) -> list[tuple[str, torch.Tensor]]:
     """Split one master's optimizer state: elementwise tensors (returned) and scalars (into layout)."""
-    if zopt is None or not g.trainable:
+    if not zopts or not g.trainable:
         return []
+    zopt = zopts[g.optimizer_index]
     tensors = []
     for key, v in sorted(zopt.optimizer.state.get(g.master, {}).items()):
         if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == g.shard_numel:
@@ -156,12 +157,12 @@ def _optimizer_state(zopt, g, layout: GroupLayout) -> list[tuple[str, torch.Tens
     return tensors
 
 
-def _write_rank_file(tmp: Path, engine, zopt, groups: list[GroupLayout]) -> FileRecord:
+def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> FileRecord:
     entries: list[tuple[str, torch.Tensor]] = []
     for layout, g in zip(groups, engine.groups):
         weight = g.master if g.trainable else g.param_shard
         entries.append((layout.weight_tensor, weight.detach()))
-        for key, t in _optimizer_state(zopt, g, layout):
+        for key, t in _optimizer_state(zopts, g, layout):
             entries.append((layout.state_tensor(key), t.detach()))
     name = rank_file_name(engine.comm.rank, engine.comm.world_size)
     specs = [(n, t.dtype, [t.numel()]) for n, t in entries]
@@ -217,25 +218,28 @@ def _write_extra_state(tmp: Path, extra_state: Any) -> tuple[dict | None, FileRe
     return {"kind": "torch", "file": EXTRA_STATE_FILE}, record
 
 
-def _metadata(model, engine, zopt, groups, files, extra_meta) -> Metadata:
+def _metadata(model, engine, zopts, groups, files, extra_meta) -> Metadata:
     from .. import __version__
 
     managed = {id(s.param): s.fqn for g in engine.groups for s in g.slots}
     keys = [[k, "param", managed[id(t)]] if id(t) in managed else [k, "buffer", k]
             for k, t in model.state_dict(keep_vars=True).items()]
-    optimizer = None
-    if zopt is not None:
+    optimizers, scalers = [], []
+    for zopt in zopts:
         opt = zopt.optimizer
         hyper = []
         for pg in opt.param_groups:
             hyper.append({k: v for k, v in ((k, jsonable(v)) for k, v in pg.items() if k != "params")
                           if v is not SKIP})
-        optimizer = {"class": type(opt).__name__, "module": type(opt).__module__, "param_groups": hyper}
+        optimizers.append({"class": type(opt).__name__, "module": type(opt).__module__, "param_groups": hyper})
+        scalers.append(zopt.scaler.state_dict() if zopt.scaler.enabled else None)
     return Metadata(
         world_size=engine.comm.world_size, stage=engine.plan.stage, precision=str(engine.config.precision),
         groups=groups, params=describe_params(engine, model), state_dict_keys=keys, files=files,
-        optimizer=optimizer, loss_scaler=zopt.scaler.state_dict() if zopt is not None and zopt.scaler.enabled
-        else None, extra_state=extra_meta, zero_strategy_version=__version__)
+        optimizer=optimizers[0] if optimizers else None, loss_scaler=scalers[0] if scalers else None,
+        optimizers=optimizers or None, loss_scalers=scalers or None,
+        extra_state=extra_meta, zero_strategy_version=__version__)
+
 
 
 def _write_metadata(tmp: Path, meta: Metadata) -> None:
