@@ -91,13 +91,17 @@ class ZeroEngine:
     """Owns the units of one model and the hooks that drive them."""
 
     def __init__(self, model: nn.Module, config, comm: Collectives,
-                 optimizer_group_of: dict[int, tuple[int, int]]):
-        """``optimizer_group_of``: id(param) -> (which optimizer, which of its param groups)."""
+                 optimizer_group_of: dict[int, tuple[int, int]], device: torch.device | None = None,
+                 param_init_fn=None):
+        """``optimizer_group_of``: id(param) -> (which optimizer, which of its param groups).
+
+        ``device``/``param_init_fn``: where and how meta-device parameters are materialized.
+        """
         self.model = model
         self.config = config
         self.plan: ShardingPlan = plan_for(config.stage)
         self.comm = comm
-        self.device = _single_device(model)
+        self.device = _single_device(model, device)
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.gradient_reduce_dtype
         self._optimizer_group_of = optimizer_group_of
@@ -113,7 +117,7 @@ class ZeroEngine:
             persistence_threshold=config.param_persistence_threshold,
             optimizer_group_of=optimizer_group_of, compute_dtype=self.compute_dtype,
             grad_dtype=self.grad_dtype, comm=comm, device=self.device,
-            offload=self.offload, transfers=self.transfers,
+            offload=self.offload, transfers=self.transfers, param_init_fn=param_init_fn,
         )
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
@@ -350,17 +354,25 @@ def _drop_grad(param: nn.Parameter) -> None:
     param.grad = None
 
 
-def _single_device(model: nn.Module) -> torch.device:
-    devices = {p.device for p in model.parameters()}
-    if not devices:
+def _single_device(model: nn.Module, requested: torch.device | None) -> torch.device:
+    """The compute device: the parameters' (one), or for a meta-device model the requested
+    device, else the current CUDA device, else the CPU."""
+    devices = {p.device for p in model.parameters() if not p.is_meta}
+    has_meta = any(p.is_meta for p in model.parameters())
+    if not devices and not has_meta:
         raise ValueError("zero_strategy.setup: the model has no parameters to shard")
     if len(devices) > 1:
         raise ValueError(
             f"zero_strategy.setup: the model's parameters are on several devices {sorted(map(str, devices))}; "
             "move the whole model to one device (model.to(device)) before setup")
-    device = devices.pop()
-    if device.type == "meta":
-        raise ValueError(
-            "zero_strategy.setup: the model is on the meta device; materialize it first "
-            "(model.to_empty(device=...) and initialize weights) before setup")
-    return device
+    if devices:
+        device = devices.pop()
+        if requested is not None and torch.device(requested) != device:
+            raise ValueError(f"zero_strategy.setup: device={requested} but the model's parameters are on "
+                             f"{device}; move the model or drop the device argument")
+        return device
+    if requested is not None:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

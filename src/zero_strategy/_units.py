@@ -22,6 +22,8 @@ from torch import nn
 
 from ._collectives import Collectives, Handle
 from ._flat import FlatGroup, ShardState
+from ._materialize import materialize_unit
+from ._materialize import unit_modules as unit_scope
 from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan
 
@@ -122,8 +124,12 @@ def build_units(
     device: torch.device,
     offload: OffloadPlan,
     transfers: Transfers,
+    param_init_fn=None,
 ) -> list[Unit]:
-    """Partition the model's parameters into units and flat groups (root unit first)."""
+    """Partition the model's parameters into units and flat groups (root unit first).
+
+    Meta-device parameters are materialized here, unit by unit (see _materialize.py).
+    """
     unit_modules = find_unit_modules(model, unit_classes)
     prefixes = [(fqn + ".", fqn) for fqn, _ in unit_modules]
 
@@ -143,8 +149,12 @@ def build_units(
         params[pid] = p
 
     modules = {ROOT: model, **dict(unit_modules)}
+    unit_roots = [m for _, m in unit_modules]
     units: list[Unit] = []
     for unit_name in [ROOT] + [fqn for fqn, _ in unit_modules]:
+        materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
+                         [p for pid, p in params.items() if owner[pid] == unit_name],
+                         device, comm, param_init_fn, first_name)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
         for pid, p in params.items():
             if owner[pid] != unit_name:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,9 @@ def _lookup(model: nn.Module) -> ZeroEngine | None:
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
           config: ZeroConfig | str | dict | None = None,
-          process_group: dist.ProcessGroup | None = None):
+          process_group: dist.ProcessGroup | None = None, *,
+          device: torch.device | str | None = None,
+          param_init_fn: Callable[[nn.Module], object] | None = None):
     """Shard ``model`` (in place) and re-home ``optimizer`` onto fp32 master shards.
 
     ``optimizer`` may also be a list of optimizers over disjoint parameters of the
@@ -53,6 +55,11 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     to a YAML/JSON file (ours or a DeepSpeed config). Default: ``ZeroConfig()``.
     ``process_group``: the ranks to shard over (default: the whole world; a single
     process without ``torch.distributed`` initialized is a world of one).
+
+    A model created on the meta device (``with torch.device("meta"): model = ...``) is
+    materialized unit by unit on ``device`` (default: the current CUDA device, else
+    the CPU), so no rank ever holds it whole; ``param_init_fn(module)`` initializes
+    each module (default ``module.reset_parameters()``; see _materialize.py).
 
     Returns ``(model, zero_optimizer)``; ``zero_optimizer`` is ``None`` when no
     optimizer is given (inference / frozen models).
@@ -69,7 +76,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     comm = Collectives(process_group)
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
-    engine = ZeroEngine(model, cfg, comm, group_of)
+    engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
@@ -114,7 +121,8 @@ def _sync_module_states(model: nn.Module, comm: Collectives) -> None:
         return
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            comm.broadcast(t.data, src_rank=0)
+            if not t.is_meta:  # meta tensors are broadcast when materialized, unit by unit
+                comm.broadcast(t.data, src_rank=0)
 
 
 def engine_of(model: nn.Module) -> ZeroEngine:

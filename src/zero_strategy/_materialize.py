@@ -1,0 +1,99 @@
+"""Build a model that was created on the meta device, one unit at a time.
+
+[Note: why unit by unit]
+A model too big for one rank is created with ``torch.device("meta")`` (shapes, no
+storage). ``setup`` materializes it unit by unit: allocate the unit's parameters on
+the compute device, initialize them, make every rank agree with rank 0 (one
+broadcast per tensor), copy them into the unit's flat buffers and, for stage 3,
+release all but this rank's shard, before touching the next unit. Peak memory is
+the sharded model plus one unit, never the whole model.
+
+Parameters keep their Python identity (``torch.utils.swap_tensors``), so optimizers
+built over the meta parameters, tied weights and the user's references stay valid.
+
+Initialization: ``param_init_fn(module)`` is called for every module whose own
+parameters live in the unit; by default that is ``module.reset_parameters()``.
+A meta parameter that nothing initializes is an error that names it: silent
+garbage weights are worse than a crash. Buffers created on the meta device are
+allocated too and must be (re)computed by ``param_init_fn`` (for example rotary
+embedding frequencies), since their constructor's values were never stored.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ._collectives import Collectives
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def default_init(module: nn.Module) -> bool:
+    """``module.reset_parameters()`` if it has one; returns whether it initialized anything."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+        return True
+    return False
+
+
+@torch.no_grad()
+def materialize_unit(
+    modules: Iterable[nn.Module],
+    params: list[nn.Parameter],
+    device: torch.device,
+    comm: Collectives,
+    param_init_fn: Callable[[nn.Module], object] | None,
+    names: dict[int, str],
+) -> None:
+    """Allocate, initialize and broadcast the meta parameters ``params`` (and the modules' meta buffers)."""
+    meta = [p for p in params if p.is_meta]
+    if not meta:
+        return
+    meta_ids = {id(p) for p in meta}
+    for p in meta:
+        real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        torch.utils.swap_tensors(p, real)
+    modules = list(modules)
+    for m in modules:
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    covered: set[int] = set()
+    for m in modules:
+        own = [p for p in m.parameters(recurse=False) if id(p) in meta_ids]
+        if not own and param_init_fn is None:
+            continue
+        if param_init_fn is not None:
+            param_init_fn(m)
+            covered.update(id(p) for p in own)
+        elif default_init(m):
+            covered.update(id(p) for p in own)
+    missing = [names[id(p)] for p in meta if id(p) not in covered]
+    if missing:
+        raise ValueError(
+            f"zero_strategy.setup: meta-device parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            "belong to modules without reset_parameters(), so nothing would initialize them; pass "
+            "param_init_fn=fn (called as fn(module) for each module; e.g. a Hugging Face model's "
+            "_init_weights) to setup")
+    for m in modules:  # every rank starts from rank 0's values, as for a materialized model
+        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            comm.broadcast(t.data, src_rank=0)
+
+
+def unit_modules(root: nn.Module, unit_module: nn.Module, other_units: list[nn.Module]) -> list[nn.Module]:
+    """The modules of one unit's subtree, without the subtrees of other units inside it."""
+    skip = {id(m) for m in other_units if m is not unit_module}
+    out, stack = [], [unit_module]
+    while stack:
+        m = stack.pop()
+        if id(m) in skip:
+            continue
+        out.append(m)
+        stack.extend(m.children())
+    return out
