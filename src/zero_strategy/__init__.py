@@ -38,3 +38,12 @@ __all__ = [
     "no_sync", "setup", "teardown", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    """``zero_strategy.ZeroAccelerator``, imported on first use so ``import zero_strategy`` never imports Accelerate."""
+    if name == "ZeroAccelerator":
+        from .accelerate import ZeroAccelerator
+
+        return ZeroAccelerator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,19 @@
+"""Hugging Face Accelerate front end: ``ZeroAccelerator``, an ``Accelerator`` that shards with ZeRO.
+
+::
+
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    accelerator = ZeroAccelerator(zero_config="zero3", gradient_accumulation_steps=2)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+Launch with ``accelerate launch --config_file recipes/accelerate/<config>.yaml train.py``
+(a MULTI_GPU-type config; see recipes/accelerate/README.md). The engine itself
+never imports Accelerate: this package only translates.
+"""
+
+from ._accelerator import ZeroAccelerator, ZeroModelRecord
+from ._config import DEFAULT_PRESET, ENV_VAR
+from ._optimizer import ZeroAcceleratedOptimizer
+
+__all__ = ["ZeroAccelerator", "ZeroAcceleratedOptimizer", "ZeroModelRecord", "DEFAULT_PRESET", "ENV_VAR"]

@@ -1,0 +1,331 @@
+"""``ZeroAccelerator``: ``accelerate.Accelerator`` with ZeRO sharding in place of DDP.
+
+[Note: what changes and what does not]
+Everything Accelerate does for data loaders, schedulers, gradient accumulation
+bookkeeping, logging, trackers, RNG and process control is untouched. What DDP
+would do to the model and optimizer is replaced, and only that:
+
+* ``prepare`` pairs each optimizer with the model it trains and calls
+  ``zero_strategy.setup(model, optimizer, config)``: the model is sharded **in
+  place** (no wrapper; ``unwrap_model`` returns the same object) and the optimizer
+  comes back as a :class:`ZeroAcceleratedOptimizer` over the ZeroOptimizer. A model
+  prepared before its optimizer waits (unsharded) for it, because ``setup`` needs
+  both at once; a model with no trainable parameters stays replicated.
+* Accelerate's autocast and GradScaler are off: ``mixed_precision`` becomes the
+  engine's precision (bf16/fp16 parameters, fp32 masters, ZeRO's own fp16 scaler).
+* ``backward`` divides by the accumulation steps as Accelerate does and applies
+  the fp16 loss scale; ``no_sync`` / ``accumulate`` use ``zero_strategy.no_sync``;
+  ``clip_grad_norm_`` is the global norm over all shards.
+* ``get_state_dict`` / ``save_model`` consolidate on rank 0; ``save_state`` /
+  ``load_state`` save every rank's shard (see ``_checkpointing.py``).
+* ``free_memory`` / ``end_training`` tear the engines down (hooks removed, full
+  weights back in the modules); every process must call them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DynamoBackend
+from torch import nn
+
+from .. import api
+from ..config import ZeroConfig
+from . import _checkpointing
+from ._config import apply_precision, choose_spec, describe, load_config
+from ._launch import check_after_init, refuse_sharding_launchers, use_cpu_if_no_device
+from ._optimizer import ZeroAcceleratedOptimizer
+
+logger = logging.getLogger("zero_strategy.accelerate")
+
+
+@dataclass
+class ZeroModelRecord:
+    """One sharded model and the optimizers ``setup`` re-homed onto its shards."""
+    model: nn.Module
+    optimizers: list[ZeroAcceleratedOptimizer] = field(default_factory=list)
+
+
+class ZeroAccelerator(Accelerator):
+    """A drop-in ``accelerate.Accelerator`` that shards models with ZeRO instead of wrapping them in DDP.
+
+    Args:
+        zero_config: preset name (``"zero3"``), path to a YAML/JSON file (ours or a
+            DeepSpeed ``ds_config``), a mapping, or a :class:`~zero_strategy.ZeroConfig`.
+            Default: the environment variable ``ZERO_STRATEGY_CONFIG``, else ``"zero2"``.
+        **accelerator_kwargs: everything ``accelerate.Accelerator`` takes
+            (``mixed_precision``, ``gradient_accumulation_steps``, ``project_dir``, ...),
+            except DeepSpeed/FSDP/Megatron plugins.
+    """
+
+    def __init__(self, zero_config=None, **accelerator_kwargs):
+        refuse_sharding_launchers(accelerator_kwargs)
+        spec, source = choose_spec(zero_config)
+        load_config(spec, source, None)  # unknown presets/keys fail before the process group starts
+        accelerator_kwargs["cpu"] = use_cpu_if_no_device(bool(accelerator_kwargs.get("cpu", False)))
+        super().__init__(**accelerator_kwargs)
+        check_after_init(self)
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            raise ValueError("ZeroAccelerator: torch.compile through Accelerate (dynamo_backend) is not supported "
+                             "yet; launch with --dynamo_backend no")
+        mixed_precision = str(self.mixed_precision)
+        self._zero_config = apply_precision(load_config(spec, source, mixed_precision), mixed_precision, source)
+        # [Note: what changes] the engine owns precision: no autocast wrapper, no GradScaler
+        self.native_amp = False
+        self.scaler = None
+        self._zero_records: list[ZeroModelRecord] = []
+        self._pending: list[nn.Module] = []
+        if self.is_main_process:
+            logger.info("ZeroAccelerator: %s from %s on %d process(es)", describe(self._zero_config), source,
+                        self.num_processes)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The resolved config every model prepared here is sharded with."""
+        return self._zero_config
+
+    @property
+    def zero_models(self) -> list[ZeroModelRecord]:
+        return list(self._zero_records)
+
+    @property
+    def pending_models(self) -> list[nn.Module]:
+        """Models prepared for training whose optimizer has not been prepared yet (not sharded yet)."""
+        return list(self._pending)
+
+    def is_zero_model(self, model) -> bool:
+        return self._record_of(model) is not None
+
+    def _record_of(self, model) -> ZeroModelRecord | None:
+        return next((r for r in self._zero_records if r.model is model), None)
+
+    def _zero_optimizers(self):
+        return [o.zero_optimizer for r in self._zero_records for o in r.optimizers]
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args, device_placement=None):
+        """Like ``Accelerator.prepare``; models and their optimizers are ZeRO-sharded instead of DDP-wrapped."""
+        if device_placement is None:
+            device_placement = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ValueError(f"`device_placement` should be a list with {len(args)} elements (the number of "
+                             "objects passed).")
+        result = list(args)
+        new_models: list[nn.Module] = []
+        optimizers: list[tuple[int, torch.optim.Optimizer]] = []
+        for i, (obj, place) in enumerate(zip(args, device_placement)):
+            if isinstance(obj, nn.Module):
+                result[i] = self._take_model(obj, place)
+                if obj not in new_models and obj not in self._pending:
+                    new_models.append(obj)
+            elif isinstance(obj, AcceleratedOptimizer):
+                result[i] = self._already_prepared_optimizer(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                optimizers.append((i, obj))
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                result[i] = self.prepare_data_loader(obj, device_placement=place)
+        for i, wrapped in self._shard(new_models, optimizers).items():
+            result[i] = wrapped
+        for m in new_models:  # prepared for training without an optimizer (yet)
+            if self._record_of(m) is None and any(p.requires_grad for p in m.parameters()):
+                self._pending.append(m)
+        for i, obj in enumerate(args):  # schedulers last: they need the prepared optimizers
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                result[i] = self.prepare_scheduler(obj)
+        return tuple(result) if len(result) > 1 else result[0]
+
+    def _take_model(self, model: nn.Module, place) -> nn.Module:
+        if self.is_zero_model(model):
+            raise ValueError(
+                "ZeroAccelerator.prepare: this model is already prepared (sharded); prepare each model once. To "
+                "train it again from scratch with a new optimizer call accelerator.free_memory() first.")
+        if model in self._pending or model in self._models:
+            return model
+        if place is None:
+            place = self.device_placement
+        if place:
+            model = model.to(self.device)
+        self._models.append(model)
+        model._is_accelerate_prepared = True
+        return model
+
+    def _already_prepared_optimizer(self, optimizer: AcceleratedOptimizer) -> AcceleratedOptimizer:
+        if isinstance(optimizer, ZeroAcceleratedOptimizer):
+            engine = optimizer.zero_optimizer.engine
+            if not any(r.model is engine.model for r in self._zero_records):
+                raise ValueError(
+                    "ZeroAccelerator.prepare: this optimizer was prepared for a model that has since been torn down "
+                    "(free_memory) or prepared by another accelerator; create a new optimizer over the model's "
+                    "parameters and prepare both together")
+        if optimizer not in self._optimizers:
+            self._optimizers.append(optimizer)
+        return optimizer
+
+    def _shard(self, new_models, optimizers) -> dict[int, ZeroAcceleratedOptimizer]:
+        """``zero_strategy.setup`` for each model that has optimizers; returns the wrapped ones by position."""
+        if not optimizers:
+            return {}
+        candidates = list(new_models) + [m for m in self._pending if m not in new_models]
+        owned: dict[int, list[tuple[int, torch.optim.Optimizer, frozenset[int]]]] = {}
+        for i, opt in optimizers:
+            ids = frozenset(id(p) for g in opt.param_groups for p in g["params"])
+            owner = next((m for m in candidates if ids <= {id(p) for p in m.parameters()}), None)
+            if owner is None:
+                raise ValueError(
+                    "ZeroAccelerator.prepare: an optimizer's parameters do not all belong to one model prepared "
+                    "by this accelerator; pass the model in the same prepare() call as its optimizer (or in an "
+                    "earlier one), and build the optimizer from that model's parameters")
+            owned.setdefault(id(owner), []).append((i, opt, ids))
+        out: dict[int, ZeroAcceleratedOptimizer] = {}
+        for model in candidates:
+            entries = owned.get(id(model))
+            if not entries:
+                continue
+            if len(entries) > 1 and self._zero_config.precision == "fp16":
+                raise NotImplementedError(
+                    "ZeroAccelerator: fp16 with several optimizers on one model is not supported (one loss scale per "
+                    "optimizer, but accelerator.backward cannot tell which loss belongs to which); use bf16")
+            raw = [opt for _, opt, _ in entries]
+            _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config)
+            zopts = zopts if isinstance(zopts, list) else [zopts]
+            record = ZeroModelRecord(model)
+            for (i, _, ids), zopt in zip(entries, zopts):
+                wrapped = ZeroAcceleratedOptimizer(zopt, ids)
+                wrapped._is_accelerate_prepared = True
+                record.optimizers.append(wrapped)
+                self._optimizers.append(wrapped)
+                out[i] = wrapped
+            self._zero_records.append(record)
+            if model in self._pending:
+                self._pending.remove(model)
+        if self._zero_config.precision == "fp16" and len(self._zero_optimizers()) > 1:
+            raise NotImplementedError(
+                "ZeroAccelerator: fp16 with several ZeRO optimizers is not supported (accelerator.backward cannot "
+                "tell which loss scale applies); use bf16")
+        return out
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if evaluation_mode:
+            if self.is_zero_model(model):
+                return model
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        return self.prepare(model, device_placement=[device_placement])
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        return self.prepare(optimizer, device_placement=[device_placement])
+
+    def prepare_scheduler(self, scheduler):
+        if getattr(scheduler, "_is_accelerate_prepared", False):
+            if scheduler not in self._schedulers:
+                self._schedulers.append(scheduler)
+            return scheduler
+        inner = getattr(scheduler, "optimizer", None)
+        optimizer = next((o for o in self._optimizers
+                          if inner is o.optimizer or inner is getattr(o.optimizer, "optimizer", None)),
+                         self._optimizers)
+        wrapped = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       split_batches=self.split_batches)
+        wrapped._is_accelerate_prepared = True
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    # ------------------------------------------------------------------ training
+    def backward(self, loss, **kwargs):
+        """``loss / gradient_accumulation_steps``, fp16 loss scaling by the ZeroOptimizer, then backward."""
+        kwargs.pop("learning_rate", None)  # LOMO's argument; LOMO optimizers are not elementwise anyway
+        loss = loss / self.gradient_accumulation_steps
+        scaled = [z for z in self._zero_optimizers() if z.scaler.enabled]
+        if scaled:
+            scaled[0].backward(loss, **kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        """Inside, backward passes accumulate locally (``zero_strategy.no_sync``) for a ZeRO model."""
+        if not self.is_zero_model(model):
+            with super().no_sync(model):
+                yield
+            return
+        ctx = api.no_sync(model) if self.use_distributed else contextlib.nullcontext()
+        with ctx:
+            yield
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Global-norm clipping over every rank's shards; returns the norm before clipping."""
+        params = list(parameters)
+        ids = {id(p) for p in params}
+        records = [r for r in self._zero_records if any(id(p) in ids for p in r.model.parameters())]
+        if not records:
+            return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        opts = [o for r in records for o in r.optimizers if o.param_ids & ids]
+        if len(opts) != 1 or not opts[0].param_ids <= ids:
+            raise ValueError(
+                "ZeroAccelerator.clip_grad_norm_: the norm is computed over all parameters of one ZeRO optimizer "
+                "(sharded across ranks); pass model.parameters() of one prepared model (with several optimizers "
+                "on it: the parameters of one optimizer, in separate calls)")
+        return opts[0].zero_optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        params = list(parameters)
+        ids = {id(p) for p in params}
+        if any(id(p) in ids for r in self._zero_records for p in r.model.parameters()):
+            raise NotImplementedError("ZeroAccelerator: clip_grad_value_ on a ZeRO model is not supported "
+                                      "(gradients live in shards); use clip_grad_norm_")
+        return super().clip_grad_value_(params, clip_value)
+
+    # ------------------------------------------------------------------ weights and state
+    def get_state_dict(self, model, unwrap=True):
+        """Full fp32 weights (from the masters) on the main process, ``{}`` on the others; every rank calls it."""
+        if self.is_zero_model(model):
+            return api.full_state_dict(model, rank0_only=True)
+        if model in self._pending:
+            return model.state_dict()
+        return super().get_state_dict(model, unwrap=unwrap)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        """Consolidated weights written by the main process (safetensors, HF-style shards); every rank calls it."""
+        super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                           safe_serialization=safe_serialization)
+        if self.is_zero_model(model):
+            self.wait_for_everyone()
+
+    def save_state(self, output_dir=None, safe_serialization=True, **save_model_func_kwargs):
+        """Accelerate's state plus every rank's ZeRO shard (``zero_model*/``); resumable on any process count."""
+        return _checkpointing.save_state(self, super().save_state, output_dir, safe_serialization,
+                                         save_model_func_kwargs)
+
+    def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
+        """Load what :meth:`save_state` wrote, re-sharding onto this run's processes and stage."""
+        return _checkpointing.load_state(self, super().load_state, input_dir, load_kwargs, load_model_func_kwargs)
+
+    # ------------------------------------------------------------------ lifetime
+    def _teardown_all(self) -> None:
+        for record in self._zero_records:
+            try:
+                api.engine_of(record.model)
+            except ValueError:
+                continue  # torn down by the user already
+            api.teardown(record.model)
+        self._zero_records.clear()
+        self._pending.clear()
+
+    def free_memory(self, *objects):
+        """Tear down the ZeRO engines (hooks, shards, optimizer state) and drop Accelerate's references.
+
+        Every process must call it: the full weights are gathered back into each model.
+        """
+        self._teardown_all()
+        return super().free_memory(*objects)
+
+    def end_training(self):
+        """Tear down the ZeRO engines, finish trackers, destroy the process group."""
+        self._teardown_all()
+        super().end_training()

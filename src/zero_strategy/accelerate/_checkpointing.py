@@ -1,0 +1,117 @@
+"""``save_state`` / ``load_state`` for a ZeroAccelerator: Accelerate's files plus our sharded checkpoints.
+
+[Note: who writes what]
+Accelerate's own ``save_state`` writes what it knows how to write: the models and
+optimizers that are *not* ZeRO-sharded, the schedulers, the data-loader samplers,
+the RNG state of every process, the step counter, the GradScaler and the objects
+registered with ``register_for_checkpointing``. It would also write each ZeRO
+model's ``state_dict`` and rank 0's optimizer shard only, which loses the other
+ranks' shards; so while it runs, the ZeRO models and their optimizers are taken out
+of its lists (and put back, also on an error). Each ZeRO model with its optimizers
+is then saved by :func:`zero_strategy.save_checkpoint` into ``zero_model`` (the
+second one ``zero_model_1``, ...) inside the same directory: every rank writes its
+own shard, and loading re-shards by parameter name, so ``load_state`` works on any
+number of processes and any stage. ``zero_strategy_accelerate.json`` records the
+step counter and the number of processes (Accelerate keeps its step only in each
+rank's RNG file, which a rank that did not exist at save time lacks).
+
+Hooks registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
+see the non-ZeRO models only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+
+STATE_FILE = "zero_strategy_accelerate.json"
+FORMAT = 1
+
+
+def zero_dir_name(index: int) -> str:
+    return "zero_model" if index == 0 else f"zero_model_{index}"
+
+
+@contextlib.contextmanager
+def _accelerate_lists_without_zero(acc):
+    from ._optimizer import ZeroAcceleratedOptimizer
+
+    models, optimizers = acc._models, acc._optimizers
+    acc._models = [m for m in models if not acc.is_zero_model(m)]
+    acc._optimizers = [o for o in optimizers if not isinstance(o, ZeroAcceleratedOptimizer)]
+    try:
+        yield
+    finally:
+        acc._models, acc._optimizers = models, optimizers
+
+
+def _optimizer_arg(record):
+    opts = [o.zero_optimizer for o in record.optimizers]
+    if not opts:
+        return None
+    return opts[0] if len(opts) == 1 else opts
+
+
+def save_state(acc, super_save_state, output_dir, safe_serialization, kwargs) -> str:
+    _refuse_pending(acc, "save_state")
+    with _accelerate_lists_without_zero(acc):
+        location = super_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+    location = Path(location)
+    for i, record in enumerate(acc.zero_models):
+        save_checkpoint(location / zero_dir_name(i), record.model, _optimizer_arg(record))
+    if acc.is_main_process:
+        info = {"format": FORMAT, "num_processes": acc.num_processes, "step": acc.step,
+                "zero_models": [zero_dir_name(i) for i in range(len(acc.zero_models))],
+                "zero_config": acc.zero_config.to_dict()}
+        tmp = location / f"{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, location / STATE_FILE)
+    acc.wait_for_everyone()
+    return str(location)
+
+
+def load_state(acc, super_load_state, input_dir, load_kwargs, kwargs) -> None:
+    _refuse_pending(acc, "load_state")
+    input_dir = _resolve_input_dir(acc, input_dir)
+    info_path = Path(input_dir) / STATE_FILE
+    info = json.loads(info_path.read_text()) if info_path.is_file() else None
+    saved = len(info["zero_models"]) if info is not None else 0
+    if saved != len(acc.zero_models):
+        raise ValueError(
+            f"load_state({input_dir}): the checkpoint holds {saved} ZeRO-sharded model(s) but this "
+            f"ZeroAccelerator has prepared {len(acc.zero_models)}; prepare the same models (with their "
+            "optimizers) before load_state"
+            + ("" if info is not None else f" (no {STATE_FILE}: was it saved by a ZeroAccelerator?)"))
+    with _accelerate_lists_without_zero(acc):
+        super_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+    for i, record in enumerate(acc.zero_models):
+        load_checkpoint(Path(input_dir) / zero_dir_name(i), record.model, _optimizer_arg(record))
+    if info is not None and "step" in info:
+        acc.step = int(info["step"])
+
+
+def _refuse_pending(acc, what: str) -> None:
+    if acc.pending_models:
+        raise RuntimeError(
+            f"ZeroAccelerator.{what}: {len(acc.pending_models)} model(s) were prepared without their optimizer and "
+            "are not sharded yet; prepare the optimizer (accelerator.prepare(optimizer)) first")
+
+
+def _resolve_input_dir(acc, input_dir) -> str:
+    """The directory Accelerate's load_state would pick (it does not return it)."""
+    if input_dir is not None:
+        input_dir = os.path.expanduser(input_dir)
+        if not os.path.isdir(input_dir):
+            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+        return input_dir
+    if not acc.project_configuration.automatic_checkpoint_naming:
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    base = os.path.join(acc.project_dir, "checkpoints")
+    folders = [os.path.join(base, f) for f in os.listdir(base)]
+    folders.sort(key=lambda f: [int(x) for x in re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", f)][0])
+    return folders[-1]

@@ -1,0 +1,102 @@
+"""What kind of launch a ZeroAccelerator accepts, checked before and after Accelerate sets up.
+
+[Note: distributed types]
+ZeroAccelerator keeps the data-parallel launch Accelerate already knows (``NO``,
+``MULTI_GPU``, ``MULTI_CPU`` and the other ``MULTI_*`` device types) and replaces only
+what DDP would do to the model and optimizer. A ``DEEPSPEED`` or ``FSDP`` launch
+would shard the model a second time (and DeepSpeed needs its own package), so it is
+refused with the fix: launch with a MULTI_GPU-type config (recipes/accelerate/).
+
+[Note: CPU-only machines]
+``accelerate launch`` with a MULTI_GPU config starts N processes, but on a machine
+without GPUs each of them sets itself up as a lone, non-distributed process unless
+``ACCELERATE_USE_CPU`` is set (accelerate 1.x: ``use_cpu: true`` in the config and
+``--cpu`` do not reach the processes of a multi-GPU launch; ``--cpu`` and a
+MULTI_CPU config start one process only without mpirun). N lone processes would each
+train the whole model on their share of nothing in common, silently. So when N > 1
+processes were launched and no accelerator device exists, we set
+``ACCELERATE_USE_CPU=true`` in this process before Accelerate (or a
+``TrainingArguments``) reads it: N CPU processes on gloo, as the launch asked. If
+the state was already made without it, :func:`check_after_init` says how to fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("zero_strategy.accelerate")
+
+RECIPES_HINT = ("launch with a MULTI_GPU-type accelerate config instead "
+                "(recipes/accelerate/multi_gpu.yaml, or recipes/accelerate/cpu_2proc.yaml on CPUs) and choose the "
+                "ZeRO preset with ZeroAccelerator(zero_config=...) or ZERO_STRATEGY_CONFIG")
+
+
+def refuse_sharding_launchers(kwargs: dict) -> None:
+    """Refuse DeepSpeed/FSDP/Megatron launches and plugins before Accelerate builds them."""
+    for key in ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin"):
+        if kwargs.get(key) is not None:
+            raise ValueError(f"ZeroAccelerator shards the model itself and cannot take {key}=...; "
+                             f"pass zero_config=... instead (a DeepSpeed ds_config is accepted there)")
+    for env, kind in (("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP"),
+                      ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM")):
+        if os.environ.get(env, "false").strip().lower() in ("1", "true", "yes"):
+            raise ValueError(f"ZeroAccelerator: this process was launched with distributed type {kind} "
+                             f"({env}=true); ZeroAccelerator does the sharding itself, so {RECIPES_HINT}")
+
+
+def launched_processes() -> int:
+    """How many processes the launcher started (WORLD_SIZE), 1 when not launched."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _has_accelerator_device() -> bool:
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None and hasattr(accel, "is_available"):
+        return bool(accel.is_available())
+    return torch.cuda.is_available()
+
+
+def use_cpu_if_no_device(cpu: bool) -> bool:
+    """``cpu`` for Accelerator(): True when N > 1 processes were launched on a machine without accelerators."""
+    if cpu or launched_processes() <= 1 or "LOCAL_RANK" not in os.environ:
+        return cpu
+    if _has_accelerator_device():
+        return cpu
+    if os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() not in ("1", "true", "yes"):
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+        logger.info("ZeroAccelerator: %d processes launched and no GPU: running them on CPU with gloo "
+                    "(ACCELERATE_USE_CPU=true)", launched_processes())
+    return True
+
+
+def check_after_init(accelerator) -> None:
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+        raise ValueError(f"ZeroAccelerator: the launch's distributed type is {kind.value}; ZeroAccelerator does the "
+                         f"sharding itself, so {RECIPES_HINT}")
+    if kind == DistributedType.XLA:
+        raise ValueError("ZeroAccelerator does not support TPUs/XLA (torch.distributed collectives on NCCL or gloo "
+                         "only)")
+    if getattr(accelerator, "is_fsdp2", False):
+        raise ValueError(f"ZeroAccelerator: FSDP2 is enabled; {RECIPES_HINT}")
+    launched = launched_processes()
+    if launched > 1 and accelerator.num_processes != launched:
+        raise RuntimeError(
+            f"ZeroAccelerator: {launched} processes were launched (WORLD_SIZE={launched}) but Accelerate set this "
+            f"one up as {accelerator.num_processes} process(es) ({kind.value}). On a machine without GPUs set "
+            "ACCELERATE_USE_CPU=1 for the launch (or TrainingArguments(use_cpu=True) / Accelerator(cpu=True) "
+            "before anything else touches Accelerate's state)")
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
+        raise ValueError("ZeroAccelerator: tensor/context parallelism (parallelism_config) is not supported; "
+                         "ZeRO is data parallel")
+    if str(getattr(accelerator, "fp8_backend", "")).split(".")[-1].upper() not in ("", "NO", "NONE"):
+        raise ValueError("ZeroAccelerator: fp8 is not supported; use mixed_precision 'bf16' or 'fp16'")
