@@ -1,0 +1,246 @@
+"""ZeroAccelerator: DDP parity, save_state/load_state resume, launch configs and errors.
+
+The multi-process cases run ``accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml``
+(the shipped CPU config) once for all presets, and are judged by what each rank reports
+(see tests/_launch.py for why). Errors raised before Accelerate sets up are checked in
+this process; the others in one plain single-process worker, since Accelerate's state
+is a per-process singleton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from _launch import free_port  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+CPU_CONFIG = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
+PRESETS = ["zero1", "zero2", "zero3", "zero2_offload"]
+COMMON = {"gas": 2, "clip": 0.3, "steps": 4, "resume_at": 2}
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG",
+                "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        env.pop(key, None)
+    return env
+
+
+def _reports(out: Path, ranks: int, log: str) -> list[dict]:
+    missing = [r for r in range(ranks) if not (out / f"rank{r}.json").exists()]
+    if missing:
+        raise AssertionError(f"ranks {missing} reported nothing:\n{log[-6000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def accelerate_launch(script: Path, args: dict | None, ranks: int = 2, timeout: float = 180.0,
+                      script_args: list[str] | None = None) -> tuple[Path, str]:
+    """``accelerate launch --config_file cpu_2proc.yaml script OUT``; returns (OUT, combined log)."""
+    out = Path(tempfile.mkdtemp(prefix="zs_acc_"))
+    if args is not None:
+        (out / "args.json").write_text(json.dumps(args))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
+           "--num_processes", str(ranks), "--main_process_port", str(free_port()), str(script)]
+    cmd += script_args if script_args is not None else [str(out)]
+    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return out, proc.stdout + proc.stderr
+
+
+def run_single(script: Path, args: dict | None, timeout: float = 120.0) -> tuple[Path, str]:
+    out = Path(tempfile.mkdtemp(prefix="zs_acc1_"))
+    if args is not None:
+        (out / "args.json").write_text(json.dumps(args))
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def launched():
+    args = {"mode": "launch", "presets": PRESETS, "resume_save_preset": "zero3", "resume_load_preset": "zero2",
+            **COMMON}
+    out, log = accelerate_launch(HERE / "workers" / "accelerate_parity.py", args)
+    return out, _reports(out, 2, log)
+
+
+# ----------------------------------------------------------------------- 2 processes
+@pytest.mark.multiprocess
+def test_cpu_config_really_starts_two_gloo_processes(launched):
+    _, reports = launched
+    for r in reports:
+        assert r["num_processes"] == 2
+        assert r["distributed_type"].endswith("MULTI_CPU")
+        assert r["ref_model_type"] == "DistributedDataParallel"  # the reference really is DDP
+        assert r["zero_model_type"] == "TinyLM"  # ours is the user's model, no wrapper
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("preset", PRESETS)
+def test_training_equals_accelerate_ddp(launched, preset):
+    """Accumulation 2, clipping active, LR schedule, prepared data loaders: same weights as DDP."""
+    _, reports = launched
+    for r in reports:
+        res = r["parity"][preset]
+        assert res["same_object"]
+        assert res["clipped"], "the clipping threshold must bite for this test to mean anything"
+        assert res["rel"] < 1e-5, f"{preset}: relative weight difference {res['rel']:.2e} vs DDP"
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_save_state_then_load_state_resumes_across_stages(launched):
+    """Saved under zero3 at step 2, resumed into a fresh model under zero2: same run as uninterrupted."""
+    out, reports = launched
+    for r in reports:
+        assert r["resume_loaded_rel"] == 0.0
+        assert r["resume_final_rel"] < 1e-6
+        assert {"zero_model", "zero_strategy_accelerate.json", "scheduler.bin",
+                "random_states_0.pkl", "random_states_1.pkl"} <= set(r["ckpt_files"])
+        assert "rank00001-of-00002.safetensors" in r["zero_files"]  # every rank's shard, not rank 0's only
+
+
+@pytest.mark.multiprocess
+def test_load_state_on_one_process(launched):
+    out, _ = launched
+    args = {"mode": "resume", "from": str(out), "resume_load_preset": "zero1", **COMMON}
+    one, log = run_single(HERE / "workers" / "accelerate_parity.py", args)
+    (r,) = _reports(one, 1, log)
+    assert r["num_processes"] == 1
+    assert r["resume_loaded_rel"] == 0.0
+    assert r["resume_final_rel"] < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_example_script_with_the_shipped_cpu_config():
+    """The README command: accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train_example.py."""
+    out = Path(tempfile.mkdtemp(prefix="zs_example_"))
+    _, log = accelerate_launch(ROOT / "recipes" / "accelerate" / "train_example.py", None,
+                               script_args=["--zero-config", "zero3", "--steps", "2", "--out", str(out)])
+    assert "step 2: loss" in log, log[-4000:]
+    assert "saved to" in log, log[-4000:]
+    assert (out / "model" / "model.safetensors").exists()
+    assert (out / "state" / "zero_model" / "rank00001-of-00002.safetensors").exists()
+
+
+# ----------------------------------------------------------------------- one process
+def test_errors_after_setup():
+    out, log = run_single(HERE / "workers" / "accelerate_errors.py", None)
+    (r,) = _reports(out, 1, log)
+    assert r["default_precision"] == "fp32"
+    for case in ("prepared_twice", "prepared_twice_with_optimizer"):
+        assert r[case]["type"] == "ValueError" and "already prepared" in r[case]["message"]
+    assert r["optimizer_without_model"]["type"] == "ValueError"
+    assert "same prepare() call" in r["optimizer_without_model"]["message"]
+    assert r["clip_subset"]["type"] == "ValueError"
+    assert r["clip_value"]["type"] == "NotImplementedError"
+    assert r["precision_conflict"]["type"] == "ZeroConfigError"
+    assert "--mixed_precision bf16" in r["precision_conflict"]["message"]
+    assert r["pending_before_optimizer"] == 1 and r["pending_after_optimizer"] == 0
+    assert r["save_state_while_pending"]["type"] == "RuntimeError"
+    assert r["late_is_zero"] and r["late_optimizer"] == "ZeroAcceleratedOptimizer"
+    assert not r["after_free_is_zero"] and r["after_free_param_shape"] == [48, 24]
+    assert "torn down" in r["stale_optimizer"]["message"]
+
+
+# ----------------------------------------------------------------------- before Accelerate sets up
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in ("ZERO_STRATEGY_CONFIG", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_unknown_preset_is_refused_with_a_suggestion(clean_env):
+    from zero_strategy import ZeroConfigError
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    with pytest.raises(ZeroConfigError, match="zero3"):
+        ZeroAccelerator("zer03")
+
+
+def test_unknown_key_is_refused(clean_env):
+    from zero_strategy import ZeroConfigError
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    with pytest.raises(ZeroConfigError, match="stagee.*did you mean 'stage'"):
+        ZeroAccelerator({"stagee": 2})
+
+
+def test_env_variable_names_its_source(clean_env):
+    from zero_strategy import ZeroConfigError
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    clean_env.setenv("ZERO_STRATEGY_CONFIG", "zero4")
+    with pytest.raises(ZeroConfigError, match="ZERO_STRATEGY_CONFIG=zero4"):
+        ZeroAccelerator()
+
+
+@pytest.mark.parametrize("env", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"])
+def test_deepspeed_and_fsdp_launches_are_refused(clean_env, env):
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    clean_env.setenv(env, "true")
+    with pytest.raises(ValueError, match="MULTI_GPU-type accelerate config"):
+        ZeroAccelerator("zero2")
+
+
+def test_sharding_plugins_are_refused(clean_env):
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    with pytest.raises(ValueError, match="zero_config"):
+        ZeroAccelerator("zero2", fsdp_plugin=object())
+
+
+def test_config_sources_and_default(clean_env):
+    from zero_strategy.accelerate import _config
+
+    assert _config.choose_spec(None)[0] == "zero2"
+    clean_env.setenv("ZERO_STRATEGY_CONFIG", "zero3_offload")
+    assert _config.choose_spec(None)[0] == "zero3_offload"
+    assert _config.choose_spec("zero1")[0] == "zero1"
+    cfg = _config.load_config(str(ROOT / "recipes" / "accelerate" / "zero3.yaml"), "file", "no")
+    assert cfg.stage == 3
+
+
+def test_precision_comes_from_mixed_precision():
+    from zero_strategy import ZeroConfig, ZeroConfigError
+    from zero_strategy.accelerate._config import apply_precision
+
+    assert apply_precision(ZeroConfig.preset("zero2"), "bf16", "s").precision == "bf16"
+    assert apply_precision(ZeroConfig.preset("zero2"), "fp16", "s").precision == "fp16"
+    assert apply_precision(ZeroConfig.preset("zero2"), "no", "s").precision == "fp32"
+    assert apply_precision(ZeroConfig.preset("zero2", precision="bf16"), "bf16", "s").precision == "bf16"
+    with pytest.raises(ZeroConfigError, match="mixed_precision is 'fp16'"):
+        apply_precision(ZeroConfig.preset("zero2", precision="bf16"), "fp16", "s")
+    with pytest.raises(ValueError, match="fp8"):
+        apply_precision(ZeroConfig.preset("zero2"), "fp8", "s")
+
+
+def test_deepspeed_auto_values_are_resolved_from_accelerate():
+    from zero_strategy.accelerate._config import load_config
+
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+          "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "gradient_clipping": "auto",
+          "train_micro_batch_size_per_gpu": "auto"}
+    cfg = load_config(ds, "ds", "bf16")
+    assert (cfg.stage, cfg.precision, cfg.gradient_clipping) == (3, "bf16", None)
+    assert cfg.offload_optimizer is not None
+    assert load_config(ds, "ds", "no").precision == "fp32"
+
+
+def test_import_zero_strategy_does_not_import_accelerate():
+    code = ("import sys, zero_strategy; assert 'accelerate' not in sys.modules; "
+            "zero_strategy.ZeroAccelerator; assert 'accelerate' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)

@@ -1,0 +1,76 @@
+"""Errors a ZeroAccelerator raises once Accelerate is set up (one process, plain ``python``).
+
+Each case is caught and its type and message reported; the test checks them. The
+cases share one process because Accelerate's state is a per-process singleton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from _models import TinyLM, param_groups  # noqa: E402
+
+from zero_strategy.accelerate import ZeroAccelerator  # noqa: E402
+
+
+def attempt(fn) -> dict:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": ""}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    report: dict = {}
+    acc = ZeroAccelerator("zero3")
+    report["default_precision"] = acc.zero_config.precision
+    model = TinyLM()
+    opt = torch.optim.AdamW(param_groups(model))
+    model, opt = acc.prepare(model, opt)
+    report["prepared_twice"] = attempt(lambda: acc.prepare(model))
+    report["prepared_twice_with_optimizer"] = attempt(
+        lambda: acc.prepare(model, torch.optim.AdamW(model.parameters())))
+
+    stray = TinyLM()
+    report["optimizer_without_model"] = attempt(lambda: acc.prepare(torch.optim.SGD(stray.parameters(), lr=0.1)))
+
+    def subset_clip():
+        loss = model(torch.randint(0, 37, (2, 8))).float().pow(2).mean()
+        acc.backward(loss)
+        acc.clip_grad_norm_(list(model.layers[0].parameters()), 1.0)
+    report["clip_subset"] = attempt(subset_clip)
+    report["clip_value"] = attempt(lambda: acc.clip_grad_value_(model.parameters(), 1.0))
+    report["precision_conflict"] = attempt(lambda: ZeroAccelerator({"stage": 2, "precision": "bf16"}))
+
+    # a model prepared before its optimizer is sharded when the optimizer comes
+    late = TinyLM()
+    late = acc.prepare(late)
+    report["pending_before_optimizer"] = len(acc.pending_models)
+    report["save_state_while_pending"] = attempt(lambda: acc.save_state(str(out / "pending")))
+    late_opt = acc.prepare(torch.optim.AdamW(late.parameters()))
+    report["pending_after_optimizer"] = len(acc.pending_models)
+    report["late_is_zero"] = acc.is_zero_model(late)
+    report["late_optimizer"] = type(late_opt).__name__
+
+    acc.free_memory()
+    report["after_free_is_zero"] = acc.is_zero_model(model)
+    report["after_free_param_shape"] = list(model.layers[0].fc1.weight.shape)
+    report["stale_optimizer"] = attempt(lambda: acc.prepare(model, opt))
+    (out / "rank0.json").write_text(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
