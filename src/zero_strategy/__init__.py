@@ -40,9 +40,24 @@ __all__ = [
 ]
 
 
+# --- Lightning front end (zero_strategy.lightning): registration and lazy classes ---------
+# Registers the presets in Lightning's strategy registries now if Lightning is imported,
+# else right after Lightning creates them; never imports Lightning (several seconds).
+from .lightning._registry import register_if_available as _register_lightning  # noqa: E402
+
+_register_lightning()
+
+_LIGHTNING_ATTRS = {"ZeroStrategy", "ZeroFabricStrategy"}
+
+
 def __getattr__(name: str):
-    """``zero_strategy.ZeroAccelerator``, imported on first use so ``import zero_strategy`` never imports Accelerate."""
-    if name == "ZeroAccelerator":
+    """``ZeroStrategy``, ``ZeroFabricStrategy``, ``ZeroAccelerator``: imported on first use, so
+    ``import zero_strategy`` never imports Lightning or Accelerate."""
+    if name in _LIGHTNING_ATTRS:
+        from . import lightning
+
+        return getattr(lightning, name)
+    if name == "ZeroAccelerator":  # Accelerate front end, imported on first use (never by `import zero_strategy`)
         from .accelerate import ZeroAccelerator
 
         return ZeroAccelerator

@@ -1,0 +1,131 @@
+"""Lightning checkpoints in the sharded format, and a consolidated file for ``load_from_checkpoint``.
+
+[Note: where the Lightning state goes]
+A Trainer checkpoint is a directory written by :func:`zero_strategy.save_checkpoint`:
+the weights and optimizer state are the sharded files (resumable on any number of
+ranks and any stage); everything else Lightning puts in its checkpoint dict (epoch,
+global_step, loops, callbacks, LR schedulers, hyper_parameters, datamodule state,
+whatever ``on_save_checkpoint`` added) travels in ``extra_state`` as one serialized
+blob. The blob is a uint8 tensor so the engine's integrity checks (sha256, the
+``weights_only`` load of ``extra_state.pt``) cover it, while the blob itself is read
+with Lightning's own ``weights_only`` semantics, as a ``.ckpt`` file would be.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint import consolidate, load_checkpoint, save_checkpoint
+from ..checkpoint._layout import EXTRA_STATE_FILE
+
+FORMAT = "zero_strategy.lightning/1"
+#: keys whose content lives in the sharded files instead of the blob
+SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+
+def pack(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    rest = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
+    buf = io.BytesIO()
+    torch.save(rest, buf)
+    return {"format": FORMAT, "lightning": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
+
+
+def unpack(extra: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    from lightning.fabric.utilities.cloud_io import _load
+
+    if not isinstance(extra, dict) or extra.get("format") != FORMAT:
+        raise ValueError("this zero_strategy checkpoint was not written by the Lightning front end "
+                         "(no Lightning state in its extra_state); load it with zero_strategy.load_checkpoint")
+    blob = extra["lightning"].numpy().tobytes()
+    return _load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
+
+
+def save(path, model, zero_optimizers: list, checkpoint: dict[str, Any]) -> None:
+    """Every rank: the sharded files, plus Lightning's dict. ``optimizer_states`` absent = weights only."""
+    optimizers = list(zero_optimizers) if "optimizer_states" in checkpoint and zero_optimizers else None
+    save_checkpoint(path, model, optimizers, extra_state=pack(checkpoint))
+
+
+def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None, strict: bool = True) -> dict[str, Any]:
+    """Every rank: load weights (and optimizer state when the checkpoint has it) in place; return Lightning's dict.
+
+    The returned dict has no ``state_dict`` (already loaded); it has ``optimizer_states``
+    (empty placeholders, already loaded) exactly when the checkpoint holds optimizer
+    state, so Lightning's "checkpoint contains only the model" check still works.
+    """
+    from ..checkpoint import load_metadata
+
+    meta = load_metadata(path)
+    has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
+    optimizers = list(zero_optimizers) if has_optimizer and zero_optimizers else None
+    extra = load_checkpoint(path, model, optimizers, strict=strict)
+    checkpoint = unpack(extra, weights_only)
+    checkpoint["state_dict"] = {}
+    if has_optimizer:
+        checkpoint["optimizer_states"] = []
+    return checkpoint
+
+
+def read_lightning_state(ckpt_dir, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """Lightning's dict of a checkpoint directory, without any model or process group."""
+    from ..checkpoint import load_metadata
+    from ..checkpoint._load import resolve_checkpoint_dir
+
+    meta = load_metadata(ckpt_dir)
+    extra = meta.get("extra_state")
+    if extra is None:
+        raise ValueError(f"{ckpt_dir} holds no Lightning state (it was not saved by a Lightning trainer)")
+    if extra["kind"] == "json":
+        value = extra["value"]
+    else:
+        value = torch.load(resolve_checkpoint_dir(ckpt_dir) / EXTRA_STATE_FILE, map_location="cpu",
+                           weights_only=True)
+    return unpack(value, weights_only)
+
+
+def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_file: str | os.PathLike,
+                                    dtype=None, weights_only: Optional[bool] = None) -> Path:
+    """Write one ``.ckpt`` file that ``LightningModule.load_from_checkpoint`` (and ``Trainer(ckpt_path=...)``
+    with any strategy) accepts, from a sharded Trainer checkpoint directory.
+
+    Runs in one process, no ``torch.distributed``. ``state_dict`` holds the full fp32
+    weights (or ``dtype``) keyed like ``model.state_dict()``; the other entries (epoch,
+    global_step, hyper_parameters, loops, callbacks, LR schedulers) are Lightning's own.
+    Optimizer state is not included (it is sharded; resume from the directory for it).
+    Needs memory for the whole model once.
+    """
+    import safetensors.torch
+
+    out_file = Path(out_file)
+    if out_file.exists():
+        raise FileExistsError(f"{out_file} exists; refusing to overwrite it")
+    checkpoint = read_lightning_state(ckpt_dir, weights_only)
+    with tempfile.TemporaryDirectory(dir=out_file.parent if out_file.parent.exists() else None) as tmp:
+        folder = consolidate(ckpt_dir, Path(tmp) / "full", dtype=dtype)
+        state_dict: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            state_dict.update(safetensors.torch.load_file(f))
+    checkpoint["state_dict"] = state_dict
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp_file = out_file.with_name(out_file.name + ".tmp")
+    torch.save(checkpoint, tmp_file)
+    os.replace(tmp_file, out_file)
+    return out_file
+
+
+def remove(path) -> None:
+    """Delete a checkpoint directory and what interrupted saves may have left beside it."""
+    path = Path(path)
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+    for stale in list(path.parent.glob(f"{path.name}.tmp-*")) + list(path.parent.glob(f"{path.name}.old-*")):
+        shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""Strategy arguments and Lightning precision names -> one :class:`ZeroConfig`.
+
+Shared by the Trainer and Fabric strategies; imports no Lightning so it is cheap
+to test. The only place the front ends decide numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+from ..config import NVMeOffload, ZeroConfig, ZeroConfigError
+
+ZERO_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
+
+#: Lightning precision flag -> ZeroConfig.precision (masters are fp32 in every case)
+LIGHTNING_PRECISION = {
+    "32-true": "fp32", "32": "fp32",
+    "bf16-mixed": "bf16", "bf16-true": "bf16",
+    "16-mixed": "fp16", "16-true": "fp16",
+}
+
+
+def build_config(stage=None, offload_optimizer=None, offload_params=None, nvme_path=None, config=None,
+                 **fields: Any) -> ZeroConfig:
+    """``config`` (preset name / ZeroConfig / dict / YAML / JSON / DeepSpeed) with the explicit arguments on top.
+
+    ``config=None`` starts from ``ZeroConfig()`` (stage 3). ``nvme_path`` becomes the
+    path of every NVMe offload; giving it without any NVMe offload is an error.
+    """
+    unknown = [k for k in fields if k not in ZERO_FIELDS]
+    if unknown:
+        hint = difflib.get_close_matches(unknown[0], sorted(ZERO_FIELDS), n=1)
+        raise TypeError(f"ZeroStrategy got an unexpected argument {unknown[0]!r}"
+                        + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                        + "; it takes the arguments of Lightning's DDPStrategy and the fields of "
+                        "zero_strategy.ZeroConfig: " + ", ".join(sorted(ZERO_FIELDS)))
+    base = ZeroConfig.load(config) if config is not None else ZeroConfig()
+    changes = dict(fields)
+    for key, value in (("stage", stage), ("offload_optimizer", offload_optimizer),
+                       ("offload_params", offload_params)):
+        if value is not None:
+            changes[key] = value
+    if "stage" in changes and changes["stage"] != 3 and "offload_params" not in changes:
+        changes["offload_params"] = None  # zero3_offload with stage=2: parameter offload cannot follow
+    cfg = base.replace(**changes) if changes else base
+    if nvme_path is not None:
+        nvme = {k: dataclasses.replace(getattr(cfg, k), path=str(nvme_path))
+                for k in ("offload_optimizer", "offload_params") if isinstance(getattr(cfg, k), NVMeOffload)}
+        if not nvme:
+            raise ZeroConfigError("nvme_path", "given, but nothing is offloaded to NVMe",
+                                  'Set offload_optimizer="nvme" (and offload_params="nvme" for stage 3), '
+                                  'or use the preset "zero3_offload_nvme".')
+        cfg = cfg.replace(**nvme)
+    return cfg
+
+
+def with_lightning_precision(cfg: ZeroConfig, flag: str | None) -> ZeroConfig:
+    """Apply a Lightning precision flag to ``cfg``.
+
+    The Trainer/Fabric flag wins, except that the default ``"32-true"`` leaves a
+    config that asks for bf16/fp16 itself (e.g. a DeepSpeed file) as it is: the two
+    cannot be told apart, and an explicit lower precision is the likelier intent.
+    """
+    if flag is None:
+        return cfg
+    flag = str(flag)
+    if flag not in LIGHTNING_PRECISION:
+        raise ValueError(f"zero_strategy does not support precision={flag!r}; use one of "
+                         + ", ".join(repr(k) for k in LIGHTNING_PRECISION if "-" in k)
+                         + " (parameters compute in that dtype, master weights are always fp32)")
+    wanted = LIGHTNING_PRECISION[flag]
+    if wanted == "fp32" and cfg.precision != "fp32":
+        return cfg
+    if wanted != cfg.precision and cfg.precision != "fp32":
+        raise ValueError(f"precision={flag!r} conflicts with the ZeRO config's precision={cfg.precision!r}; "
+                         "set only one of them")
+    return cfg.replace(precision=wanted)

@@ -1,0 +1,211 @@
+"""``ZeroFabricStrategy``: ZeRO for ``lightning.fabric.Fabric``.
+
+``fabric.setup(model, optimizer, ...)`` -> ``zero_strategy.setup`` (in place, no
+wrapper besides Fabric's own); ``fabric.backward`` scales fp16 losses through the
+ZeroOptimizer; ``fabric.clip_gradients(max_norm=...)`` clips by the global norm over
+shards; ``fabric.no_backward_sync`` is ``zero_strategy.no_sync``; ``fabric.save`` /
+``fabric.load`` write and read sharded checkpoint directories (the model and its
+optimizer(s) as shards, every other entry of the state as Lightning would pickle it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
+
+from .. import api as zs
+from ..checkpoint import load_checkpoint, load_metadata, save_checkpoint
+from . import _checkpoint
+from ._config import build_config, with_lightning_precision
+from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
+from ._optimizers import loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
+from ._precision import VALUE_CLIPPING_ERROR, ZeroFabricPrecision, check_precision_flag
+from .._optimizer import ZeroOptimizer
+
+_KEYS = "__zero_strategy_fabric__"
+
+
+def as_zero_fabric_precision(plugin: Optional[Precision]) -> Optional[ZeroFabricPrecision]:
+    if plugin is None or isinstance(plugin, ZeroFabricPrecision):
+        return plugin
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
+
+    if type(plugin) in (Precision, MixedPrecision, HalfPrecision):
+        return ZeroFabricPrecision(check_precision_flag(plugin.precision))
+    raise TypeError(f"ZeroFabricStrategy cannot use the precision plugin {type(plugin).__name__}: the ZeRO engine "
+                    "handles precision itself. Pass Fabric(precision='bf16-mixed' | '16-mixed' | '32-true').")
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return zs.no_sync(module) if enabled else contextlib.nullcontext()
+
+
+class ZeroFabricStrategy(DDPStrategy):
+    """ZeRO stages 1-3 with CPU offload for Fabric; same arguments as :class:`ZeroStrategy`."""
+
+    def __init__(self, stage: Optional[int] = None, offload_optimizer: Any = None, offload_params: Any = None,
+                 nvme_path: Optional[str] = None, config: Any = None, *, meta_init: Optional[bool] = None,
+                 param_init_fn=None, accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
+                 precision: Optional[Precision] = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
+                 **zero_fields: Any):
+        self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config, **zero_fields)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+        self._backward_sync_control = _ZeroBackwardSyncControl()
+        self.meta_init = meta_init
+        self.param_init_fn = param_init_fn
+        self.zero_optimizers: list[ZeroOptimizer] = []
+
+    @property
+    def precision(self) -> ZeroFabricPrecision:
+        return self._precision if self._precision is not None else ZeroFabricPrecision()
+
+    @precision.setter
+    def precision(self, plugin: Optional[Precision]) -> None:
+        self._precision = as_zero_fabric_precision(plugin)
+
+    @property
+    def zero_config(self):
+        return with_lightning_precision(self._base_config, self.precision.precision)
+
+    # ----------------------------------------------------------------- setup
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if not has_meta_tensors(module):  # a meta model is materialized on the device by the engine
+            module.to(self.root_device)
+        config = self.zero_config
+        self.zero_optimizers = setup_model_and_optimizers(module, list(optimizers), config, device=self.root_device,
+                                                          param_init_fn=self.param_init_fn)
+        self.precision.zero_optimizer = loss_scaler_of(self.zero_optimizers, config.precision)
+        return module, list(self.zero_optimizers), scheduler
+
+    def setup_module(self, module):
+        if not has_meta_tensors(module):
+            module.to(self.root_device)
+        setup_model_and_optimizers(module, [], self.zero_config, device=self.root_device,
+                                   param_init_fn=self.param_init_fn)
+        return module
+
+    def module_to_device(self, module) -> None:
+        if not has_meta_tensors(module):
+            module.to(self.root_device)
+
+    def setup_optimizer(self, optimizer):
+        raise NotImplementedError(self._err_msg_joint_setup_required())
+
+    def module_init_context(self, empty_init: Optional[bool] = None):
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().module_init_context(empty_init=empty_init))
+        stack.enter_context(meta_init_context(self._meta_init_enabled(empty_init)))
+        return stack
+
+    def _meta_init_enabled(self, empty_init: Optional[bool]) -> bool:
+        if empty_init is False:
+            return False  # fabric.init_module(empty_init=False): the caller wants initialized weights now
+        return meta_init_enabled(self.meta_init, self._base_config.stage)
+
+    def teardown(self) -> None:
+        self.zero_optimizers = []
+        if self._precision is not None:
+            self._precision.zero_optimizer = None
+        super().teardown()
+
+    # -------------------------------------------------------------- clipping
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        zopt = zero_optimizer_of(optimizer)
+        if zopt is None:
+            raise TypeError("clip_gradients: pass the optimizer returned by fabric.setup")
+        norm = zopt.clip_grad_norm_(max_norm, norm_type)
+        # fp16: an overflow gives an infinite norm and skips the step on every rank; that is not an error
+        if error_if_nonfinite and not zopt.scaler.enabled and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients is non-finite, so it "
+                               "cannot be clipped. Pass error_if_nonfinite=False to ignore this.")
+        return norm
+
+    def clip_gradients_value(self, module, optimizer, clip_val) -> None:
+        raise NotImplementedError(VALUE_CLIPPING_ERROR)
+
+    # ----------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path, state: dict, storage_options: Any = None, filter: Optional[dict] = None) -> None:
+        if storage_options is not None or filter:
+            raise TypeError("ZeroFabricStrategy.save_checkpoint takes no storage_options or filter")
+        module, module_key, optimizer_keys, rest = _split_state(state)
+        zopts = list(self.zero_optimizers) if optimizer_keys else None
+        rest[_KEYS] = {"module": module_key, "optimizers": optimizer_keys}
+        save_checkpoint(path, module, zopts, extra_state=_checkpoint.pack(rest))
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
+        if Path(path).is_file():
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if isinstance(state, torch.nn.Module):
+            state = {"model": state}
+        if not state:
+            raise ValueError("ZeroFabricStrategy loads sharded checkpoints in place: pass the state to restore, "
+                             "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        module, module_key, optimizer_keys, _ = _split_state(state)
+        meta = load_metadata(path)
+        has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
+        if optimizer_keys and not has_optimizer:
+            raise KeyError(f"{path} was saved without optimizer state; leave the optimizer out of the state")
+        extra = load_checkpoint(path, module, list(self.zero_optimizers) if optimizer_keys else None,
+                                strict=strict)
+        saved = _checkpoint.unpack(extra, weights_only)
+        saved.pop(_KEYS, None)
+        for name, obj in list(state.items()):
+            if name == module_key or name in optimizer_keys or name not in saved:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(saved.pop(name))
+            else:
+                state[name] = saved.pop(name)
+        missing = [k for k in state if k not in (module_key, *optimizer_keys) and k not in saved and strict
+                   and not isinstance(state[k], _Stateful)]
+        if missing:
+            raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the loaded "
+                           "checkpoint. To disable strict loading, set `strict=False`.")
+        return saved
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        from ._registry import register_presets
+
+        register_presets(strategy_registry, "fabric")
+
+
+def _split_state(state: dict) -> tuple[torch.nn.Module, str, list[str], dict]:
+    """(the one set-up module, its key, keys of its optimizers, everything else as saved values)."""
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    state = _unwrap_objects(state)
+    modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
+    set_up = [k for k in modules if _is_set_up(state[k])]
+    if len(set_up) != 1 or len(modules) != 1:
+        raise ValueError("a ZeroFabricStrategy checkpoint holds exactly one model set up with fabric.setup; "
+                         f"found modules {modules}. Save other models in separate checkpoints.")
+    optimizer_keys = [k for k, v in state.items() if isinstance(v, ZeroOptimizer)]
+    rest = {}
+    for k, v in state.items():
+        if k in set_up or k in optimizer_keys:
+            continue
+        if isinstance(v, torch.optim.Optimizer):
+            raise ValueError(f"state[{k!r}] is an optimizer that fabric.setup did not set up with the model")
+        rest[k] = v.state_dict() if isinstance(v, _Stateful) else v
+    return state[set_up[0]], set_up[0], optimizer_keys, rest
+
+
+def _is_set_up(module) -> bool:
+    try:
+        zs.engine_of(module)
+    except ValueError:
+        return False
+    return True

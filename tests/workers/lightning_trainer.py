@@ -1,0 +1,184 @@
+"""Trainer scenarios, several per process start (a 2-rank Trainer.fit costs seconds here).
+
+args["cases"]: list of dicts with
+  name, strategy ("ddp" or a preset name, or {"stage": .., ...} for ZeroStrategy(**dict)),
+  precision, accumulate, clip, epochs, batch (per rank), module ("lm" | "gan"),
+  ckpt_dir (ModelCheckpoint there: top-1 by train_loss + last, every epoch),
+  resume (ckpt_path for fit),
+  save_weights_only (path: trainer.save_checkpoint(path, weights_only=True) after fit: a plain .ckpt),
+  summary (report ModelSummary counts), callbacks ("swa").
+Each case reports: losses, errors, checkpoint files; rank 0 torch.saves the final weights
+to <save_dir>/<name>.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from _worker import finish, start
+from _models import SEQ, VOCAB, TinyLM, loss_fn, param_groups
+
+import zero_strategy  # noqa: F401 - registers the presets
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+STEPS_PER_EPOCH = 2
+
+
+class LitLM(pl.LightningModule):
+    def __init__(self, lr: float = 3e-3):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1234)
+        self.model = TinyLM(layers=2)
+        self.losses: list[float] = []
+
+    def forward(self, tokens):
+        return self.model(tokens)
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = loss_fn(self(tokens), targets)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(param_groups(self.model, lr=self.hparams.lr), betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Generator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 12))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+class Discriminator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class LitGAN(pl.LightningModule):
+    """Two optimizers (Adam for G, SGD with momentum for D), manual optimization."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(99)
+        self.generator = Generator()
+        self.discriminator = Discriminator()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        real = torch.cat(batch, dim=1).float()[:, :12] / VOCAB
+        opt_g, opt_d = self.optimizers()
+        g = torch.Generator().manual_seed(500 + 10 * self.global_step + self.global_rank)
+        z = torch.randn(real.shape[0], 8, generator=g)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        self.toggle_optimizer(opt_g)
+        fake = self.generator(z)
+        g_loss = bce(self.discriminator(fake).float(), torch.ones(real.shape[0], 1))
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_real = self.discriminator(real).float()
+        d_fake = self.discriminator(self.generator(z).detach()).float()
+        d_loss = bce(d_real, torch.ones_like(d_real)) + bce(d_fake, torch.zeros_like(d_fake))
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.losses.append(float(g_loss) + float(d_loss))
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+                torch.optim.SGD(self.discriminator.parameters(), lr=5e-2, momentum=0.9))
+
+
+def loader(world: int, batch: int) -> DataLoader:
+    n = STEPS_PER_EPOCH * batch * world
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    targets = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return DataLoader(TensorDataset(tokens, targets), batch_size=batch, shuffle=False)
+
+
+def make_strategy(spec):
+    if isinstance(spec, dict):
+        return zero_strategy.ZeroStrategy(**spec)
+    return spec
+
+
+def run_case(case: dict, out, world: int) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, StochasticWeightAveraging
+
+    module = LitGAN() if case.get("module") == "gan" else LitLM()
+    callbacks = []
+    if case.get("ckpt_dir"):
+        callbacks.append(ModelCheckpoint(dirpath=case["ckpt_dir"], monitor="train_loss", mode="min",
+                                         save_top_k=1, save_last=True, every_n_epochs=1))
+    if case.get("callbacks") == "swa":
+        callbacks.append(StochasticWeightAveraging(swa_lrs=1e-2))
+    if case.get("summary"):
+        callbacks.append(ModelSummary(max_depth=1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=make_strategy(case["strategy"]),
+        precision=case.get("precision", "32-true"), max_epochs=case.get("epochs", 2),
+        accumulate_grad_batches=case.get("accumulate", 1), gradient_clip_val=case.get("clip"),
+        logger=False, enable_checkpointing=bool(case.get("ckpt_dir")), enable_progress_bar=False,
+        enable_model_summary=bool(case.get("summary")), num_sanity_val_steps=0, callbacks=callbacks or None)
+    report: dict = {}
+    if case.get("summary"):
+        summary_cb = next(cb for cb in trainer.callbacks if isinstance(cb, ModelSummary))
+        captured = {}
+        original = summary_cb.on_fit_start
+
+        def on_fit_start(trainer, pl_module):
+            s = summary_cb._summary(trainer, pl_module)
+            captured.update(total=s.total_parameters, trainable=s.trainable_parameters,
+                            layers=dict(zip(s.layer_names, s.param_nums)))
+            original(trainer, pl_module)
+        summary_cb.on_fit_start = on_fit_start
+        report["summary"] = captured
+    trainer.fit(module, loader(world, case.get("batch", 4)), ckpt_path=case.get("resume"))
+    if case.get("save_weights_only"):
+        trainer.save_checkpoint(case["save_weights_only"], weights_only=True)
+    report["losses"] = module.losses
+    report["global_step"] = trainer.global_step
+    state = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+    if dist.get_rank() == 0:
+        torch.save(state, os.path.join(case["save_dir"], f"{case['name']}.pt"))
+    if case.get("ckpt_dir") and dist.get_rank() == 0:
+        report["files"] = sorted(os.listdir(case["ckpt_dir"]))
+    return report
+
+
+def main() -> None:
+    args, out = start()
+    world = dist.get_world_size()
+    reports = {}
+    for case in args["cases"]:
+        try:
+            reports[case["name"]] = run_case(case, out, world)
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            reports[case["name"]] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+    finish(out, reports)
+
+
+if __name__ == "__main__":
+    main()
