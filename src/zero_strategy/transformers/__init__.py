@@ -1,0 +1,25 @@
+"""Hugging Face Transformers front end: ``ZeroTrainer``, the ``Trainer`` on a ZeroAccelerator.
+
+::
+
+    from zero_strategy.transformers import ZeroTrainer   # import before building TrainingArguments
+
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds, zero_config="zero3")
+    trainer.train()                                    # checkpoint-N/ holds every rank's shard
+    ZeroTrainer(...).train(resume_from_checkpoint=True)
+
+[Note: importing first]
+``TrainingArguments(...)`` sets up Accelerate's process state as it is built. Under
+``accelerate launch`` with several processes on a machine without GPUs that state
+must know it runs on CPU (see ``zero_strategy.accelerate._launch``), so importing this
+module sets ``ACCELERATE_USE_CPU=true`` in exactly that case; otherwise pass
+``TrainingArguments(use_cpu=True)``. The engine never imports transformers.
+"""
+
+from ..accelerate._launch import use_cpu_if_no_device as _use_cpu_if_no_device
+
+_use_cpu_if_no_device(False)
+
+from ._trainer import ZERO_CHECKPOINT_DIR, ZeroTrainer  # noqa: E402
+
+__all__ = ["ZeroTrainer", "ZERO_CHECKPOINT_DIR"]

@@ -1,0 +1,115 @@
+"""A tiny Llama trained by ``ZeroTrainer`` under ``accelerate launch``, then resumed from a checkpoint.
+
+Run A trains 4 optimizer steps under ``save_preset``, saving checkpoint-2 and checkpoint-4.
+Run B is a fresh model and ZeroTrainer under ``load_preset`` that resumes from
+checkpoint-2 and must end on run A's weights. The main process also reloads
+checkpoint-4 with ``from_pretrained`` and compares it with run A's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zero_strategy.transformers import ZeroTrainer  # before TrainingArguments (see its module note)
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+import zero_strategy as zs  # noqa: E402
+
+VOCAB, SEQ, EXAMPLES = 64, 16, 16
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, VOCAB, (EXAMPLES, SEQ), generator=g)
+
+    def __len__(self):
+        return EXAMPLES
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def arguments(output_dir: Path, save: bool = True) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+        save_strategy="steps" if save else "no", save_steps=2, logging_steps=1, learning_rate=3e-3, lr_scheduler_type="linear",
+        max_grad_norm=0.5, report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for k, v in b.items():
+        worst = max(worst, float((a[k].float() - v.float()).abs().max() / v.float().abs().max().clamp_min(1e-12)))
+    return worst
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    args = json.loads((out / "args.json").read_text())
+    torch.set_num_threads(1)
+    report: dict = {}
+
+    model_a = make_model(seed=0)
+    trainer_a = ZeroTrainer(model=model_a, args=arguments(out / "run_a"), train_dataset=Tokens(),
+                            zero_config=args["save_preset"])
+    trainer_a.train()
+    report["accelerator"] = type(trainer_a.accelerator).__name__
+    report["num_processes"] = trainer_a.accelerator.num_processes
+    report["stage_a"] = trainer_a.accelerator.zero_config.stage
+    report["model_is_users"] = trainer_a.model is model_a
+    report["losses_a"] = [h["loss"] for h in trainer_a.state.log_history if "loss" in h]
+    report["grad_norms_a"] = [h["grad_norm"] for h in trainer_a.state.log_history if "grad_norm" in h]
+    final_a = zs.full_state_dict(model_a)
+    ckpt2 = out / "run_a" / "checkpoint-2"
+    report["checkpoint_files"] = sorted(os.listdir(ckpt2))
+    report["zero_files"] = sorted(os.listdir(ckpt2 / "zero_checkpoint"))
+
+    model_b = make_model(seed=99)  # other weights: the resume must replace them
+    trainer_b = ZeroTrainer(model=model_b, args=arguments(out / "run_b"), train_dataset=Tokens(),
+                            zero_config=args["load_preset"])
+    trainer_b.train(resume_from_checkpoint=str(ckpt2))
+    report["stage_b"] = trainer_b.accelerator.zero_config.stage
+    report["losses_b"] = [h["loss"] for h in trainer_b.state.log_history if "loss" in h]
+    report["resume_rel"] = rel_diff(zs.full_state_dict(model_b), final_a)
+
+    # ground truth: the stock Trainer (DDP) on the same initial weights and data
+    model_ref = make_model(seed=0)
+    trainer_ref = Trainer(model=model_ref, args=arguments(out / "run_ref", save=False), train_dataset=Tokens())
+    trainer_ref.train()
+    report["ref_model_type"] = type(trainer_ref.model_wrapped).__name__
+    report["grad_norms_ref"] = [h["grad_norm"] for h in trainer_ref.state.log_history if "grad_norm" in h]
+    report["ddp_rel"] = rel_diff(final_a, {k: v.detach() for k, v in model_ref.state_dict().items()})
+
+    if trainer_a.accelerator.is_main_process:
+        reloaded = LlamaForCausalLM.from_pretrained(out / "run_a" / "checkpoint-4")
+        report["from_pretrained_rel"] = rel_diff(reloaded.state_dict(), final_a)
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tmp = out / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(report))
+    tmp.rename(out / f"rank{rank}.json")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
