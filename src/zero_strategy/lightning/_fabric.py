@@ -161,6 +161,10 @@ class ZeroFabricStrategy(DDPStrategy):
                                 strict=strict)
         saved = _checkpoint.unpack(extra, weights_only)
         saved.pop(_KEYS, None)
+        missing = [k for k in state if k != module_key and k not in optimizer_keys and k not in saved]
+        if strict and missing:
+            raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the loaded "
+                           "checkpoint. To disable strict loading, set `strict=False`.")
         for name, obj in list(state.items()):
             if name == module_key or name in optimizer_keys or name not in saved:
                 continue
@@ -168,11 +172,6 @@ class ZeroFabricStrategy(DDPStrategy):
                 obj.load_state_dict(saved.pop(name))
             else:
                 state[name] = saved.pop(name)
-        missing = [k for k in state if k not in (module_key, *optimizer_keys) and k not in saved and strict
-                   and not isinstance(state[k], _Stateful)]
-        if missing:
-            raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the loaded "
-                           "checkpoint. To disable strict loading, set `strict=False`.")
         return saved
 
     @classmethod
