@@ -46,13 +46,13 @@ def _reports(out: Path, ranks: int, log: str) -> list[dict]:
 
 
 def accelerate_launch(script: Path, args: dict | None, ranks: int = 2, timeout: float = 180.0,
-                      script_args: list[str] | None = None) -> tuple[Path, str]:
+                      script_args: list[str] | None = None, launch_args: tuple[str, ...] = ()) -> tuple[Path, str]:
     """``accelerate launch --config_file cpu_2proc.yaml script OUT``; returns (OUT, combined log)."""
     out = Path(tempfile.mkdtemp(prefix="zs_acc_"))
     if args is not None:
         (out / "args.json").write_text(json.dumps(args))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-           "--num_processes", str(ranks), "--main_process_port", str(free_port()), str(script)]
+           "--num_processes", str(ranks), "--main_process_port", str(free_port()), *launch_args, str(script)]
     cmd += script_args if script_args is not None else [str(out)]
     proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     return out, proc.stdout + proc.stderr
@@ -124,12 +124,13 @@ def test_load_state_on_one_process(launched):
 
 @pytest.mark.multiprocess
 def test_example_script_with_the_shipped_cpu_config():
-    """The README command: accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml train_example.py."""
+    """The README command, with bf16 chosen on the launch command line (Accelerate's one precision setting)."""
     out = Path(tempfile.mkdtemp(prefix="zs_example_"))
     _, log = accelerate_launch(ROOT / "recipes" / "accelerate" / "train_example.py", None,
-                               script_args=["--zero-config", "zero3", "--steps", "2", "--out", str(out)])
+                               script_args=["--zero-config", "zero3", "--steps", "2", "--out", str(out)],
+                               launch_args=("--mixed_precision", "bf16"))
     assert "step 2: loss" in log, log[-4000:]
-    assert "saved to" in log, log[-4000:]
+    assert "ZeRO stage 3, precision bf16, 2 processes: saved to" in log, log[-4000:]
     assert (out / "model" / "model.safetensors").exists()
     assert (out / "state" / "zero_model" / "rank00001-of-00002.safetensors").exists()
 

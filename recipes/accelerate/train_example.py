@@ -67,7 +67,9 @@ def main() -> None:
 
     accelerator.save_state(f"{args.out}/state")      # every rank's shard; load_state resumes on any #processes
     accelerator.save_model(model, f"{args.out}/model")  # consolidated safetensors, written by rank 0
-    accelerator.print(f"{accelerator.zero_config.stage=} saved to {args.out}")
+    cfg = accelerator.zero_config
+    accelerator.print(f"ZeRO stage {cfg.stage}, precision {cfg.precision}, {accelerator.num_processes} processes: "
+                      f"saved to {args.out}")
     accelerator.end_training()
 
 
