@@ -31,6 +31,7 @@ def _cases(save_dir: str) -> list[dict]:
         dict(name="gan_zero3", strategy={"stage": 3, "unit_classes": ["Generator", "Discriminator"],
                                          "param_persistence_threshold": 0}, module="gan"),
         dict(name="swa", strategy="zero2", callbacks="swa", epochs=1),
+        dict(name="meta_zero3", strategy="zero3", module="meta", summary=True),
     ]
     for c in cases:
         c["save_dir"] = save_dir
@@ -131,3 +132,17 @@ def test_swa_is_refused_clearly(run):
     reports, _ = run
     for r in reports:
         assert "StochasticWeightAveraging cannot be used with ZeroStrategy" in r["swa"]["error"]
+
+
+def test_configure_model_builds_on_meta_under_stage_3(run):
+    reports, save_dir = run
+    _ok(reports, "meta_zero3")
+    widths = (16, 32, 32, 16)
+    total = 37 * 16 + sum(a * b + b for a, b in zip(widths, widths[1:])) + 16 * 37 + 37
+    for r in reports:
+        rep = r["meta_zero3"]
+        assert rep["built_on_meta"] is True
+        assert rep["summary"]["total"] == total
+        assert len(rep["losses"]) == 4 and all(l == l for l in rep["losses"])
+    weights = _weights(save_dir, "meta_zero3")
+    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in weights.values())

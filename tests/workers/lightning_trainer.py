@@ -110,6 +110,38 @@ class LitGAN(pl.LightningModule):
                 torch.optim.SGD(self.discriminator.parameters(), lr=5e-2, momentum=0.9))
 
 
+class LitMeta(pl.LightningModule):
+    """Built in configure_model: on the meta device under stage 3, materialized unit by unit by setup."""
+
+    def __init__(self, widths=(16, 32, 32, 16)):
+        super().__init__()
+        self.widths = widths
+        self.layers = None
+        self.losses: list[float] = []
+
+    def configure_model(self):
+        if self.layers is not None:
+            return
+        self.report_meta = any(p.is_meta for p in torch.nn.Linear(2, 2).parameters())
+        self.embed = torch.nn.Embedding(VOCAB, self.widths[0])
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(self.widths, self.widths[1:]))
+        self.head = torch.nn.Linear(self.widths[-1], VOCAB)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        loss = loss_fn(self(batch[0]), batch[1])
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def loader(world: int, batch: int) -> DataLoader:
     n = STEPS_PER_EPOCH * batch * world
     g = torch.Generator().manual_seed(7)
@@ -127,7 +159,7 @@ def make_strategy(spec):
 def run_case(case: dict, out, world: int) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, StochasticWeightAveraging
 
-    module = LitGAN() if case.get("module") == "gan" else LitLM()
+    module = {"gan": LitGAN, "meta": LitMeta}.get(case.get("module"), LitLM)()
     callbacks = []
     if case.get("ckpt_dir"):
         callbacks.append(ModelCheckpoint(dirpath=case["ckpt_dir"], monitor="train_loss", mode="min",
@@ -159,6 +191,8 @@ def run_case(case: dict, out, world: int) -> dict:
     if case.get("save_weights_only"):
         trainer.save_checkpoint(case["save_weights_only"], weights_only=True)
     report["losses"] = module.losses
+    if hasattr(module, "report_meta"):
+        report["built_on_meta"] = module.report_meta
     report["global_step"] = trainer.global_step
     state = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
     if dist.get_rank() == 0:
