@@ -100,3 +100,18 @@ def test_config_precision_conflicts_with_trainer_precision():
     s.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
     with pytest.raises(ValueError, match="conflicts"):
         s.zero_config
+
+
+def test_opt_in_hook_registers_without_importing_zero_strategy(tmp_path):
+    """What the .pth written by `python -m zero_strategy.lightning install-autoregister` runs."""
+    from pathlib import Path
+
+    import zero_strategy.lightning as zl
+
+    hook = Path(zl.__file__).with_name("_autoregister_hook.py")
+    code = (f"import runpy, sys; runpy.run_path({str(hook)!r}); assert 'torch' not in sys.modules; "
+            "from lightning.pytorch.strategies import StrategyRegistry as T; "
+            "from lightning.fabric.strategies import STRATEGY_REGISTRY as F; "
+            "assert 'zero3_offload' in T and 'zero3_offload' in F")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
