@@ -258,6 +258,19 @@ class ZeroAccelerator(Accelerator):
         with ctx:
             yield
 
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model):
+        """DDP-only in Accelerate; refused for a ZeRO model rather than silently not syncing."""
+        try:
+            api.engine_of(model)
+        except ValueError:
+            with Accelerator.trigger_sync_in_backward(model):
+                yield
+            return
+        raise NotImplementedError("ZeroAccelerator: trigger_sync_in_backward is not supported for ZeRO models; run "
+                                  "the last backward of the step outside accelerator.no_sync (accumulate() does)")
+
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Global-norm clipping over every rank's shards; returns the norm before clipping."""
         params = list(parameters)

@@ -74,9 +74,11 @@ class ZeroTrainer(Trainer):
         finally:
             hf_trainer.Accelerator = stock
         if not isinstance(self.accelerator, ZeroAccelerator):
+            import transformers
+
             raise RuntimeError(
-                f"ZeroTrainer: transformers {hf_trainer.__dict__.get('__version__', '')} no longer builds its "
-                "Accelerator through transformers.trainer.Accelerator; ZeroTrainer needs updating for it")
+                f"ZeroTrainer: transformers {transformers.__version__} no longer builds its Accelerator through "
+                "transformers.trainer.Accelerator; ZeroTrainer needs updating for it")
 
     def _zero_record(self):
         acc = getattr(self, "accelerator", None)
