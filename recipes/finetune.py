@@ -34,8 +34,8 @@ and ``probe.json``: the trained model's logits on a fixed probe batch (recipes/d
 PROBE_TEXTS), plus the run's metrics, so a reload can be checked against the weights
 it was trained to.
 
-Other options: ``--preset zero1|zero2|zero3|zero2_offload|zero3_offload`` (NVMe offload,
-``zero3_offload_nvme``, is not available yet and exits with a message), ``--precision fp32|bf16``, ``--accum N`` (gradient
+Other options: ``--preset zero1|zero2|zero3|zero2_offload|zero3_offload|zero3_offload_nvme``
+(NVMe swap files go to $ZERO_STRATEGY_NVME_PATH or a temp dir), ``--precision fp32|bf16``, ``--accum N`` (gradient
 accumulation; micro-batches before the last run under ``zs.no_sync``),
 ``--max-steps N``, ``--model DIR`` (any local HF directory with a BERT-like model).
 """

@@ -54,13 +54,6 @@ def test_setting_up_twice_is_refused():
         zs.setup(nn.Linear(2, 2), zopt, "zero3")
 
 
-@pytest.mark.parametrize("config", ["zero3_offload_nvme", {"stage": 2, "offload_optimizer": "nvme"}])
-def test_nvme_offload_says_not_available_yet(config):
-    model, opt = fresh()
-    with pytest.raises(NotImplementedError, match="NVMe offload.*not available yet.*zero3_offload"):
-        zs.setup(model, opt, config)
-
-
 def test_a_device_other_than_the_models_is_refused():
     model, opt = fresh()
     with pytest.raises(ValueError, match="device=meta but the model's parameters are on cpu"):

@@ -29,6 +29,7 @@ slice (its *shard*). This module does no communication: callers pass a
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class FlatGroup:
         device: torch.device,
         offload: OffloadPlan = OffloadPlan(),
         transfers: Transfers | None = None,
+        swap=None,
     ):
         self.name = name
         self.trainable = trainable
@@ -94,6 +96,8 @@ class FlatGroup:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.offload = offload
         self.transfers = transfers if transfers is not None else Transfers(device, pin_memory=False)
+        #: the NVMe store when some of this group's state rests in the swap file (_nvme.py)
+        self.swap = swap if (offload.nvme_optimizer or offload.nvme_params) else None
         master_device = HOST if offload.optimizer else device
 
         self.slots: list[ParamSlot] = []
@@ -118,8 +122,12 @@ class FlatGroup:
         else:
             self.param_shard = self.own(self.full)
         if trainable:
-            if self.param_shard.dtype == self.master_dtype and self.param_shard.device == master_device:
-                master = self.param_shard  # alias, no second copy
+            # alias, no second copy: only where the parameters rest next to the master by design
+            # (not merely because device and host are both the CPU on a CUDA-less machine, so
+            # that offloading takes the same path there as on a GPU); NVMe swaps them apart
+            if (self.param_shard.dtype == self.master_dtype and (offload.params or not offload.optimizer)
+                    and not (offload.nvme_params or offload.nvme_optimizer)):
+                master = self.param_shard
             else:
                 master = (self.transfers.host_empty(self.shard_numel, self.master_dtype) if offload.optimizer
                           else torch.empty(self.shard_numel, dtype=self.master_dtype, device=device))
@@ -127,6 +135,9 @@ class FlatGroup:
                 # from the original values, so bf16/fp16 compute loses nothing at start
                 self._copy_params_into(master, self.shard_start, self.shard_numel)
             self.master = nn.Parameter(master, requires_grad=True)
+        #: the master shares storage with the parameters (fp32 compute): no copy after a step
+        self.master_aliases_params = (self.master is not None and self.master.device == self.param_shard.device
+                                      and self.master.data_ptr() == self.param_shard.data_ptr())
         #: offload: the fp32 host copy of grad_shard the CPU step reads, and its download
         self.host_grad: torch.Tensor | None = None
         self._download = None
@@ -149,6 +160,11 @@ class FlatGroup:
         self._attach_views()
         if shard_params:
             self.release()
+        if self.swap is not None:  # from here on they rest in the swap file
+            if offload.nvme_optimizer and self.master is not None:
+                self.swap.adopt(self, "opt", {"master": self.master})
+            if offload.nvme_params:
+                self.swap.adopt(self, "param", {"param": self.param_shard})
 
     # ----------------------------------------------------------------- layout
     def own(self, flat: torch.Tensor) -> torch.Tensor:
@@ -187,7 +203,13 @@ class FlatGroup:
         with _preserve_version(self.full):
             if self.offload.params:  # upload this rank's shard into its slot, gather in place
                 own = self.own(self.full)
-                self.transfers.upload(own, self.param_shard).wait()
+                if self.offload.nvme_params:
+                    self.swap.swap_in(self, "param")
+                uploaded = self.transfers.upload(own, self.param_shard)
+                uploaded.wait()
+                if self.offload.nvme_params:
+                    uploaded.synchronize()  # the host slot is reused once evicted
+                    self.swap.swap_out(self, "param", write=False)
                 return comm.all_gather(self.full, own, async_op=True)
             return comm.all_gather(self.full, self.param_shard, async_op=True)
 
@@ -319,11 +341,6 @@ class FlatGroup:
             return self.grad_shard
         return self.grad_shard.to(self.master_dtype)
 
-    @property
-    def master_aliases_params(self) -> bool:
-        return (self.master is not None and self.master.device == self.param_shard.device
-                and self.master.data_ptr() == self.param_shard.data_ptr())
-
     def publish_master(self, comm: Collectives) -> Handle | None:
         """Copy the stepped master into the parameters; all-gather them where replicated."""
         if self.master is None:
@@ -344,9 +361,19 @@ class FlatGroup:
             if self.master_aliases_params:
                 return None
             if self.offload.params:  # parameters rest on the host: cast in place, no upload
+                if self.offload.nvme_params:
+                    self.swap.swap_in(self, "param")
                 self.param_shard.copy_(self.master)
+                if self.offload.nvme_params:
+                    self.swap.swap_out(self, "param", write=True, wait=False)
                 return None
             return self.transfers.upload_cast(self.param_shard, self.master.detach())
+
+    def resident(self, write_back: bool):
+        """Context: this group's swapped state (NVMe) in host memory inside the block."""
+        if self.swap is None:
+            return contextlib.nullcontext()
+        return self.swap.resident(self, write_back)
 
     def gather_replicated(self, comm: Collectives) -> Handle | None:
         """Stages 1-2 (and persistent stage-3 groups): all-gather ``full`` from the own slice."""

@@ -36,6 +36,11 @@ class MemoryReport:
     def host_bytes(self) -> int:
         return sum(self.by_placement.get("host", {}).values())
 
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes in this rank's NVMe swap file (0 without NVMe offload)."""
+        return sum(self.by_placement.get("nvme", {}).values())
+
     def __str__(self) -> str:
         lines = [f"{'category':<16}{'device MiB':>12}{'host MiB':>12}"]
         for k in CATEGORIES:
@@ -75,4 +80,8 @@ def measure(engine, optimizers=()) -> MemoryReport:
                     add("optimizer_state", offloaded, v)
     for t in engine.transfers.staging_tensors():
         add("staging", True, t)
+    if engine.swap is not None:  # NVMe: the slot pool is host staging, the rest is on disk
+        for t in engine.swap.staging_tensors():
+            add("staging", True, t)
+        placements["nvme"] = {"swap_file": engine.swap.bytes_on_disk()}
     return MemoryReport(cats, placements, locs)

@@ -46,6 +46,8 @@ class OffloadPlan:
     optimizer: bool = False   # fp32 master + optimizer state + CPU step
     params: bool = False      # stage 3 parameter shard rests on the host
     pin_memory: bool = True
+    nvme_optimizer: bool = False  # ... and the master + optimizer state rest in the NVMe swap file
+    nvme_params: bool = False     # ... and the parameter shard rests in the NVMe swap file
 
     @property
     def any(self) -> bool:

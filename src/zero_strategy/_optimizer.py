@@ -22,6 +22,7 @@ An fp16 overflow anywhere skips steps 3-5 on every rank and backs off the scale.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections import OrderedDict
 from typing import Any
 
@@ -247,19 +248,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
         factor = float(self._factor)
         groups = [g for g in self.groups if g.grad_shard is not None]
         pool = self.engine.transfers.pool
-        futures = [pool.submit(self._cpu_step_one, g, factor) for g in groups]
+        swap = self.engine.swap
+        read_ahead = swap.policy.read_ahead if swap is not None else 0
+        futures = [pool.submit(self._cpu_step_one, g, factor, groups[i + 1:i + 1 + read_ahead])
+                   for i, g in enumerate(groups)]
         handles = []
-        for g, fut in zip(groups, futures):
-            uploaded = fut.result()
-            if uploaded is not None:
-                uploaded.wait()  # the compute stream waits for the H2D copy
-            handles.append(g.gather_replicated(self.engine.comm))
+        try:
+            for g, fut in zip(groups, futures):
+                uploaded = fut.result()
+                if uploaded is not None:
+                    uploaded.wait()  # the compute stream waits for the H2D copy
+                handles.append(g.gather_replicated(self.engine.comm))
+        finally:
+            for fut in futures:  # never leave the worker running past an error
+                concurrent.futures.wait([fut])
+            if swap is not None:
+                swap.wait_writes()  # surfaces write errors; the next step reads what was written
         for h in handles:
             if h is not None:
                 h.wait()
 
     @torch.no_grad()
-    def _cpu_step_one(self, g, factor: float):
+    def _cpu_step_one(self, g, factor: float, upcoming=()):
+        swap = g.swap if g.offload.nvme_optimizer else None
+        if swap is not None:
+            for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
+                swap.prefetch(nxt, "opt")
+            swap.swap_in(g, "opt")
         grad = g.master_grad()  # waits for this group's download only
         if factor != 1.0:
             grad.mul_(factor)
@@ -268,7 +283,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.optimizer.step()
         finally:
             g.master.grad = None
-        return g.stage_master_upload()
+        uploaded = g.stage_master_upload()
+        if swap is not None:
+            state = self.optimizer.state.get(g.master, {})
+            new = swap.needs_adopt(g, "opt", {f"state.{k}": v for k, v in state.items()
+                                              if isinstance(v, torch.Tensor) and v.dim() == 1
+                                              and v.numel() == g.shard_numel})
+            if new:  # first step: the optimizer just created its state; from now on it swaps too
+                swap.adopt(g, "opt", new)
+            swap.swap_out(g, "opt", write=True, wait=False)  # write-back overlaps the next group's step
+        return uploaded
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""

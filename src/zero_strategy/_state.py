@@ -32,8 +32,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from .config import NVMeOffload
+
 from ._collectives import Collectives, Handle
 from ._flat import FlatGroup, ParamSlot
+from ._nvme import NVMeStore
 from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan, plan_for
 from ._units import Unit, build_units
@@ -105,19 +108,27 @@ class ZeroEngine:
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.gradient_reduce_dtype
         self._optimizer_group_of = optimizer_group_of
+        nvme_policy = next((p for p in (config.offload_optimizer, config.offload_params)
+                            if isinstance(p, NVMeOffload)), None)
         self.offload = OffloadPlan(
             optimizer=config.offload_optimizer is not None,
             params=config.offload_params is not None,
             pin_memory=all(getattr(p, "pin_memory", True)
                            for p in (config.offload_optimizer, config.offload_params) if p is not None),
+            nvme_optimizer=isinstance(config.offload_optimizer, NVMeOffload),
+            nvme_params=isinstance(config.offload_params, NVMeOffload),
         )
         self.transfers = Transfers(self.device, pin_memory=self.offload.pin_memory)
+        self.swap = None
+        if nvme_policy is not None:
+            self.swap = NVMeStore(nvme_policy, comm.rank, pin=self.transfers.pin,
+                                  needed_bytes=_swap_bytes(model, self.offload, config, comm.world_size))
         self.units: list[Unit] = build_units(
             model, plan=self.plan, unit_classes=tuple(config.unit_classes),
             persistence_threshold=config.param_persistence_threshold,
             optimizer_group_of=optimizer_group_of, compute_dtype=self.compute_dtype,
             grad_dtype=self.grad_dtype, comm=comm, device=self.device,
-            offload=self.offload, transfers=self.transfers, param_init_fn=param_init_fn,
+            offload=self.offload, transfers=self.transfers, param_init_fn=param_init_fn, swap=self.swap,
         )
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
@@ -177,6 +188,8 @@ class ZeroEngine:
             h.remove()
         self._handles.clear()
         self.transfers.close()
+        if self.swap is not None:
+            self.swap.close()
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module, args, kwargs):
@@ -352,6 +365,20 @@ class ZeroEngine:
 
 def _drop_grad(param: nn.Parameter) -> None:
     param.grad = None
+
+
+def _swap_bytes(model: nn.Module, offload: OffloadPlan, config, world_size: int) -> int:
+    """Bytes this rank's swap file will hold: fp32 master + up to two fp32 moments per trainable
+    element (Adam), and the compute-dtype parameter shard; checked against free space up front."""
+    unique = {id(p): p for p in model.parameters() if p.is_floating_point()}.values()
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    everything = sum(p.numel() for p in unique)
+    total = 0
+    if offload.nvme_optimizer:
+        total += 12 * trainable
+    if offload.nvme_params:
+        total += config.compute_dtype.itemsize * everything
+    return total // world_size + 64 * 2**20  # + alignment and per-region rounding
 
 
 def _single_device(model: nn.Module, requested: torch.device | None) -> torch.device:

@@ -125,6 +125,7 @@ def build_units(
     offload: OffloadPlan,
     transfers: Transfers,
     param_init_fn=None,
+    swap=None,
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
@@ -176,8 +177,10 @@ def build_units(
                 world_size=comm.world_size, device=device,
                 offload=OffloadPlan(optimizer=offload.optimizer and trainable,
                                     params=offload.params and shard_params,
-                                    pin_memory=offload.pin_memory),
-                transfers=transfers,
+                                    pin_memory=offload.pin_memory,
+                                    nvme_optimizer=offload.nvme_optimizer and trainable,
+                                    nvme_params=offload.nvme_params and shard_params),
+                transfers=transfers, swap=swap,
             ))
         if groups or unit_name == ROOT:
             units.append(Unit(unit_name, modules[unit_name], groups, is_root=unit_name == ROOT))

@@ -25,7 +25,7 @@ from ._collectives import Collectives
 from ._memory import MemoryReport, measure
 from ._optimizer import ZeroOptimizer, check_elementwise
 from ._state import ZeroEngine
-from .config import NVMeOffload, ZeroConfig
+from .config import ZeroConfig
 
 # [Note: engine lookup without keeping models alive]
 # id(model) -> engine, weakly: the model's own hooks keep its engine alive, so both
@@ -86,13 +86,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
 
 
 def _refuse_unavailable(cfg: ZeroConfig) -> None:
-    nvme = [name for name in ("offload_optimizer", "offload_params")
-            if isinstance(getattr(cfg, name), NVMeOffload)]
-    if nvme:
-        raise NotImplementedError(
-            f"zero_strategy: NVMe offload ({', '.join(nvme)}=\"nvme\") is not available yet in this "
-            "version; use CPU offload (presets zero2_offload, zero3_offload) for now. No silent "
-            "fallback is made so that a run never uses more memory than you planned for.")
+    """Every configuration the config layer accepts is available now; kept as the one place
+    to refuse a combination the engine cannot run yet."""
+    return None
 
 
 def _optimizer_group_of(model: nn.Module, optimizers: list) -> dict[int, tuple[int, int]]:
@@ -176,12 +172,15 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     comm = engine.comm
     values: dict[int, torch.Tensor] = {}
     for g in engine.groups:
-        source = g.master.data if g.master is not None else g.param_shard
-        if g.master is None and not g.shard_params:
-            full = g.full
-        else:
-            full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
-            comm.all_gather(full, source, async_op=False)
+        with g.resident(write_back=False):
+            if g.master is None and not g.shard_params:
+                full = g.full
+            else:
+                source = g.master.data if g.master is not None else g.param_shard
+                if source.device != engine.device and comm.backend == "nccl":
+                    source = source.to(engine.device)  # offloaded: NCCL gathers device tensors
+                full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
+                comm.all_gather(full, source, async_op=False)
         if rank0_only and comm.rank != 0:
             continue
         for s in g.slots:
@@ -223,10 +222,11 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
                 for g in groups:
                     engine.comm.broadcast(g.full, src_rank=modifier_rank)
                     own = g.own(g.full)
-                    if g.shard_params:
-                        g.param_shard.copy_(own)
-                    if g.master is not None and not g.master_aliases_params:
-                        g.master.copy_(own)
+                    with g.resident(write_back=True):
+                        if g.shard_params:
+                            g.param_shard.copy_(own)
+                        if g.master is not None and not g.master_aliases_params:
+                            g.master.copy_(own)
         for u in units:
             if was_sharded[id(u)]:
                 u.release()

@@ -22,7 +22,10 @@ the per-rank model states are
 Mixed-precision Adam (P = G = 2, K = 12) gives the paper's 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. Offloading the optimizer moves KΨ/N off the device (to host
 memory, or to NVMe with pinned staging buffers in host memory) and adds a 4Ψ/N fp32
-gradient shard on the host for the CPU step; offloading parameters (stage 3) moves
+gradient shard on the host for the CPU step. An offloaded fp32 master cannot share
+storage with parameters on the device, so there M = 4 even for fp32 compute (only
+fp32 stage 3 with both offloaded to host memory keeps M = 0: master and parameter
+shard are then the same host tensor); offloading parameters (stage 3) moves
 the (PΨ + PΨf)/N parameter shard. Activations, temporary buffers, gathered stage-3
 units and allocator fragmentation are *not* model states and are not counted.
 """
@@ -180,6 +183,9 @@ def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, preci
     optim = shard(k * psi) if stage >= 1 else k * psi
     est = dict(device_params=params, device_grads=grads, device_optimizer=optim)
     if opt is not None:
+        shares_host_params = isinstance(opt, CPUOffload) and isinstance(par, CPUOffload)
+        if p == 4 and not shares_host_params:
+            optim = shard((k + 4) * psi)  # the host master is a copy of the device parameters
         est["device_optimizer"] = 0
         est["host_grads"] = shard(4 * psi)
         if isinstance(opt, NVMeOffload):

@@ -26,6 +26,8 @@ def finish(out: Path, report: dict) -> None:
     tmp = out / f"rank{rank}.json.tmp"
     tmp.write_text(json.dumps(report))
     tmp.rename(out / f"rank{rank}.json")
+    import gc
+    gc.collect()  # set-up models collected: their NVMe swap files are removed before os._exit
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

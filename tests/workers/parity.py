@@ -31,6 +31,13 @@ def make_optimizer(kind: str, params):
     return torch.optim.AdamW(params, betas=(0.9, 0.95))
 
 
+def _offload(value, case):
+    """"nvme" in a case means NVMe offload under the case's nvme_path (a per-test temp dir)."""
+    if value == "nvme":
+        return {"device": "nvme", "path": case["nvme_path"], "buffer_size": 4096 * 4}
+    return value
+
+
 class Reference:
     """torch DDP; for bf16/fp16 the textbook mixed-precision recipe around it.
 
@@ -160,8 +167,8 @@ def _run_case(case: dict) -> dict:
                         param_persistence_threshold=case.get("persistence", 0),
                         reduce_dtype=case.get("reduce_dtype"),
                         gradient_clipping=case.get("clip") if case.get("clip_in_config") else None,
-                        offload_optimizer=case.get("offload_optimizer"),
-                        offload_params=case.get("offload_params"))
+                        offload_optimizer=_offload(case.get("offload_optimizer"), case),
+                        offload_params=_offload(case.get("offload_params"), case))
     model, zopt = zs.setup(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
 

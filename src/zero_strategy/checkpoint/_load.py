@@ -184,15 +184,26 @@ def _load_shards(reader: _Reader, model, engine, zopts) -> None:
     names, _ = _model_names(model, engine)
     alias = meta.alias_map()
     for g in engine.groups:
-        target = g.master.data if g.trainable else g.param_shard
-        for s, lo, hi in g.slot_ranges_in_shard():
-            fqn = _fqn_in_checkpoint(meta, alias, names[id(s.param)])
-            if fqn is None:
-                continue  # missing: allowed by strict=False, keeps its current value
-            dst = target[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
-            reader.fill(dst, fqn, lo, hi, lambda grp: grp.weight_tensor)
-        if zopts and g.trainable:
-            _load_optimizer_state(reader, g, zopts[g.optimizer_index], names, alias)
+        with g.resident(write_back=True):  # NVMe-swapped state comes in, and goes back loaded
+            _load_group(reader, g, zopts, names, alias)
+
+
+def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
+    target = g.master.data if g.trainable else g.param_shard
+    for s, lo, hi in g.slot_ranges_in_shard():
+        fqn = _fqn_in_checkpoint(reader.meta, alias, names[id(s.param)])
+        if fqn is None:
+            continue  # missing: allowed by strict=False, keeps its current value
+        dst = target[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
+        reader.fill(dst, fqn, lo, hi, lambda grp: grp.weight_tensor)
+    if zopts and g.trainable:
+        zopt = zopts[g.optimizer_index]
+        _load_optimizer_state(reader, g, zopt, names, alias)
+        if g.swap is not None and g.offload.nvme_optimizer:  # the new state tensors swap from now on
+            state = zopt.optimizer.state.get(g.master, {})
+            g.swap.adopt(g, "opt", {f"state.{k}": v for k, v in state.items()
+                                    if isinstance(v, torch.Tensor) and v.dim() == 1
+                                    and v.numel() == g.shard_numel}, replace=True)
 
 
 def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
@@ -272,14 +283,15 @@ def _publish(engine) -> None:
     """Compute-dtype parameters from the loaded shards, as after an optimizer step."""
     handles = []
     for g in engine.groups:
-        if g.trainable and not g.master_aliases_params:
-            g.param_shard.copy_(g.master.detach())
-        if not g.shard_params or g.state.value == "gathered":  # stage 3 inside gathered_parameters
-            own = g.own(g.full)
-            with torch.autograd._unsafe_preserve_version_counter(g.full):
-                if own.data_ptr() != g.param_shard.data_ptr():  # resting shard elsewhere (offload)
-                    own.copy_(g.param_shard)
-                handles.append(engine.comm.all_gather(g.full, own, async_op=True))
+        with g.resident(write_back=True):  # NVMe: master in, updated parameter shard out
+            if g.trainable and not g.master_aliases_params:
+                g.param_shard.copy_(g.master.detach())
+            if not g.shard_params or g.state.value == "gathered":  # stage 3 inside gathered_parameters
+                own = g.own(g.full)
+                with torch.autograd._unsafe_preserve_version_counter(g.full):
+                    if own.data_ptr() != g.param_shard.data_ptr():  # resting shard elsewhere (offload)
+                        own.copy_(g.param_shard)
+                    handles.append(engine.comm.all_gather(g.full, own, async_op=True))
     for h in handles:
         h.wait()
 

@@ -157,18 +157,32 @@ def _optimizer_state(zopts, g, layout: GroupLayout) -> list[tuple[str, torch.Ten
     return tensors
 
 
+def _group_entries(g, layout: GroupLayout, zopts) -> list[tuple[str, torch.Tensor]]:
+    weight = g.master if g.trainable else g.param_shard
+    entries = [(layout.weight_tensor, weight.detach())]
+    for key, t in _optimizer_state(zopts, g, layout):
+        entries.append((layout.state_tensor(key), t.detach()))
+    return entries
+
+
 def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> FileRecord:
-    entries: list[tuple[str, torch.Tensor]] = []
+    """Stream this rank's shards, one group at a time.
+
+    Groups whose state rests in an NVMe swap file are brought in for the header pass
+    and again for the write, so host memory stays at one group's state.
+    """
+    specs = []
     for layout, g in zip(groups, engine.groups):
-        weight = g.master if g.trainable else g.param_shard
-        entries.append((layout.weight_tensor, weight.detach()))
-        for key, t in _optimizer_state(zopts, g, layout):
-            entries.append((layout.state_tensor(key), t.detach()))
+        with g.resident(write_back=False):
+            layout.state_tensors.clear()
+            layout.state_scalars.clear()
+            specs.extend((n, t.dtype, [t.numel()]) for n, t in _group_entries(g, layout, zopts))
     name = rank_file_name(engine.comm.rank, engine.comm.world_size)
-    specs = [(n, t.dtype, [t.numel()]) for n, t in entries]
     with StreamWriter(tmp / name, specs, {"format": "pt"}) as w:
-        for n, t in entries:
-            w.write(n, t)
+        for layout, g in zip(groups, engine.groups):
+            with g.resident(write_back=False):
+                for n, t in _group_entries(g, layout, zopts):
+                    w.write(n, t)
         digest, size = w.close()
     return FileRecord(name=name, sha256=digest, bytes=size, rank=engine.comm.rank)
 

@@ -1,0 +1,425 @@
+"""NVMe offload (ZeRO-Infinity): master shards, optimizer state and stage-3 parameter
+shards of each flat group live in this rank's swap file and visit host memory only
+while they are used.
+
+[Note: residency]
+Each flat group's swapped tensors (fp32 master, the optimizer's elementwise state
+such as Adam's moments, the parameter shard with ``offload_params="nvme"``) keep
+their Python identity (the optimizer's state dict and the master Parameter stay the
+same objects). *Resident*, their ``.data`` are views into one slot of a bounded pool
+of page-aligned (pinned on CUDA machines) buffers; *evicted*, ``.data`` is an empty
+tensor and the bytes are in the swap file. ``resident(group)`` brings a group in
+for the code that touches it (the optimizer step, checkpoints, full state dicts,
+gathers) and writes it back when it was changed.
+
+[Note: the step at disk speed]
+The offloaded step walks the groups in order: reads of the next ``read_ahead``
+groups are in flight while the worker steps the current one, and its write-back runs
+while the next one steps. Reads and writes are split into ``buffer_size`` requests
+served by ``io_threads`` threads with O_DIRECT (bypassing the page cache) where the
+filesystem allows it, buffered I/O where it does not (e.g. tmpfs).
+
+[Note: failures]
+The path is checked before training (created, writable, room for every swapped
+byte). An I/O error during training (a full disk, a vanished file) raises
+``NVMeError`` naming the file and the operation; state is never silently stale. Swap
+files are removed at teardown and at interpreter exit; files of a crashed run
+(whose process is gone) are detected by name and removed, never read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import os
+import re
+import shutil
+import tempfile
+import threading
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+
+ALIGN = 4096
+_FILE_RE = re.compile(r"^zero_swap\.r(\d+)\.pid(\d+)\.bin$")
+
+
+class NVMeError(RuntimeError):
+    """An NVMe offload path that cannot be used, or an I/O error during training."""
+
+
+def resolve_nvme_path(policy) -> Path:
+    if policy is not None and policy.path:
+        return Path(policy.path)
+    env = os.environ.get("ZERO_STRATEGY_NVME_PATH")
+    if env:
+        return Path(env)
+    path = Path(tempfile.gettempdir()) / "zero_strategy_nvme"
+    warnings.warn(f"zero_strategy: NVMe offload without a path uses {path}; set nvme path in the config or "
+                  "ZERO_STRATEGY_NVME_PATH to a fast local disk (a temp dir may be RAM-backed)", stacklevel=4)
+    return path
+
+
+def check_nvme_path(path: Path, needed_bytes: int) -> None:
+    """Refuse, before training, a path that cannot hold the swap file."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NVMeError(f"NVMe offload path {path} cannot be created: {e.strerror}; choose a directory "
+                        "on a local disk you can write to") from None
+    probe = path / f".zero_strategy_probe.{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * ALIGN)
+    except OSError as e:
+        raise NVMeError(f"NVMe offload path {path} is not writable: {e.strerror}; choose a directory "
+                        "you can write to") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise NVMeError(f"NVMe offload path {path} has {free / 2**30:.2f} GiB free but this rank's swap "
+                        f"file needs {needed_bytes / 2**30:.2f} GiB; free space or choose another disk")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_swap_files(path: Path, rank: int) -> list[Path]:
+    """Swap files of this rank left by runs whose process is gone: removed, never read."""
+    removed = []
+    for f in path.glob("zero_swap.r*.pid*.bin"):
+        m = _FILE_RE.match(f.name)
+        if m and int(m.group(1)) == rank and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2))):
+            with contextlib.suppress(OSError):
+                f.unlink()
+                removed.append(f)
+    if removed:
+        warnings.warn(f"zero_strategy: removed stale NVMe swap files of a crashed run: "
+                      f"{[str(p) for p in removed]}", stacklevel=4)
+    return removed
+
+
+def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
+    """A uint8 host tensor whose data pointer and size are multiples of ALIGN (for O_DIRECT)."""
+    nbytes = _round_up(max(nbytes, 1))
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    offset = (-raw.data_ptr()) % ALIGN
+    return raw[offset:offset + nbytes]
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class SwapFile:
+    """This rank's swap file: one aligned region per swapped tensor, chunked parallel I/O."""
+
+    def __init__(self, directory: Path, rank: int, io_threads: int, chunk_bytes: int):
+        remove_stale_swap_files(directory, rank)
+        self.path = directory / f"zero_swap.r{rank}.pid{os.getpid()}.bin"
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise NVMeError(f"cannot create NVMe swap file {self.path}: {e.strerror}") from None
+            self.direct = False  # the filesystem refuses O_DIRECT (tmpfs): buffered I/O
+            self.fd = os.open(self.path, flags, 0o600)
+        self.chunk = chunk_bytes
+        self.regions: dict[str, tuple[int, int]] = {}
+        self._end = 0
+        self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="zero-nvme-io")
+        self.bytes_read = self.bytes_written = 0
+        self._lock = threading.Lock()
+        # removed when this object is collected or at interpreter exit, whichever is first
+        # (a plain atexit.register(self.close) would keep every swap file alive until exit)
+        self._finalizer = weakref.finalize(self, _remove_swap_file, self.fd, self.path, self._io)
+
+    def region(self, key: str, nbytes: int) -> tuple[int, int]:
+        with self._lock:
+            if key not in self.regions:
+                self.regions[key] = (self._end, _round_up(nbytes))
+                self._end += _round_up(nbytes)
+            return self.regions[key]
+
+    @property
+    def size(self) -> int:
+        return self._end
+
+    def _io_chunk(self, write: bool, buf: torch.Tensor, offset: int) -> None:
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < len(view):
+            try:
+                n = (os.pwrite(self.fd, view[done:], offset + done) if write
+                     else os.preadv(self.fd, [view[done:]], offset + done))
+            except OSError as e:
+                what = "disk full" if e.errno == errno.ENOSPC else e.strerror
+                raise NVMeError(f"NVMe {'write to' if write else 'read from'} {self.path} at byte {offset + done} "
+                                f"failed: {what}") from None
+            if n <= 0:
+                raise NVMeError(f"NVMe {'write to' if write else 'read from'} {self.path} at byte "
+                                f"{offset + done} made no progress (file truncated?)")
+            done += n
+
+    def submit(self, write: bool, key: str, buf: torch.Tensor) -> list[concurrent.futures.Future]:
+        """Start moving ``buf`` (aligned uint8, region-sized) to/from region ``key``."""
+        offset, size = self.regions[key]
+        assert buf.numel() == size, (key, buf.numel(), size)
+        futures = []
+        for start in range(0, size, self.chunk):
+            part = buf[start:start + self.chunk]
+            futures.append(self._io.submit(self._io_chunk, write, part, offset + start))
+        with self._lock:
+            if write:
+                self.bytes_written += size
+            else:
+                self.bytes_read += size
+        return futures
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _remove_swap_file(fd: int, path: Path, io: concurrent.futures.ThreadPoolExecutor) -> None:
+    io.shutdown(wait=True)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def wait_all(futures) -> None:
+    for f in futures:
+        f.result()  # re-raises NVMeError from the I/O thread
+
+
+class SlotPool:
+    """``count`` aligned host buffers; ``acquire`` blocks until one is free (back-pressure)."""
+
+    def __init__(self, count: int, pin: bool):
+        self._pin = pin
+        self._free: list[torch.Tensor | None] = [None] * count
+        self._cv = threading.Condition()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._cv:
+            while not self._free:
+                self._cv.wait()
+            buf = self._free.pop()
+        if buf is None or buf.numel() < nbytes:
+            buf = aligned_empty(nbytes, self._pin)  # grows to the largest swap set seen
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for b in self._free if b is not None]
+
+
+class _SwapSet:
+    """Tensors of one group swapped together ("opt": master + optimizer state; "param")."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.slot: torch.Tensor | None = None
+        self.reads: list = []
+        self.resident = True
+        #: keys whose .data currently views the slot (tensors adopted while resident do not)
+        self.in_slot: set[str] = set()
+        self.lock = threading.Lock()
+
+
+
+class NVMeStore:
+    """The swap file, the slot pool and the residency of every swapped group of one rank."""
+
+    def __init__(self, policy, rank: int, pin: bool, needed_bytes: int):
+        directory = resolve_nvme_path(policy)
+        check_nvme_path(directory, needed_bytes)
+        self.directory = directory
+        self.policy = policy
+        self.file = SwapFile(directory, rank, policy.io_threads, policy.buffer_size)
+        # stepping + read-ahead + one write-back + a parameter shard must fit, or the pipeline waits on itself
+        self.pool = SlotPool(max(policy.buffer_count, policy.read_ahead + 3), pin)
+        self._sets: dict[tuple[int, str], _SwapSet] = {}
+        self._meta: dict[tuple[int, str], dict[str, tuple[torch.dtype, int]]] = {}
+        self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-nvme-evict")
+        self._pending_out: list[concurrent.futures.Future] = []
+        self._failed: BaseException | None = None
+
+    # ---------------------------------------------------------------- registry
+    def _set(self, group, kind: str) -> _SwapSet:
+        key = (id(group), kind)
+        if key not in self._sets:
+            self._sets[key] = _SwapSet(f"{group.name}:{kind}")
+            self._meta[key] = {}
+        return self._sets[key]
+
+    def adopt(self, group, kind: str, tensors: dict[str, torch.Tensor], replace: bool = False) -> None:
+        """Start swapping these resident tensors of ``group``: write them out, then evict.
+
+        ``replace``: a key already swapped gets a new tensor object (e.g. optimizer state
+        rebuilt by a checkpoint load); inside a residency its values go into the slot.
+        """
+        s = self._set(group, kind)
+        meta = self._meta[(id(group), kind)]
+        staged = []
+        for key, t in tensors.items():
+            if key in s.tensors:
+                if not replace or s.tensors[key] is t:
+                    continue
+                old = s.tensors[key]
+                if key in s.in_slot:  # resident: take the slot view over, written back on swap-out
+                    view = old.data
+                    view.copy_(t.detach().reshape(-1))
+                    t.data = view
+                    s.tensors[key] = t
+                    continue
+                del s.tensors[key]
+            s.tensors[key] = t
+            meta[key] = (t.dtype, t.numel())
+            fkey = f"{s.name}:{key}"
+            _, size = self.file.region(fkey, t.numel() * t.element_size())
+            buf = aligned_empty(size, pin=False)
+            buf[:t.numel() * t.element_size()].copy_(t.detach().reshape(-1).view(torch.uint8))
+            staged.append((buf, self.file.submit(True, fkey, buf)))
+        for _, futures in staged:
+            wait_all(futures)
+        if s.slot is None:  # not inside a residency: evict now
+            self._evict(s)
+
+    def needs_adopt(self, group, kind: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        s = self._sets.get((id(group), kind))
+        return {k: t for k, t in tensors.items() if s is None or k not in s.tensors}
+
+    def has(self, group, kind: str) -> bool:
+        return (id(group), kind) in self._sets
+
+    # --------------------------------------------------------------- residency
+    def _slot_bytes(self, key) -> int:
+        return sum(_round_up(dt.itemsize * n) for dt, n in self._meta[key].values())
+
+    def _check_healthy(self) -> None:
+        if self._failed is not None:
+            raise NVMeError(f"an earlier NVMe write to {self.file.path} failed ({self._failed}); the "
+                            "swapped training state is incomplete, so it is not read back. Restart from "
+                            "the last checkpoint after fixing the disk")
+
+    def prefetch(self, group, kind: str) -> None:
+        """Start reading the set into a slot (no-op if resident or already reading)."""
+        self._check_healthy()
+        s = self._sets[(id(group), kind)]
+        with s.lock:
+            if s.slot is not None:
+                return
+            meta = self._meta[(id(group), kind)]
+            s.slot = self.pool.acquire(self._slot_bytes((id(group), kind)))
+            offset, s.reads = 0, []
+            for key, (dt, n) in meta.items():
+                size = _round_up(dt.itemsize * n)
+                s.reads.extend(self.file.submit(False, f"{s.name}:{key}", s.slot[offset:offset + size]))
+                offset += size
+
+    def swap_in(self, group, kind: str) -> None:
+        """Make the set resident (waiting for its read) with tensors viewing the slot."""
+        s = self._sets[(id(group), kind)]
+        self.prefetch(group, kind)
+        with s.lock:
+            if s.resident:
+                return
+            wait_all(s.reads)
+            s.reads = []
+            offset = 0
+            for key, (dt, n) in self._meta[(id(group), kind)].items():
+                nbytes = dt.itemsize * n
+                s.tensors[key].data = s.slot[offset:offset + nbytes].view(dt)
+                s.in_slot.add(key)
+                offset += _round_up(nbytes)
+            s.resident = True
+
+    def swap_out(self, group, kind: str, write: bool, wait: bool = True) -> None:
+        """Write the set back (if changed) and evict it, freeing its slot."""
+        s = self._sets[(id(group), kind)]
+        if not s.resident:
+            return
+        futures = []
+        if write and s.slot is not None:
+            offset = 0
+            for key, (dt, n) in self._meta[(id(group), kind)].items():
+                size = _round_up(dt.itemsize * n)
+                if key in s.in_slot:  # adopted-while-resident tensors were written by adopt()
+                    futures.extend(self.file.submit(True, f"{s.name}:{key}", s.slot[offset:offset + size]))
+                offset += size
+
+        def finish():
+            try:
+                wait_all(futures)
+            except BaseException as e:
+                self._failed = e  # the file no longer holds this state: refuse to read it back
+                raise
+            finally:
+                self._evict(s)  # frees the slot even on failure, so nothing waits on it forever
+
+        if wait:
+            finish()
+        else:
+            self._pending_out.append(self._finisher.submit(finish))
+
+    def _evict(self, s: _SwapSet) -> None:
+        with s.lock:
+            for t in s.tensors.values():
+                t.data = torch.empty(0, dtype=t.dtype)
+            s.in_slot.clear()
+            if s.slot is not None:
+                self.pool.release(s.slot)
+                s.slot = None
+            s.resident = False
+
+    def wait_writes(self) -> None:
+        pending, self._pending_out = self._pending_out, []
+        for f in pending:
+            f.result()
+
+    @contextlib.contextmanager
+    def resident(self, group, write_back: bool):
+        """All swapped sets of ``group`` resident inside the block; written back if asked."""
+        kinds = [k for k in ("opt", "param") if self.has(group, k)]
+        self.wait_writes()
+        for k in kinds:
+            self.swap_in(group, k)
+        try:
+            yield
+        finally:
+            for k in kinds:
+                self.swap_out(group, k, write=write_back)
+
+    # --------------------------------------------------------------- reporting
+    def bytes_on_disk(self) -> int:
+        return self.file.size
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        return self.pool.buffers()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.wait_writes()
+        self._finisher.shutdown(wait=True)
+        self.file.close()
