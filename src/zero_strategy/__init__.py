@@ -25,6 +25,7 @@ from .api import (
     no_sync,
     setup,
     teardown,
+    zero_grad,
 )
 from . import checkpoint
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -35,7 +36,7 @@ __all__ = [
     "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
     "comm_stats", "engine_of", "full_state_dict", "gathered_parameters", "memory_report",
-    "no_sync", "setup", "teardown", "__version__",
+    "no_sync", "setup", "teardown", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint",
 ]
 

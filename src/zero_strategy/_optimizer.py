@@ -195,6 +195,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = total
         return total
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value] (after unscaling),
+        like ``torch.nn.utils.clip_grad_value_`` on the unsharded model (elementwise, so
+        exact on shards). Call after the last backward of the step, before ``step()``."""
+        if clip_value < 0:
+            raise ValueError(f"clip_grad_value_: clip_value must be >= 0, got {clip_value}")
+        self._prepare_gradients()
+        if self._found_inf:
+            return
+        bound = float(clip_value) / float(self._factor)  # shards are still scaled by 1/factor
+        for x in self._shards():
+            x.clamp_(-bound, bound)
+
     # -------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure=None) -> Any:

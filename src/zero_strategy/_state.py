@@ -35,7 +35,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .config import NVMeOffload
 
 from ._collectives import Collectives, Handle
-from ._flat import FlatGroup, ParamSlot
+from ._flat import FlatGroup, ParamSlot, ShardState
 from ._nvme import NVMeStore
 from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan, plan_for
@@ -159,6 +159,12 @@ class ZeroEngine:
                         self._make_unit_pre_forward(unit), with_kwargs=True))
                     self._handles.append(unit.module.register_forward_hook(
                         self._make_unit_post_forward(unit), with_kwargs=True))
+            # A submodule holding root-unit parameters may be called directly, not through the
+            # root's forward (a GAN's discriminator in manual optimization): gather on demand.
+            root_params = {id(s.param) for g in self.root.sharded_groups for s in g.slots}
+            for m in self.model.modules():
+                if m is not self.model and any(id(p) in root_params for p in m.parameters(recurse=False)):
+                    self._handles.append(m.register_forward_pre_hook(self._gather_root_on_demand))
         dropped = []
         # [Note: weak self in tensor hooks] tensor hooks live in C++, where Python's
         # garbage collector cannot see the cycle parameter -> hook -> engine -> parameter;
@@ -202,6 +208,10 @@ class ZeroEngine:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t  # noqa: E731
             return _map_tensors(args, cast), _map_tensors(kwargs, cast)
         return None
+
+    def _gather_root_on_demand(self, module, args) -> None:
+        if self.root.state is ShardState.SHARDED:
+            self.root.gather(self.comm)  # released again at the end of backward or of a no-grad forward
 
     def _root_post_forward(self, module, args, kwargs, output):
         self._root_forward_depth -= 1

@@ -128,16 +128,38 @@ def engine_of(model: nn.Module) -> ZeroEngine:
     return engine
 
 
-def teardown(model: nn.Module) -> None:
-    """Remove hooks and restore full (unsharded) parameters so the model is a plain module again."""
+def teardown(model: nn.Module, keep_weights: bool = True) -> None:
+    """Undo ``setup``: remove hooks, free shards, gradients and offload/NVMe buffers.
+
+    ``keep_weights=True`` first gathers the full weights so the model is a plain,
+    usable module again (every rank holds the whole model afterwards).
+    ``keep_weights=False`` only releases: no gathering, so it is safe for models too
+    big for one rank; stage-3 parameters stay empty. Every rank must call it.
+    """
     engine = engine_of(model)
-    full = full_state_dict(model)
+    full = full_state_dict(model) if keep_weights else {}
     engine.remove_hooks()
     _ENGINES.pop(id(model), None)
+    for ref in engine.optimizer_refs:
+        zopt = ref()
+        if zopt is not None:
+            zopt.optimizer.state.clear()
+    for g in engine.groups:
+        g.grad_shard = g.full_grad = g.host_grad = None
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
                 p.data = full[name].to(engine.compute_dtype)
+
+
+def zero_grad(model: nn.Module) -> None:
+    """Drop every gradient shard of the model (all its optimizers' groups).
+
+    ``model.zero_grad()`` cannot do this: after setup, gradients live in the shards,
+    not in ``param.grad``. Loops that zero through the model (the Hugging Face Trainer)
+    call this instead; ``optimizer.zero_grad()`` is the usual way.
+    """
+    engine_of(model).zero_grad()
 
 
 def no_sync(model: nn.Module):

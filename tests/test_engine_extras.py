@@ -1,0 +1,73 @@
+"""Smaller engine services the front ends build on: value clipping, zero_grad through
+the model, a release-only teardown, and stage-3 submodules called directly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from _models import TinyLM, batch, loss_fn, param_groups
+
+
+def pair(stage=3, **kw):
+    torch.manual_seed(0)
+    ref = TinyLM(layers=2)
+    model = copy.deepcopy(ref)
+    model, zopt = zs.setup(model, torch.optim.SGD(param_groups(model), lr=0.1),
+                           zs.ZeroConfig(stage=stage, param_persistence_threshold=0, **kw))
+    return ref, torch.optim.SGD(param_groups(ref), lr=0.1), model, zopt
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clip_grad_value_equals_torch(stage):
+    ref, ropt, model, zopt = pair(stage)
+    tokens, targets = batch(0, 0, 0)
+    loss_fn(ref(tokens), targets).backward()
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01)
+    ropt.step()
+    loss_fn(model(tokens), targets).backward()
+    zopt.clip_grad_value_(0.01)
+    zopt.step()
+    full = zs.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-6, atol=1e-7)
+
+
+def test_zero_grad_through_the_model_clears_the_shards():
+    ref, ropt, model, zopt = pair(2)
+    tokens, targets = batch(0, 0, 0)
+    loss_fn(model(tokens), targets).backward()
+    assert any(g.grad_shard is not None for g in zs.engine_of(model).groups)
+    zs.zero_grad(model)
+    assert all(g.grad_shard is None for g in zs.engine_of(model).groups)
+
+
+def test_release_only_teardown_gathers_nothing_and_frees_state():
+    ref, ropt, model, zopt = pair(3)
+    tokens, targets = batch(0, 0, 0)
+    loss_fn(model(tokens), targets).backward()
+    zopt.step()
+    engine = zs.engine_of(model)
+    zs.teardown(model, keep_weights=False)
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert len(zopt.optimizer.state) == 0 and all(g.grad_shard is None for g in engine.groups)
+    with pytest.raises(ValueError, match="not set up"):
+        zs.engine_of(model)
+
+
+def test_stage3_submodule_owned_by_the_root_can_be_called_directly():
+    ref, ropt, model, zopt = pair(3)
+    tokens, targets = batch(0, 0, 0)
+    loss_fn(model(tokens), targets).backward()  # the end of backward releases everything
+    zopt.step()
+    zopt.zero_grad()
+    h = torch.randn(2, 8, 24)
+    out = model.final_norm(h)  # not through the root's forward
+    ref_out = ref.final_norm(h)
+    assert out.shape == ref_out.shape
+    with zs.gathered_parameters(model):
+        torch.testing.assert_close(out, torch.nn.functional.layer_norm(
+            h, (24,), model.final_norm.weight, model.final_norm.bias))
