@@ -19,6 +19,7 @@ from ._optimizer import ZeroOptimizer
 from .api import (
     comm_stats,
     engine_of,
+    full_shapes,
     full_state_dict,
     gathered_parameters,
     memory_report,
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
-    "comm_stats", "engine_of", "full_state_dict", "gathered_parameters", "memory_report",
+    "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "memory_report",
     "no_sync", "setup", "teardown", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint",
 ]

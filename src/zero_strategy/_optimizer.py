@@ -195,6 +195,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = total
         return total
 
+    def model_parameters(self) -> list:
+        """The model's ``nn.Parameter`` objects whose master shards this optimizer steps."""
+        return [s.param for g in self.groups for s in g.slots]
+
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value] (after unscaling),
         like ``torch.nn.utils.clip_grad_value_`` on the unsharded model (elementwise, so

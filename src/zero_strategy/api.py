@@ -152,6 +152,11 @@ def teardown(model: nn.Module, keep_weights: bool = True) -> None:
                 p.data = full[name].to(engine.compute_dtype)
 
 
+def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:
+    """Each managed parameter's unsharded shape (stage-3 parameters are empty at rest)."""
+    return {s.param: s.shape for g in engine_of(model).groups for s in g.slots}
+
+
 def zero_grad(model: nn.Module) -> None:
     """Drop every gradient shard of the model (all its optimizers' groups).
 

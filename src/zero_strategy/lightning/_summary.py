@@ -15,16 +15,16 @@ from collections import OrderedDict
 from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
 
-from ..api import engine_of
+from ..api import full_shapes
 
 
 def true_numels(model) -> dict[int, int]:
     """id(parameter) -> its number of elements in the unsharded model."""
     try:
-        engine = engine_of(model)
+        shapes = full_shapes(model)
     except ValueError:
         return {}
-    return {id(s.param): int(s.numel) for g in engine.groups for s in g.slots}
+    return {id(p): int(shape.numel()) for p, shape in shapes.items()}
 
 
 def _count(params, numels: dict[int, int]) -> int:

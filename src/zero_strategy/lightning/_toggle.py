@@ -21,7 +21,7 @@ from ._optimizers import zero_optimizer_of
 
 def model_params_of(zero_optimizer) -> list:
     """The model parameters whose master shards ``zero_optimizer`` steps."""
-    return [s.param for g in zero_optimizer.groups for s in g.slots]
+    return zero_optimizer.model_parameters()
 
 
 def _toggle(module, optimizer) -> None:
