@@ -24,6 +24,7 @@ from ._consolidate import consolidate, parse_size
 from ._layout import FORMAT_VERSION, CheckpointError
 from ._load import load_checkpoint, load_metadata
 from ._save import save_checkpoint
+from ._sharded_weights import load_sharded_weights, safetensors_reader
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError", "FORMAT_VERSION",
-           "load_metadata", "parse_size"]
+           "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader"]

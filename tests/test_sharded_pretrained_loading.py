@@ -1,0 +1,35 @@
+"""Stage 3 loads a pretrained Hugging Face directory sharded: each rank reads only the
+elements of its own shards, the result equals unsharded loading, and generate() with
+different lengths per rank returns (synced_gpus)."""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from _launch import launch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from _models import tiny_llama_config
+    torch.manual_seed(5)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_loading_equals_unsharded(pretrained_dir, stage):
+    reports = launch("sharded_weights.py", 2, {"dir": pretrained_dir, "stage": stage}, timeout=180)
+    for rank, rep in enumerate(reports):
+        assert rep["logit_diff"] < 1e-5, rep
+        assert rep["generated"] == 5 + 3 + 2 * rank
+    # together the ranks read each element once (tied embedding once), none reads it all
+    assert sum(r["elements_read"] for r in reports) <= reports[0]["total"] + 2 * 16
+    assert all(r["elements_read"] < 0.75 * r["total"] for r in reports)
