@@ -13,6 +13,13 @@ least), each built from the same seed and freed before the next:
 * ``zero2_offload`` / ``zero3_offload``: ``zs.setup(model, AdamW(fused=True),
   ZeroConfig.preset(...,precision="bf16"))``; the user's fused AdamW steps the fp32
   master shards on the CPU (stage 3 also rests the bf16 parameter shards in host memory);
+* ``zero3_offload_nvme`` (opt-in: only when named in ``--systems``): the same with
+  ``"zero3_offload_nvme"``: master shards, AdamW state and bf16 parameter shards rest in a
+  swap file under ``$ZERO_STRATEGY_NVME_PATH`` (else ``/tmp``) and visit host memory
+  while used; preset I/O settings (64 MiB requests, 4 I/O threads). Its JSON adds the
+  swap traffic of the optimizer steps and their effective GB/s (compare with
+  ``benchmarks/nvme_bench.py`` on the same directory). No target: nothing comparable
+  runs in the same process;
 * ``ds2_offload`` / ``ds3_offload``: DeepSpeed ZeRO-2 (optimizer offload) / ZeRO-3
   (optimizer + parameter offload) to pinned CPU memory, bf16, DeepSpeedCPUAdam
   (AdamW mode), ``gradient_clipping: 0``;
@@ -55,6 +62,7 @@ model-state bytes the engine holds, by placement) for comparison.
     python benchmarks/gpu_bench.py --small             # 2 layers, hidden 256
     python benchmarks/gpu_bench.py --small --device cpu  # smoke test without a GPU
     python benchmarks/gpu_bench.py --systems plain,zero2_offload,ds2_offload
+    ZERO_STRATEGY_NVME_PATH=/local_nvme python benchmarks/gpu_bench.py --systems plain,zero3_offload,zero3_offload_nvme
     /tmp/dsvenv/bin/python benchmarks/gpu_bench.py --small --device cpu --peers-on-cpu  # peers' code paths on CPU
 
 Writes ``$OUT/gpu_bench.json`` if ``OUT`` is set, else ``benchmarks/out/gpu_bench.json``,
@@ -78,10 +86,18 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-SYSTEMS = ("plain", "zero2_offload", "zero3_offload", "ds2_offload", "ds3_offload", "fsdp2_offload",
-           "zero1", "zero2", "zero3")
+SYSTEMS = ("plain", "zero2_offload", "zero3_offload", "zero3_offload_nvme", "ds2_offload", "ds3_offload",
+           "fsdp2_offload", "zero1", "zero2", "zero3")
+#: run only when named in --systems: the anchor model moves ~30 GB through the swap file per step (12 B/param
+#: of master + AdamW state read and written, bf16 shards read in forward, backward and the step), ~15-20 s at
+#: the device machine's 1.3-1.9 GB/s disk (ANCHORS.md); by default it would spend the time budget before the
+#: DeepSpeed/FSDP2 rows the targets are checked against
+OPT_IN = ("zero3_offload_nvme",)
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in OPT_IN)
 OURS_OFFLOAD = ("zero2_offload", "zero3_offload")
-OFFLOAD = OURS_OFFLOAD + ("ds2_offload", "ds3_offload", "fsdp2_offload")
+#: our NVMe row: no step/memory target (nothing comparable in the same run), split step and swap I/O reported
+OURS_NVME = ("zero3_offload_nvme",)
+OFFLOAD = OURS_OFFLOAD + OURS_NVME + ("ds2_offload", "ds3_offload", "fsdp2_offload")
 PEERS = ("ds2_offload", "ds3_offload", "fsdp2_offload")
 #: targets for our offload rows (ANCHORS.md): step time vs DeepSpeed ZeRO-2 offload in the same run
 STEP_TARGET_VS_DS2 = 0.60
@@ -108,7 +124,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=None, help="default 2048 (--small: 128)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help="comma list of " + ",".join(SYSTEMS) + " (default: all but " + ",".join(OPT_IN) + ")")
     p.add_argument("--no-split", dest="split", action="store_false",
                    help="skip the extra step that times forward+backward and the optimizer step apart")
     p.add_argument("--budget", type=float, default=270.0,
@@ -328,12 +345,25 @@ def build_plain(a, dev, ids):
     return Built(fwd_bwd, opt_step, [model, opt], n)
 
 
+def nvme_path() -> str:
+    """Where zero3_offload_nvme puts its swap file: $ZERO_STRATEGY_NVME_PATH, else /tmp."""
+    return os.environ.get("ZERO_STRATEGY_NVME_PATH") or "/tmp"
+
+
 def build_ours(name, a, dev, ids):
     model = make_model(a, dev)
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
-    cfg = zs.ZeroConfig.preset(name, precision="bf16")  # zero1/2/3, zero2_offload, zero3_offload
+    overrides = {}
+    if name in OURS_NVME:  # preset defaults (buffer_size 64 MiB, 4 I/O threads, ...) with the path set
+        overrides = {"offload_optimizer": {"device": "nvme", "path": nvme_path()},
+                     "offload_params": {"device": "nvme", "path": nvme_path()}}
+    # zero1/2/3, zero2_offload, zero3_offload, zero3_offload_nvme
+    cfg = zs.ZeroConfig.preset(name, precision="bf16", **overrides)
     model, zopt = zs.setup(model, opt, cfg)
+    swap = zs.engine_of(model).swap
+    # swap traffic of the optimizer steps after the first (which creates AdamW's state and writes it whole)
+    io = {"step_s": 0.0, "read": 0, "written": 0, "steps": 0, "calls": 0}
 
     def fwd_bwd():
         loss = model(input_ids=ids, labels=ids).loss
@@ -341,7 +371,17 @@ def build_ours(name, a, dev, ids):
         return loss
 
     def opt_step():
-        zopt.step()
+        if swap is None:
+            zopt.step()
+        else:
+            r, w, t = swap.file.bytes_read, swap.file.bytes_written, time.perf_counter()
+            zopt.step()
+            io["calls"] += 1
+            if io["calls"] > 1:
+                io["step_s"] += time.perf_counter() - t
+                io["read"] += swap.file.bytes_read - r
+                io["written"] += swap.file.bytes_written - w
+                io["steps"] += 1
         zopt.zero_grad()
 
     def report():
@@ -350,10 +390,27 @@ def build_ours(name, a, dev, ids):
                 "model_state_by_placement_gib": {pl: {k: v / 2**30 for k, v in d.items() if v}
                                                  for pl, d in rep.by_placement.items()},
                 "model_state_device_gib": rep.device_bytes / 2**30,
-                "model_state_host_gib": rep.host_bytes / 2**30}
+                "model_state_host_gib": rep.host_bytes / 2**30,
+                **({} if swap is None else {"nvme": nvme_report()})}
+
+    def nvme_report():
+        # steps after the first (later warm-up, timed and split steps); optimizer-step bytes / step time: the swapper's
+        # effective bandwidth, to compare with `python benchmarks/nvme_bench.py --path <same dir>`
+        f = swap.file
+        return {"path": str(f.path.parent), "o_direct": f.direct, "swap_file_gib": f.size / 2**30,
+                "total_read_gib": f.bytes_read / 2**30, "total_written_gib": f.bytes_written / 2**30,
+                "opt_steps": io["steps"],
+                "opt_step_read_gib_per_step": io["read"] / max(1, io["steps"]) / 2**30,
+                "opt_step_written_gib_per_step": io["written"] / max(1, io["steps"]) / 2**30,
+                "opt_step_gbps": (io["read"] + io["written"]) / io["step_s"] / 1e9 if io["step_s"] else None}
 
     info = {"config": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)}
-    return Built(fwd_bwd, opt_step, [model, opt, zopt], n, info, report)
+    if swap is not None:
+        info["nvme_path"] = str(swap.file.path.parent)
+    built = Built(fwd_bwd, opt_step, [model, opt, zopt], n, info, report)
+    if swap is not None:  # remove the swap file now, not at garbage collection
+        built.close = lambda: zs.teardown(model, keep_weights=False)
+    return built
 
 
 def build_deepspeed(stage, a, dev, ids):
@@ -661,11 +718,18 @@ def format_table(rep) -> str:
         out.append("one extra step, synchronized between phases (s): forward+backward / optimizer step")
         for n, s in splits:
             out.append(f"  {n.ljust(w[0])}  {s['fwd_bwd']:.3f} / {s['opt_step']:.3f}")
+    for n, r in rep["systems"].items():
+        nv = r.get("nvme")
+        if nv:
+            out.append(f"{n}: swap file in {nv['path']} ({nv['swap_file_gib']:.1f} GiB, O_DIRECT {nv['o_direct']}); "
+                       f"per optimizer step {nv['opt_step_read_gib_per_step']:.2f} GiB read / "
+                       f"{nv['opt_step_written_gib_per_step']:.2f} GiB written = {_f(nv['opt_step_gbps'], '.2f')} GB/s "
+                       f"over the step time")
     if rep.get("ds_cpu_adam_load_s") is not None:
         out.append(f"DeepSpeed CPUAdam op build/load at start-up: {rep['ds_cpu_adam_load_s']:.1f} s (not in any row)")
     out.append(f"max |loss - plain loss| over all systems and steps: {_f(rep.get('max_abs_dloss_vs_plain'), '.4f')}")
     out.append("plain: fp32 params + bf16 autocast + fused AdamW; zero*: zero_strategy bf16, fused AdamW on fp32 "
-               "master shards (offload: on the CPU); ds*_offload: DeepSpeed bf16 + CPUAdam; fsdp2_offload: "
+               "master shards (offload: on the CPU; _nvme: swapped to a file on disk); ds*_offload: DeepSpeed bf16 + CPUAdam; fsdp2_offload: "
                "fully_shard + CPUOffloadPolicy, bf16 params / fp32 reduce, foreach AdamW on the CPU; world size 1. "
                "TFLOP/s = 6*params*tokens/step. GPU GiB: max_memory_allocated during the steps. host GiB: "
                "max RSS during the steps minus RSS before the system was built. vs ds2off: step time / DeepSpeed "

@@ -257,8 +257,9 @@ class NVMeStore:
         self.directory = directory
         self.policy = policy
         self.file = SwapFile(directory, rank, policy.io_threads, policy.buffer_size)
-        # stepping + read-ahead + one write-back + a parameter shard must fit, or the pipeline waits on itself
-        self.pool = SlotPool(max(policy.buffer_count, policy.read_ahead + 3), pin)
+        # stepping + read-ahead + one write-back, plus (stage 3) this group's parameter shard and the
+        # previous one's parameter write-back, must fit at once, or the pipeline waits on itself
+        self.pool = SlotPool(max(policy.buffer_count, policy.read_ahead + 4), pin)
         self._sets: dict[tuple[int, str], _SwapSet] = {}
         self._meta: dict[tuple[int, str], dict[str, tuple[torch.dtype, int]]] = {}
         self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-nvme-evict")
