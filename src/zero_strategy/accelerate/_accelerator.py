@@ -62,9 +62,14 @@ class ZeroAccelerator(Accelerator):
         **accelerator_kwargs: everything ``accelerate.Accelerator`` takes
             (``mixed_precision``, ``gradient_accumulation_steps``, ``project_dir``, ...),
             except DeepSpeed/FSDP/Megatron plugins.
+        param_init_fn: for a model created on the meta device, ``param_init_fn(module)``
+            initializes each module as the engine materializes it (as in
+            :func:`zero_strategy.setup`; e.g. a Hugging Face model's ``_init_weights``, which
+            also fills rotary buffers). Also settable as ``accelerator.param_init_fn``
+            before the model's optimizer is prepared.
     """
 
-    def __init__(self, zero_config=None, **accelerator_kwargs):
+    def __init__(self, zero_config=None, *, param_init_fn=None, **accelerator_kwargs):
         refuse_sharding_launchers(accelerator_kwargs)
         spec, source = choose_spec(zero_config)
         load_config(spec, source, None)  # unknown presets/keys fail before the process group starts
@@ -81,6 +86,7 @@ class ZeroAccelerator(Accelerator):
         self.scaler = None
         self._zero_records: list[ZeroModelRecord] = []
         self._pending: list[nn.Module] = []
+        self.param_init_fn = param_init_fn
         if self.is_main_process:
             logger.info("ZeroAccelerator: %s from %s on %d process(es)", describe(self._zero_config), source,
                         self.num_processes)
@@ -150,7 +156,7 @@ class ZeroAccelerator(Accelerator):
             return model
         if place is None:
             place = self.device_placement
-        if place:
+        if place and not _has_meta_tensors(model):  # a meta model is materialized by the engine at setup
             model = model.to(self.device)
         self._models.append(model)
         model._is_accelerate_prepared = True
@@ -193,7 +199,8 @@ class ZeroAccelerator(Accelerator):
                     "ZeroAccelerator: fp16 with several optimizers on one model is not supported (one loss scale per "
                     "optimizer, but accelerator.backward cannot tell which loss belongs to which); use bf16")
             raw = [opt for _, opt, _ in entries]
-            _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config)
+            _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config,
+                                 param_init_fn=self.param_init_fn)
             zopts = zopts if isinstance(zopts, list) else [zopts]
             record = ZeroModelRecord(model)
             for (i, _, ids), zopt in zip(entries, zopts):
@@ -342,3 +349,7 @@ class ZeroAccelerator(Accelerator):
         """Tear down the ZeRO engines, finish trackers, destroy the process group."""
         self._teardown_all()
         super().end_training()
+
+
+def _has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
