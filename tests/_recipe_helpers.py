@@ -1,0 +1,102 @@
+"""Shared by the framework-recipe smoke tests: tiny HF models in a directory, a subprocess runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _char_tokenizer(path: Path):
+    from transformers import BertTokenizerFast
+
+    chars = [chr(c) for c in range(33, 127) if not chr(c).isupper()]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars]
+    path.mkdir(parents=True)
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
+    tok.save_pretrained(path)
+    return tok, len(vocab)
+
+
+def tiny_bert(path: Path) -> Path:
+    """A 2-layer, 32-wide BERT classifier (BertModel weights only, as the MiniLM package ships them)."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    _, vocab = _char_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    BertModel(cfg).save_pretrained(path)
+    return path
+
+
+def tiny_llama(path: Path) -> Path:
+    """A 2-layer Llama with tied embeddings and a character-level tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok, vocab = _char_tokenizer(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[-12:])} did not finish in {timeout}s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def check_outputs(out_dir: Path, task: str, start_model: Path, steps: int, log: str) -> None:
+    """The saved HF directory reloads and gives the probe logits the trained sharded model gave; PNG written."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import data
+
+    probe = json.loads((out_dir / "probe.json").read_text())
+    assert probe["world_size"] == 2 and probe["steps"] == steps, probe
+    cls = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    model = cls.from_pretrained(out_dir, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    with torch.no_grad():
+        logits = data.probe_view(model(**data.encode_texts(tok, probe["texts"])).logits)
+    torch.testing.assert_close(logits, torch.tensor(probe["logits"]), rtol=1e-5, atol=1e-5)
+    png = out_dir / "loss_memory.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", log[-3000:]
+    rows = [json.loads(l) for l in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-1] == steps
+    assert {"loss", "samples_per_s", "rank0/device_mib", "rank1/host_mib", "rank1/sent_mib"} <= set(rows[-1])
+    assert rows[-1]["rank1/sent_mib"] > 0
+    if task == "causal-lm":  # trained: differs from the start (the classifier head is new anyway)
+        start = cls.from_pretrained(start_model, local_files_only=True).eval()
+        with torch.no_grad():
+            assert not torch.allclose(data.probe_view(start(**data.encode_texts(tok, probe["texts"])).logits), logits)
