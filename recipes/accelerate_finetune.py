@@ -9,7 +9,11 @@ Default (the embedded task: MiniLM sentiment classifier, preset zero3_offload, f
 
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/accelerate_finetune.py
 
-Measured on the 2-core CPU dev machine (shared with other jobs): MEASURED_DEFAULT
+Measured on the 2-core CPU dev machine (shared with other jobs): 56 s end to end
+(2 processes, 74 optimizer steps of 64 samples at ~100 samples/s); it ends with
+``final: held-out accuracy 0.922 (1059/1149; chance 0.54), 74 steps, 54 s`` (the
+Lightning recipe, with another data order, reaches 0.933). Each rank holds 43 MiB of
+model state on the device and 173 MiB on the host and sends ~107 MiB per step.
 
 Your own causal LM (Llama/GPT-style local Hugging Face directory) on all GPUs (set
 ``num_processes`` in multi_gpu.yaml, or pass ``--num_processes N``)::

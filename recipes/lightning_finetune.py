@@ -9,7 +9,12 @@ Default (the embedded task: MiniLM sentiment classifier, preset zero3_offload, f
 
     python recipes/lightning_finetune.py
 
-Measured on the 2-core CPU dev machine (shared with other jobs): MEASURED_DEFAULT
+Measured on the 2-core CPU dev machine (shared with other jobs): 60 s end to end
+(2 processes, 74 optimizer steps of 64 samples at ~100 samples/s); the loss falls from
+0.69 to ~0.1-0.3 and it ends with ``final: held-out accuracy 0.933 (1072/1149; chance
+0.54), 74 steps, 60 s``. Each rank holds 43 MiB of model state on the device (its
+parameter shards) and 173 MiB on the host (fp32 masters, gradients, Adam state) and
+sends ~107 MiB per step. This is the main job: ``bash recipes/run_main.sh``.
 
 Your own causal LM (Llama/GPT-style local Hugging Face directory) on all GPUs::
 
