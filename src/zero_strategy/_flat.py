@@ -58,6 +58,20 @@ class ParamSlot:
     numel: int
 
 
+class _DeferredHandle:
+    """A gather whose collective is issued at ``wait()`` (its disk read is already running)."""
+
+    __slots__ = ("_start",)
+
+    def __init__(self, start):
+        self._start = start
+
+    def wait(self) -> None:
+        if self._start is not None:
+            start, self._start = self._start, None
+            start().wait()
+
+
 def _preserve_version(t: torch.Tensor):
     """Writes into ``full`` must not bump the version autograd checks for saved views."""
     return torch.autograd._unsafe_preserve_version_counter(t)
@@ -200,6 +214,15 @@ class FlatGroup:
             return None
         storage = self.full.untyped_storage()
         storage.resize_(self.padded_numel * self.full.element_size())
+        if self.offload.nvme_params:
+            # The disk read starts now (a prefetch runs it under the previous unit's compute);
+            # upload and all-gather follow when the unit is waited for, in the same order on
+            # every rank.
+            self.swap.prefetch(self, "param")
+            return _DeferredHandle(lambda: self._upload_and_gather(comm))
+        return self._upload_and_gather(comm)
+
+    def _upload_and_gather(self, comm: Collectives) -> Handle:
         with _preserve_version(self.full):
             if self.offload.params:  # upload this rank's shard into its slot, gather in place
                 own = self.own(self.full)
