@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
     from transformers.utils import logging as hf_logging
-    from zero_strategy.lightning._strategy import call_through_hooks
+    from zero_strategy.lightning import call_through_hooks
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -21,6 +21,8 @@ _LAZY = {
     "ZeroModelSummary": "._summary",
     "convert_to_lightning_checkpoint": "._checkpoint",
     "read_lightning_state": "._checkpoint",
+    # run a LightningModule method (evaluation, generate) through the module's forward hooks
+    "call_through_hooks": "._strategy",
 }
 
 __all__ = [*_LAZY, "register_if_available", "register_presets"]
