@@ -104,15 +104,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def finish(code: int = 0) -> None:
-    """Leave without the interpreter teardown that aborts ~30% of 2-rank gloo runs."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if dist.is_initialized():
-        if code == 0:
-            dist.barrier()
-        dist.destroy_process_group()
-    os._exit(code)
+finish = data.finish  # leave without the teardown that aborts ~30% of 2-rank gloo runs
 
 
 def all_sum(values: list[float], device) -> list[float]:

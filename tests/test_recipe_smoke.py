@@ -15,11 +15,7 @@ need the dataset package (vaderSentiment) and skips without it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,52 +29,15 @@ pytestmark = pytest.mark.multiprocess
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT / "recipes"))
 import data  # noqa: E402
+from _recipe_helpers import free_port, run, tiny_bert  # noqa: E402
 
 if not data.dataset_available():
     pytest.skip(f"recipe dataset not installed: {data.DATASET_INSTALL}", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tiny_model(path: Path) -> Path:
-    """A 2-layer, 32-wide BERT classifier with a character-level tokenizer, saved HF-style."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
-    chars = [chr(c) for c in range(33, 127) if not chr(c).isupper()]
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + ["##" + c for c in chars]
-    path.mkdir(parents=True)
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True)
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=64, num_labels=2)
-    BertForSequenceClassification(cfg).save_pretrained(path)
-    return path
-
-
-def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[-12:])} did not finish in {timeout}s:\n{out[-4000:]}")
-    return proc.returncode, out
-
-
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    return _tiny_model(tmp_path_factory.mktemp("recipe") / "tiny-bert")
+    return tiny_bert(tmp_path_factory.mktemp("recipe") / "tiny-bert")
 
 
 def test_finetune_two_ranks_saves_a_model_that_reloads(tiny_model, tmp_path):
@@ -87,10 +46,10 @@ def test_finetune_two_ranks_saves_a_model_that_reloads(tiny_model, tmp_path):
 
     out_dir = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(RECIPE),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RECIPE),
            "--model", str(tiny_model), "--preset", "zero3", "--max-steps", "3", "--batch-size", "8",
            "--accum", "2", "--lr", "1e-3", "--log-every", "1", "--output-dir", str(out_dir)]
-    rc, log = _run(cmd, timeout=150)
+    rc, log = run(cmd, timeout=150)
     final = re.search(r"^final: held-out accuracy ([0-9.]+) \((\d+)/(\d+); chance ([0-9.]+)\), (\d+) steps", log, re.M)
     assert final, f"no final line (exit code {rc}):\n{log[-4000:]}"
     acc, correct, total, _, steps = final.groups()
@@ -114,7 +73,7 @@ def test_finetune_two_ranks_saves_a_model_that_reloads(tiny_model, tmp_path):
 
 
 def test_unknown_preset_is_refused_clearly(tiny_model, tmp_path):
-    rc, log = _run([sys.executable, str(RECIPE), "--model", str(tiny_model), "--preset", "zero4",
+    rc, log = run([sys.executable, str(RECIPE), "--model", str(tiny_model), "--preset", "zero4",
                     "--output-dir", str(tmp_path / "out")], timeout=90)
     assert rc == 2, log[-3000:]
     assert "invalid choice: 'zero4'" in log and "zero3_offload" in log, log[-3000:]

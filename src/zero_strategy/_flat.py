@@ -112,7 +112,6 @@ class FlatGroup:
         self.transfers = transfers if transfers is not None else Transfers(device, pin_memory=False)
         #: the NVMe store when some of this group's state rests in the swap file (_nvme.py)
         self.swap = swap if (offload.nvme_optimizer or offload.nvme_params) else None
-        master_device = HOST if offload.optimizer else device
 
         self.slots: list[ParamSlot] = []
         offset = 0

@@ -6,7 +6,6 @@ agree; the DDP reference starts from the weights setup produced.
 
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.distributed as dist
