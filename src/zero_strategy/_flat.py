@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ._collectives import Collectives, Handle
-from ._offload import HOST, OffloadPlan, Transfers  # noqa: F401
+from ._offload import OffloadPlan, Transfers
 
 
 class ShardState(enum.Enum):
