@@ -171,6 +171,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Same result as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on an
         unsharded model. Call after the last backward of the step, before ``step()``.
         """
+        self._refuse_after_early_steps("clip_grad_norm_")
         self._prepare_gradients()
         device = self.engine.device
         if self._found_inf:
@@ -195,6 +196,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = total
         return total
 
+    def _refuse_after_early_steps(self, what: str) -> None:
+        if any(id(g) in self.engine.early_steps for g in self.groups):
+            raise RuntimeError(f"{what}: with overlap_step=True the groups already stepped during backward, "
+                               "so their gradients cannot be clipped any more; drop overlap_step to clip")
+
     def model_parameters(self) -> list:
         """The model's ``nn.Parameter`` objects whose master shards this optimizer steps."""
         return [s.param for g in self.groups for s in g.slots]
@@ -205,6 +211,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         exact on shards). Call after the last backward of the step, before ``step()``."""
         if clip_value < 0:
             raise ValueError(f"clip_grad_value_: clip_value must be >= 0, got {clip_value}")
+        self._refuse_after_early_steps("clip_grad_value_")
         self._prepare_gradients()
         if self._found_inf:
             return
@@ -267,7 +274,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pool = self.engine.transfers.pool
         swap = self.engine.swap
         read_ahead = swap.policy.read_ahead if swap is not None else 0
-        futures = [pool.submit(self._cpu_step_one, g, factor, groups[i + 1:i + 1 + read_ahead])
+        early = self.engine.early_steps  # stepped during backward (overlap_step)
+        futures = [early.pop(id(g), None) or pool.submit(self._cpu_step_one, g, factor,
+                                                         groups[i + 1:i + 1 + read_ahead])
                    for i, g in enumerate(groups)]
         handles = []
         try:

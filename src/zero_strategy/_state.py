@@ -146,6 +146,8 @@ class ZeroEngine:
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
+        self.early_steps: dict = {}  # id(group) -> future of its CPU step started during backward
+        self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
         self._register_hooks()
 
     # ------------------------------------------------------------- registration
@@ -290,6 +292,11 @@ class ZeroEngine:
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         self._ensure_end_of_backward_callback()
         group, slot = self._slot_of[id(param)]
+        if id(group) in self.early_steps:
+            raise RuntimeError(
+                "zero_strategy: overlap_step=True already stepped these parameters during the last "
+                "backward; call optimizer.step() after every backward outside no_sync() (accumulate "
+                "micro-batches inside no_sync), or drop overlap_step")
         if group.reduced_this_backward:
             raise RuntimeError(
                 f"zero_strategy: gradient of {slot.fqn} arrived after its group {group.name} was "
@@ -302,13 +309,32 @@ class ZeroEngine:
         with torch.profiler.record_function(f"zero::reduce::{group.name}"):
             handle, out = group.begin_reduce(self.comm, in_place=self.plan.keeps_full_gradients)
         self._pending_reduces.append((group, handle, out))
-        while len(self._pending_reduces) > _MAX_REDUCES_IN_FLIGHT:
+        # with overlap_step every finished reduce starts a CPU step, so finish them promptly
+        limit = 1 if self._overlapping() else _MAX_REDUCES_IN_FLIGHT
+        while len(self._pending_reduces) > limit:
             self._finish_one_reduce()
 
     def _finish_one_reduce(self) -> None:
         group, handle, out = self._pending_reduces.pop(0)
         handle.wait()
         group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
+        if self._overlapping() and _in_backward():
+            self._step_early(group)
+
+    # [Note: overlap_step]
+    # With ZeroConfig(overlap_step=True) a synced backward is the last micro-batch of a
+    # step (the user said so), so a group whose gradients are reduced is final: its CPU
+    # step starts on the worker thread while backward goes on. optimizer.step() then
+    # only waits for those steps and issues the all-gathers, in group order on every
+    # rank (collectives never leave the main thread).
+    def _overlapping(self) -> bool:
+        return self.config.overlap_step and self._sync_gradients
+
+    def _step_early(self, group: FlatGroup) -> None:
+        zopt = next(z for z in (ref() for ref in self.optimizer_refs)
+                    if z is not None and z.index == group.optimizer_index)
+        self.early_steps[id(group)] = self.transfers.pool.submit(zopt._cpu_step_one, group, 1.0)
+        self.steps_overlapped += 1
 
     def wait_reduces(self) -> None:
         while self._pending_reduces:

@@ -351,6 +351,11 @@ class ZeroConfig:
         prefetch: stage 3: how many units are gathered ahead of use.
         cast_forward_inputs: cast floating-point inputs of the root forward to the
             compute dtype.
+        overlap_step: CPU/NVMe optimizer offload, stages 2-3: step each group on the CPU
+            as soon as its gradients are reduced, while backward goes on. It declares
+            that every backward outside ``no_sync()`` ends an accumulation and is followed
+            by ``optimizer.step()``; it cannot combine with clipping or fp16, which need
+            every gradient before the first update.
     """
 
     stage: int = 3
@@ -364,6 +369,7 @@ class ZeroConfig:
     param_persistence_threshold: int = 100_000
     prefetch: int = 1
     cast_forward_inputs: bool = True
+    overlap_step: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -395,6 +401,15 @@ class ZeroConfig:
              _as_int("param_persistence_threshold", self.param_persistence_threshold, 0))
         set_("prefetch", _as_int("prefetch", self.prefetch, 0))
         _as_bool("cast_forward_inputs", self.cast_forward_inputs)
+        if _as_bool("overlap_step", self.overlap_step):
+            if self.offload_optimizer is None or stage == 1:
+                raise ZeroConfigError("overlap_step", "needs optimizer offload at stage 2 or 3 (the step "
+                                      "overlaps backward on the CPU)",
+                                      "Set offload_optimizer: cpu and stage: 2 or 3, or drop overlap_step.")
+            if self.gradient_clipping or self.precision == "fp16":
+                raise ZeroConfigError("overlap_step", "cannot combine with gradient_clipping or fp16: both "
+                                      "need every gradient before the first group may step",
+                                      "Drop overlap_step, or use bf16/fp32 without clipping.")
 
     # -- derived values --------------------------------------------------------
 
@@ -429,6 +444,7 @@ class ZeroConfig:
             "param_persistence_threshold": self.param_persistence_threshold,
             "prefetch": self.prefetch,
             "cast_forward_inputs": self.cast_forward_inputs,
+            "overlap_step": self.overlap_step,
         }
 
     @classmethod

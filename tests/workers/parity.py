@@ -168,7 +168,8 @@ def _run_case(case: dict) -> dict:
                         reduce_dtype=case.get("reduce_dtype"),
                         gradient_clipping=case.get("clip") if case.get("clip_in_config") else None,
                         offload_optimizer=_offload(case.get("offload_optimizer"), case),
-                        offload_params=_offload(case.get("offload_params"), case))
+                        offload_params=_offload(case.get("offload_params"), case),
+                        overlap_step=case.get("overlap_step", False))
     model, zopt = zs.setup(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
 
@@ -208,7 +209,9 @@ def _run_case(case: dict) -> dict:
             worst, worst_name = diff, name
     return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, norms_ref=norms_ref,
                 norms_zero=norms_zero, skipped_ref=ref.skipped, skipped_zero=zopt.skipped_steps,
-                loss_scale_ref=ref.scale, loss_scale_zero=zopt.loss_scale, weight_rel_diff=worst, worst_tensor=worst_name)
+                loss_scale_ref=ref.scale, loss_scale_zero=zopt.loss_scale,
+                steps_overlapped=zs.engine_of(model).steps_overlapped,
+                trainable_groups=len(zs.engine_of(model).trainable_groups), weight_rel_diff=worst, worst_tensor=worst_name)
 
 
 def main() -> None:
