@@ -10,7 +10,7 @@ least), each built from the same seed and freed before the next:
 
 * ``plain``: fp32 parameters on the GPU, ``torch.autocast(bfloat16)``,
   ``torch.optim.AdamW(fused=True)``;
-* ``zero2_offload`` / ``zero3_offload``: ``zs.setup(model, AdamW(fused=True),
+* ``zero2_offload`` / ``zero3_offload`` (and ``*_overlap``: the same with ``overlap_step=True``): ``zs.setup(model, AdamW(fused=True),
   ZeroConfig.preset(...,precision="bf16"))``; the user's fused AdamW steps the fp32
   master shards on the CPU (stage 3 also rests the bf16 parameter shards in host memory);
 * ``zero3_offload_nvme`` (opt-in: only when named in ``--systems``): the same with
@@ -86,15 +86,16 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-SYSTEMS = ("plain", "zero2_offload", "zero3_offload", "zero3_offload_nvme", "ds2_offload", "ds3_offload",
-           "fsdp2_offload", "zero1", "zero2", "zero3")
+SYSTEMS = ("plain", "zero2_offload", "zero3_offload", "zero2_offload_overlap", "zero3_offload_overlap",
+           "zero3_offload_nvme", "ds2_offload", "ds3_offload", "fsdp2_offload", "zero1", "zero2", "zero3")
 #: run only when named in --systems: the anchor model moves ~30 GB through the swap file per step (12 B/param
 #: of master + AdamW state read and written, bf16 shards read in forward, backward and the step), ~15-20 s at
 #: the device machine's 1.3-1.9 GB/s disk (ANCHORS.md); by default it would spend the time budget before the
 #: DeepSpeed/FSDP2 rows the targets are checked against
 OPT_IN = ("zero3_offload_nvme",)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in OPT_IN)
-OURS_OFFLOAD = ("zero2_offload", "zero3_offload")
+#: *_overlap: the same preset with overlap_step=True (each group's CPU step starts during backward)
+OURS_OFFLOAD = ("zero2_offload", "zero3_offload", "zero2_offload_overlap", "zero3_offload_overlap")
 #: our NVMe row: no step/memory target (nothing comparable in the same run), split step and swap I/O reported
 OURS_NVME = ("zero3_offload_nvme",)
 OFFLOAD = OURS_OFFLOAD + OURS_NVME + ("ds2_offload", "ds3_offload", "fsdp2_offload")
@@ -102,7 +103,8 @@ PEERS = ("ds2_offload", "ds3_offload", "fsdp2_offload")
 #: targets for our offload rows (ANCHORS.md): step time vs DeepSpeed ZeRO-2 offload in the same run
 STEP_TARGET_VS_DS2 = 0.60
 #: our offload row -> the DeepSpeed row whose peak GPU memory it must not exceed
-GPU_MEM_REFERENCE = {"zero2_offload": "ds2_offload", "zero3_offload": "ds3_offload"}
+GPU_MEM_REFERENCE = {"zero2_offload": "ds2_offload", "zero3_offload": "ds3_offload",
+                     "zero2_offload_overlap": "ds2_offload", "zero3_offload_overlap": "ds3_offload"}
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01  # torch AdamW defaults, used by every system
 
 try:
@@ -358,6 +360,8 @@ def build_ours(name, a, dev, ids):
     if name in OURS_NVME:  # preset defaults (buffer_size 64 MiB, 4 I/O threads, ...) with the path set
         overrides = {"offload_optimizer": {"device": "nvme", "path": nvme_path()},
                      "offload_params": {"device": "nvme", "path": nvme_path()}}
+    if name.endswith("_overlap"):
+        name, overrides = name[:-len("_overlap")], {"overlap_step": True}
     # zero1/2/3, zero2_offload, zero3_offload, zero3_offload_nvme
     cfg = zs.ZeroConfig.preset(name, precision="bf16", **overrides)
     model, zopt = zs.setup(model, opt, cfg)
