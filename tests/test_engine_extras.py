@@ -71,3 +71,24 @@ def test_stage3_submodule_owned_by_the_root_can_be_called_directly():
     with zs.gathered_parameters(model):
         torch.testing.assert_close(out, torch.nn.functional.layer_norm(
             h, (24,), model.final_norm.weight, model.final_norm.bias))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_load_full_state_dict_into_a_sharded_model(stage):
+    torch.manual_seed(1)
+    source = TinyLM(layers=2)
+    wanted = {k: v.clone() for k, v in source.state_dict().items()}
+    del wanted["head.weight"]  # tied: present under the embedding's name only
+    ref, ropt, model, zopt = pair(stage)
+    zs.load_full_state_dict(model, wanted)
+    full = zs.full_state_dict(model)
+    for k, v in source.state_dict().items():
+        torch.testing.assert_close(full[k], v)
+    tokens, _ = batch(0, 0, 0)
+    torch.testing.assert_close(model(tokens), source(tokens))  # compute params rebuilt too
+
+
+def test_load_full_state_dict_names_what_is_missing():
+    ref, ropt, model, zopt = pair(2)
+    with pytest.raises(zs.CheckpointError, match="lack 1 parameter.*final_norm.bias"):
+        zs.load_full_state_dict(model, {k: v for k, v in ref.state_dict().items() if k != "final_norm.bias"})

@@ -29,7 +29,7 @@ from .api import (
     zero_grad,
 )
 from . import checkpoint
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, load_full_state_dict, save_checkpoint
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ __all__ = [
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
     "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "memory_report",
     "no_sync", "setup", "teardown", "zero_grad", "__version__",
-    "checkpoint", "CheckpointError", "load_checkpoint", "save_checkpoint",
+    "checkpoint", "CheckpointError", "load_checkpoint", "load_full_state_dict", "save_checkpoint",
 ]
 
 

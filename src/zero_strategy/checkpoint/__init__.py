@@ -24,7 +24,8 @@ from ._consolidate import consolidate, parse_size
 from ._layout import FORMAT_VERSION, CheckpointError
 from ._load import load_checkpoint, load_metadata
 from ._save import save_checkpoint
-from ._sharded_weights import load_sharded_weights, safetensors_reader
+from ._sharded_weights import load_full_state_dict, load_sharded_weights, safetensors_reader
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError", "FORMAT_VERSION",
-           "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader"]
+           "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader",
+           "load_full_state_dict"]

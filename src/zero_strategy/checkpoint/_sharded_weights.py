@@ -89,3 +89,24 @@ def _flat_range(sl, shape: list[int], start: int, end: int) -> torch.Tensor:
     first, last = start // row, -(-end // row)
     rows = sl[first:last].reshape(-1)
     return rows[start - first * row:end - first * row]
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict, strict: bool = True) -> list[str]:
+    """Load an ordinary (unsharded) state dict into a set-up model, on every rank.
+
+    Each rank copies only its own slices into its shards; buffers are copied whole.
+    Tied parameters may appear under any of their names. Returns missing names
+    (``strict=False``) and raises on missing ones otherwise.
+    """
+    def read(names, start, end):
+        for name in names:
+            if name in state_dict:
+                return state_dict[name].reshape(-1)[start:end]
+        return None
+
+    missing = load_sharded_weights(model, read, strict=strict)
+    for name, buf in model.named_buffers():
+        if name in state_dict:
+            buf.copy_(state_dict[name])
+    return missing
