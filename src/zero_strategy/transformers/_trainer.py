@@ -31,7 +31,7 @@ from transformers import Trainer, TrainerCallback
 
 from .. import api
 from ..accelerate import ZeroAccelerator
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_NAME = "scheduler.pt"
@@ -131,8 +131,15 @@ class ZeroTrainer(Trainer):
         record = self._zero_record()
         if record is None:
             return super()._load_best_model()
-        ckpt = os.path.join(self.state.best_model_checkpoint, ZERO_CHECKPOINT_DIR)
-        if not os.path.isdir(ckpt):
-            raise FileNotFoundError(f"ZeroTrainer: load_best_model_at_end needs {ckpt} (do not combine it with "
-                                    "save_only_model=True)")
-        load_checkpoint(ckpt, record.model)  # weights only: training is over
+        best = self.state.best_model_checkpoint
+        ckpt = os.path.join(best, ZERO_CHECKPOINT_DIR)
+        if os.path.isdir(ckpt):
+            load_checkpoint(ckpt, record.model)  # weights only: training is over
+            return
+        weights = [f for f in ("model.safetensors", "model.safetensors.index.json")
+                   if os.path.isfile(os.path.join(best, f))]
+        if not weights:
+            raise FileNotFoundError(f"ZeroTrainer: load_best_model_at_end found neither {ckpt} nor safetensors "
+                                    f"weights in {best}")
+        # a weights-only checkpoint (save_only_model=True): each rank reads only its slices
+        load_sharded_weights(record.model, safetensors_reader(best))
