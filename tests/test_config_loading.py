@@ -87,39 +87,27 @@ def test_missing_file(tmp_path):
         ZeroConfig.from_file(tmp_path / "nope.yaml")
 
 
-def test_unsupported_suffix(tmp_path):
-    path = tmp_path / "zero.toml"
-    path.write_text("stage = 3")
-    with pytest.raises(ZeroConfigError, match=r"unsupported config file type '\.toml'.*\.yaml, \.yml or \.json"):
-        ZeroConfig.from_file(path)
+_TOP_LEVEL = r"top level of .*c\.yaml must be a mapping, got {}.*key: value"
 
 
-def test_yaml_syntax_error_reports_the_line(tmp_path):
-    path = tmp_path / "bad.yaml"
-    path.write_text("stage: 3\nprecision: bf16\n  prefetch: [1\n")
-    with pytest.raises(ZeroConfigError, match=r"invalid YAML in .*bad\.yaml at line 3.*Fix the syntax"):
-        ZeroConfig.from_file(path)
-
-
-def test_json_syntax_error_reports_the_line(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text('{\n  "stage": 3,\n  "precision": "bf16",\n}\n')
-    with pytest.raises(ZeroConfigError, match=r"invalid JSON in .*bad\.json at line 4"):
-        ZeroConfig.from_file(path)
-
-
-@pytest.mark.parametrize("text, what", [("- 3\n- 2\n", "list"), ("", "an empty file"), ("3\n", "int")])
-def test_top_level_must_be_a_mapping(tmp_path, text, what):
-    path = tmp_path / "c.yaml"
+@pytest.mark.parametrize("name, text, match", [
+    pytest.param("zero.toml", "stage = 3", r"unsupported config file type '\.toml'.*\.yaml, \.yml or \.json",
+                 id="unsupported_suffix"),
+    pytest.param("bad.yaml", "stage: 3\nprecision: bf16\n  prefetch: [1\n",
+                 r"invalid YAML in .*bad\.yaml at line 3.*Fix the syntax", id="yaml_syntax_error_reports_the_line"),
+    pytest.param("bad.json", '{\n  "stage": 3,\n  "precision": "bf16",\n}\n', r"invalid JSON in .*bad\.json at line 4",
+                 id="json_syntax_error_reports_the_line"),
+    pytest.param("c.yaml", "- 3\n- 2\n", _TOP_LEVEL.format("list"), id="top_level_must_be_a_mapping-list"),
+    pytest.param("c.yaml", "", _TOP_LEVEL.format("an empty file"), id="top_level_must_be_a_mapping-empty"),
+    pytest.param("c.yaml", "3\n", _TOP_LEVEL.format("int"), id="top_level_must_be_a_mapping-int"),
+    pytest.param("c.yaml", "stage: 3\nloss_scale:\n  backoff_factor: 2\n",
+                 r"c\.yaml: loss_scale\.backoff_factor: must be in \(0, 1\)",
+                 id="value_errors_in_a_file_name_the_file_and_the_key"),
+])
+def test_bad_file_is_refused_naming_the_file(tmp_path, name, text, match):
+    path = tmp_path / name
     path.write_text(text)
-    with pytest.raises(ZeroConfigError, match=rf"top level of .*c\.yaml must be a mapping, got {what}.*key: value"):
-        ZeroConfig.from_file(path)
-
-
-def test_value_errors_in_a_file_name_the_file_and_the_key(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("stage: 3\nloss_scale:\n  backoff_factor: 2\n")
-    with pytest.raises(ZeroConfigError, match=r"c\.yaml: loss_scale\.backoff_factor: must be in \(0, 1\)"):
+    with pytest.raises(ZeroConfigError, match=match):
         ZeroConfig.from_file(path)
 
 
