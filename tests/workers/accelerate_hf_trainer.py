@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from _worker import finish
 from zero_strategy.transformers import ZeroTrainer  # before TrainingArguments (see its module note)
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
@@ -100,15 +100,7 @@ def main() -> None:
         reloaded = LlamaForCausalLM.from_pretrained(out / "run_a" / "checkpoint-4")
         report["from_pretrained_rel"] = rel_diff(reloaded.state_dict(), final_a)
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tmp = out / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(report))
-    tmp.rename(out / f"rank{rank}.json")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish(out, report)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from _models import SEQ, VOCAB, TinyLM, param_groups  # noqa: E402
+from _worker import finish  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
 from zero_strategy.accelerate import ZeroAccelerator  # noqa: E402
@@ -182,16 +182,7 @@ def main() -> None:
     args = json.loads((out / "args.json").read_text())
     torch.set_num_threads(1)
     report = launch_mode(args, out) if args["mode"] == "launch" else resume_mode(args, out)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tmp = out / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(report))
-    tmp.rename(out / f"rank{rank}.json")
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(out, report)
 
 
 if __name__ == "__main__":
