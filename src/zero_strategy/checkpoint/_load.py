@@ -95,10 +95,11 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     try:
         ckpt_dir = resolve_checkpoint_dir(path)
         meta = read_metadata(ckpt_dir)
-        _check_compatible(meta, model, engine, zopts, strict, ckpt_dir)
+        names, buffers = _model_names(model, engine)
+        _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
         reader = _Reader(ckpt_dir, meta)
-        _load_shards(reader, model, engine, zopts)
-        _load_buffers(reader, model, engine)
+        _load_shards(reader, names, engine, zopts)
+        _load_buffers(reader, model, buffers)
         extra = _extra_state(reader, meta)
     except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
         error = f"cannot load checkpoint {path}: {describe(err)}"
@@ -136,8 +137,7 @@ def _model_names(model, engine) -> tuple[dict[int, list[str]], list[str]]:
     return {pid: n for pid, n in names.items() if pid in managed}, buffers
 
 
-def _check_compatible(meta: Metadata, model, engine, zopts, strict: bool, ckpt_dir: Path) -> None:
-    names, buffers = _model_names(model, engine)
+def _check_compatible(meta: Metadata, names, buffers, engine, zopts, strict: bool, ckpt_dir: Path) -> None:
     alias = meta.alias_map()
     model_keys = {n for ns in names.values() for n in ns} | set(buffers)
     ckpt_keys = set(alias) | set(meta.buffer_keys())
@@ -145,7 +145,7 @@ def _check_compatible(meta: Metadata, model, engine, zopts, strict: bool, ckpt_d
     mismatched = []
     for g in engine.groups:
         for s in g.slots:
-            fqn = next((alias[n] for n in names[id(s.param)] if n in alias), None)
+            fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
             if fqn is not None and list(meta.params[fqn].shape) != list(s.shape):
                 mismatched.append(f"{s.fqn}: checkpoint {tuple(meta.params[fqn].shape)}, model {tuple(s.shape)}")
     if mismatched:
@@ -175,14 +175,13 @@ def _check_compatible(meta: Metadata, model, engine, zopts, strict: bool, ckpt_d
 
 
 # ------------------------------------------------------------------ shards
-def _fqn_in_checkpoint(meta: Metadata, alias: dict[str, str], names: list[str]) -> str | None:
+def _fqn_in_checkpoint(alias: dict[str, str], names: list[str]) -> str | None:
+    """The checkpoint's name for a parameter registered under ``names`` (None: not in it)."""
     return next((alias[n] for n in names if n in alias), None)
 
 
-def _load_shards(reader: _Reader, model, engine, zopts) -> None:
-    meta = reader.meta
-    names, _ = _model_names(model, engine)
-    alias = meta.alias_map()
+def _load_shards(reader: _Reader, names, engine, zopts) -> None:
+    alias = reader.meta.alias_map()
     for g in engine.groups:
         with g.resident(write_back=True):  # NVMe-swapped state comes in, and goes back loaded
             _load_group(reader, g, zopts, names, alias)
@@ -191,7 +190,7 @@ def _load_shards(reader: _Reader, model, engine, zopts) -> None:
 def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
     target = g.master.data if g.trainable else g.param_shard
     for s, lo, hi in g.slot_ranges_in_shard():
-        fqn = _fqn_in_checkpoint(reader.meta, alias, names[id(s.param)])
+        fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
         if fqn is None:
             continue  # missing: allowed by strict=False, keeps its current value
         dst = target[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
@@ -209,7 +208,7 @@ def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
 def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
     """Rebuild ``optimizer.state[master]`` for one running group from the saved groups of its slots."""
     meta = reader.meta
-    sources = [(s, _fqn_in_checkpoint(meta, alias, names[id(s.param)])) for s in g.slots]
+    sources = [(s, _fqn_in_checkpoint(alias, names[id(s.param)])) for s in g.slots]
     sources = [(s, fqn) for s, fqn in sources if fqn is not None]
     zopt.optimizer.state.pop(g.master, None)
     if not sources:
@@ -230,7 +229,7 @@ def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
     for key, dname in first.state_tensors.items():
         t = torch.zeros(g.shard_numel, dtype=dtype_from_name(dname), device=device)
         for s, lo, hi in g.slot_ranges_in_shard():
-            fqn = _fqn_in_checkpoint(meta, alias, names[id(s.param)])
+            fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
             if fqn is not None:
                 dst = t[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
                 reader.fill(dst, fqn, lo, hi, lambda grp, key=key: grp.state_tensor(key))
@@ -244,10 +243,8 @@ def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
     zopt.optimizer.state[g.master] = state
 
 
-def _load_buffers(reader: _Reader, model, engine) -> None:
-    meta = reader.meta
-    saved = set(meta.buffer_keys())
-    _, buffers = _model_names(model, engine)
+def _load_buffers(reader: _Reader, model, buffers: list[str]) -> None:
+    saved = set(reader.meta.buffer_keys())
     sd = model.state_dict(keep_vars=True)
     todo = [k for k in buffers if k in saved]
     if not todo:
