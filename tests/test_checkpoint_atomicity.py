@@ -34,12 +34,18 @@ def _assert_loads_as(path, sd_file) -> None:
         assert torch.equal(got[k], want[k]), k
 
 
+def _crashed_second_save(tmp_path, crash: str, stage: int, nproc: int):
+    """Train 2 steps saving to ``<tmp_path>/ckpt`` after each; the second save is killed at ``crash``."""
+    path = tmp_path / "ckpt"
+    case = dict(name="crash", stage=stage, precision="fp32", start=0, end=2, save={"1": str(path), "2": str(path)},
+                crash=crash, sd_at_save=str(tmp_path / "sd"))
+    launch("checkpoint.py", nproc, {"cases": [case]}, timeout=120)
+    return path
+
+
 @pytest.mark.multiprocess
 def test_rank_killed_while_writing_keeps_previous_checkpoint(tmp_path):
-    path = tmp_path / "ckpt"
-    case = dict(name="crash", stage=2, precision="fp32", start=0, end=2, save={"1": str(path), "2": str(path)},
-                crash="write", sd_at_save=str(tmp_path / "sd"))
-    launch("checkpoint.py", 2, {"cases": [case]}, timeout=120)
+    path = _crashed_second_save(tmp_path, "write", stage=2, nproc=2)
     leftovers = list(tmp_path.glob("ckpt.tmp-*"))
     assert leftovers, "the second save was not interrupted"
     assert not (leftovers[0] / "metadata.json").exists()
@@ -53,10 +59,7 @@ def test_rank_killed_while_writing_keeps_previous_checkpoint(tmp_path):
 
 @pytest.mark.multiprocess
 def test_killed_between_renames_loads_previous_checkpoint(tmp_path):
-    path = tmp_path / "ckpt"
-    case = dict(name="crash", stage=3, precision="fp32", start=0, end=2, save={"1": str(path), "2": str(path)},
-                crash="rename", sd_at_save=str(tmp_path / "sd"))
-    launch("checkpoint.py", 1, {"cases": [case]}, timeout=120)
+    path = _crashed_second_save(tmp_path, "rename", stage=3, nproc=1)
     assert not path.exists() and list(tmp_path.glob("ckpt.old-*")), "the save was not killed between renames"
     with pytest.warns(UserWarning, match="interrupted save"):
         _assert_loads_as(path, tmp_path / "sd-1.pt")
