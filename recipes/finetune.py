@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -116,43 +115,6 @@ def all_sum(values: list[float], device) -> list[float]:
 
 def to(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-@torch.no_grad()
-def evaluate(model, dataset: data.TokenizedDataset, rank: int, world: int, batch_size: int, device) -> tuple[int, int]:
-    """(correct, total) over the whole held-out set; every rank runs the same number of forwards.
-
-    Stage 3 gathers parameters collectively in each forward, so ranks must agree on the
-    number of batches: each rank's part is padded with copies of its first example
-    that are masked out of the counts.
-    """
-    n = len(dataset)
-    per_rank = math.ceil(n / world)
-    mine = list(range(rank, n, world))
-    valid = [1] * len(mine) + [0] * (per_rank - len(mine))
-    mine += [mine[0] if mine else 0] * (per_rank - len(mine))
-    was_training = model.training
-    model.eval()
-    correct = total = 0
-    for s in range(0, per_rank, batch_size):
-        idx, ok = mine[s:s + batch_size], torch.tensor(valid[s:s + batch_size], device=device)
-        batch = to(dataset.collate([dataset[i] for i in idx]), device)
-        labels = batch.pop("labels")
-        pred = model(**batch).logits.argmax(-1)
-        correct += int(((pred == labels) & (ok == 1)).sum())
-        total += int(ok.sum())
-    model.train(was_training)
-    c, t = all_sum([correct, total], device)
-    return int(c), int(t)
-
-
-@torch.no_grad()
-def probe_logits(model, tokenizer, device) -> list[list[float]]:
-    was_training = model.training
-    model.eval()
-    out = model(**to(data.encode_texts(tokenizer, data.PROBE_TEXTS), device)).logits.float().cpu()
-    model.train(was_training)
-    return out.tolist()
 
 
 def save_consolidated(args, model_path, tokenizer, full: dict, probe: list, metrics: dict) -> None:
@@ -276,12 +238,13 @@ def main(argv=None) -> int:
     say(f"trained {step} steps in {train_s:.1f} s; model state on rank 0 after the last step: "
         + ", ".join(f"{k} {v / MiB:.1f}" for k, v in mem.by_category.items()) + f" MiB (total {mem.total / MiB:.1f})")
 
-    correct, total = evaluate(model, held_ds, rank, world, args.eval_batch_size, device)
+    held = data.evaluate(model, held_ds, "classification", rank, world, args.eval_batch_size, device)
+    correct, total = held["held_out_correct"], held["held_out_total"]
     accuracy = correct / max(1, total)
     chance = data.majority_rate(held_ex)
 
     # Consolidate: every rank takes part in the gather, rank 0 keeps the full fp32 weights.
-    probe = probe_logits(model, tokenizer, device)
+    probe = data.probe_logits(model, tokenizer, device)
     full = zs.full_state_dict(model, rank0_only=True)
     failed = 0.0
     if main_rank:
