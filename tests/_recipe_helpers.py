@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -72,6 +73,34 @@ def run(cmd: list[str], timeout: float) -> tuple[int, str]:
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd[-12:])} did not finish in {timeout}s:\n{out[-4000:]}")
     return proc.returncode, out
+
+
+def require_recipe_deps(framework: str) -> None:
+    """Skip the calling test module without transformers, ``framework``, matplotlib or the dataset package."""
+    pytest.importorskip("transformers")
+    pytest.importorskip(framework)
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import data
+
+    if not data.dataset_available():
+        pytest.skip(f"recipe dataset not installed: {data.DATASET_INSTALL}", allow_module_level=True)
+
+
+def recipe_args(task: str, model: Path, out: Path) -> list[str]:
+    """The framework recipes' shared arguments: 3 steps of batch 8 with 2-step accumulation, logging every step."""
+    return ["--task", task, "--model", str(model), "--max-steps", "3", "--batch-size", "8", "--accum", "2",
+            "--lr", "1e-3", "--log-every", "1", "--output-dir", str(out)]
+
+
+def check_recipe_run(rc: int, log: str, task: str, out_dir: Path, start_model: Path) -> None:
+    """A 3-step run of :func:`recipe_args`: its final and step lines, the generate lengths, the saved files."""
+    assert re.search(r"^final: held-out .* 3 steps", log, re.M), f"no final line (exit code {rc}):\n{log[-4000:]}"
+    assert re.search(r"^step 3/3 loss [0-9.]+ [0-9.]+ samples/s MiB: r0 dev [0-9.]+ host [0-9.]+ sent", log, re.M)
+    if task == "causal-lm":  # generate with a different length per rank returned on both
+        assert "rank 0: generate(synced_gpus=True) returned 7 tokens" in log, log[-3000:]
+        assert "rank 1: generate(synced_gpus=True) returned 9 tokens" in log, log[-3000:]
+    check_outputs(out_dir, task, start_model, 3, log)
 
 
 def check_outputs(out_dir: Path, task: str, start_model: Path, steps: int, log: str) -> None:

@@ -9,22 +9,14 @@ loss/memory PNG and per-step metrics exist. Needs the dataset package (vaderSent
 
 from __future__ import annotations
 
-import re
 import sys
 
 import pytest
 
-from _recipe_helpers import ROOT, check_outputs, run, tiny_bert, tiny_llama
+from _recipe_helpers import ROOT, check_recipe_run, recipe_args, require_recipe_deps, run, tiny_bert, tiny_llama
 
 pytestmark = pytest.mark.multiprocess
-pytest.importorskip("transformers")
-pytest.importorskip("lightning")
-pytest.importorskip("matplotlib")
-sys.path.insert(0, str(ROOT / "recipes"))
-import data  # noqa: E402
-
-if not data.dataset_available():
-    pytest.skip(f"recipe dataset not installed: {data.DATASET_INSTALL}", allow_module_level=True)
+require_recipe_deps("lightning")
 
 RECIPE = ROOT / "recipes" / "lightning_finetune.py"
 
@@ -33,13 +25,6 @@ RECIPE = ROOT / "recipes" / "lightning_finetune.py"
 def test_lightning_recipe_two_ranks(task, tmp_path):
     model = (tiny_bert if task == "classification" else tiny_llama)(tmp_path / "model")
     out = tmp_path / "out"
-    rc, log = run([sys.executable, str(RECIPE), "--task", task, "--model", str(model), "--max-steps", "3",
-                   "--batch-size", "8", "--accum", "2", "--lr", "1e-3", "--log-every", "1",
-                   "--output-dir", str(out)], timeout=120)
-    assert re.search(r"^final: held-out .* 3 steps", log, re.M), f"no final line (exit code {rc}):\n{log[-4000:]}"
-    assert re.search(r"^step 3/3 loss [0-9.]+ [0-9.]+ samples/s MiB: r0 dev [0-9.]+ host [0-9.]+ sent", log, re.M)
-    if task == "causal-lm":  # generate with a different length per rank returned on both
-        assert "rank 0: generate(synced_gpus=True) returned 7 tokens" in log, log[-3000:]
-        assert "rank 1: generate(synced_gpus=True) returned 9 tokens" in log, log[-3000:]
-    check_outputs(out, task, model, 3, log)
+    rc, log = run([sys.executable, str(RECIPE), *recipe_args(task, model, out)], timeout=120)
+    check_recipe_run(rc, log, task, out, model)
     assert (out / "checkpoint" / "metadata.json").is_file()
