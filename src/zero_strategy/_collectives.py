@@ -94,10 +94,6 @@ class Handle:
             self._work = None
         self._keep = ()
 
-    @property
-    def done(self) -> bool:
-        return self._work is None
-
 
 class Collectives:
     """Collectives over one process group, with byte counters.
@@ -168,7 +164,3 @@ class Collectives:
             return
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
         dist.broadcast(tensor, src=src, group=self.group)
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.group)

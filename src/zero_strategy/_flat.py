@@ -140,7 +140,7 @@ class FlatGroup:
             # that offloading takes the same path there as on a GPU); NVMe swaps them apart
             if (self.param_shard.dtype == self.master_dtype and (offload.params or not offload.optimizer)
                     and not (offload.nvme_params or offload.nvme_optimizer)):
-                master = self.param_shard
+                master = self.param_shard  # (master_aliases_params below)
             else:
                 master = (self.transfers.host_empty(self.shard_numel, self.master_dtype) if offload.optimizer
                           else torch.empty(self.shard_numel, dtype=self.master_dtype, device=device))
@@ -149,8 +149,7 @@ class FlatGroup:
                 self._copy_params_into(master, self.shard_start, self.shard_numel)
             self.master = nn.Parameter(master, requires_grad=True)
         #: the master shares storage with the parameters (fp32 compute): no copy after a step
-        self.master_aliases_params = (self.master is not None and self.master.device == self.param_shard.device
-                                      and self.master.data_ptr() == self.param_shard.data_ptr())
+        self.master_aliases_params = self.master is not None and master is self.param_shard
         #: offload: the fp32 host copy of grad_shard the CPU step reads, and its download
         self.host_grad: torch.Tensor | None = None
         self._download = None

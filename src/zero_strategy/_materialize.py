@@ -29,10 +29,6 @@ from torch import nn
 from ._collectives import Collectives
 
 
-def is_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
 def default_init(module: nn.Module) -> bool:
     """``module.reset_parameters()`` if it has one; returns whether it initialized anything."""
     reset = getattr(module, "reset_parameters", None)

@@ -49,10 +49,6 @@ class OffloadPlan:
     nvme_optimizer: bool = False  # ... and the master + optimizer state rest in the NVMe swap file
     nvme_params: bool = False     # ... and the parameter shard rests in the NVMe swap file
 
-    @property
-    def any(self) -> bool:
-        return self.optimizer or self.params
-
 
 class _Done:
     """A completed transfer (CPU-only machines, or nothing was copied)."""
@@ -88,9 +84,6 @@ class Transfers:
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
-
-    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.host_empty(numel, dtype).zero_()
 
     def download(self, dst_host: torch.Tensor, src_dev: torch.Tensor):
         """dst_host <- src_dev (any dtypes), after the work queued so far on the current stream."""

@@ -115,7 +115,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._prepared = False
         self._found_inf = False
         self._scaled_backward = False
-        self._factor: torch.Tensor | None = None
+        self._factor: float | torch.Tensor = 1.0
         self.last_grad_norm: torch.Tensor | None = None
         self.skipped_steps = 0
 
@@ -153,7 +153,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "zero_strategy: precision='fp16' needs loss scaling: call optimizer.backward(loss) "
                 "or optimizer.scale_loss(loss).backward() instead of loss.backward()")
         self.engine.finish_gradients(self.groups)
-        self._factor = torch.tensor(1.0 / self.scaler.scale, dtype=torch.float32, device=self.engine.device)
+        # a Python float until clipping makes it a device tensor: the unclipped path never syncs
+        self._factor: float | torch.Tensor = 1.0 / self.scaler.scale
         if self.scaler.enabled:
             local_inf = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
             for g in self._shards():
@@ -248,7 +249,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _device_step(self) -> None:
         groups = self.groups
-        factor = None if float(self._factor) == 1.0 else self._factor
+        factor = None if isinstance(self._factor, float) and self._factor == 1.0 else self._factor
         for g in groups:
             mg = g.master_grad()
             if mg is not None and factor is not None:

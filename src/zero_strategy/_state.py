@@ -23,6 +23,7 @@ parameters in a step.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 import weakref
@@ -138,11 +139,13 @@ class ZeroEngine:
         }
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._handles: list[Any] = []
-        self._pending_reduces: list[tuple[FlatGroup, Handle, torch.Tensor]] = []
+        self._pending_reduces: collections.deque[tuple[FlatGroup, Handle, torch.Tensor]] = collections.deque()
         self._callback_queued = False
         self._sync_gradients = True
         self._forward_order: list[Unit] = []
+        self._forward_seen: set[int] = set()  # ids in _forward_order (a unit is recorded once)
         self._last_forward_order: list[Unit] = []
+        self._last_position: dict[int, int] = {}  # id(unit) -> its place in _last_forward_order
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
@@ -203,6 +206,7 @@ class ZeroEngine:
     def _root_pre_forward(self, module, args, kwargs):
         if self._root_forward_depth == 0 and not _in_backward():
             self._forward_order = []
+            self._forward_seen: set[int] = set()
         self._root_forward_depth += 1
         if self.plan.shards_parameters:
             self.root.gather(self.comm)
@@ -221,6 +225,7 @@ class ZeroEngine:
             return None
         if self._forward_order:
             self._last_forward_order = self._forward_order
+            self._last_position = {id(u): i for i, u in enumerate(self._forward_order)}
         backward_expected = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors_in(output))
         if self.plan.shards_parameters and not backward_expected:
             self.release_all()  # eval / no_grad / generate step: nothing will come back for them
@@ -230,9 +235,10 @@ class ZeroEngine:
         def hook(module, args, kwargs):
             unit.begin_gather(self.comm)  # usually already started by the previous unit's prefetch
             if not _in_backward():
-                if unit not in self._forward_order:
+                if id(unit) not in self._forward_seen:
+                    self._forward_seen.add(id(unit))
                     self._forward_order.append(unit)
-                self._prefetch(unit, self._last_forward_order, +1)
+                self._prefetch(unit, +1)
             unit.wait_gather()
             if not torch.is_grad_enabled():
                 return None
@@ -262,10 +268,12 @@ class ZeroEngine:
             return None
         return hook
 
-    def _prefetch(self, unit: Unit, order: list[Unit], direction: int) -> None:
-        if self.config.prefetch <= 0 or unit not in order:
+    def _prefetch(self, unit: Unit, direction: int) -> None:
+        """Start gathering the next ``prefetch`` units of last step's forward order (+1) or backward (-1)."""
+        i = self._last_position.get(id(unit))
+        if i is None:
             return
-        i = order.index(unit)
+        order = self._last_forward_order
         for k in range(1, self.config.prefetch + 1):
             j = i + direction * k
             if 0 <= j < len(order):
@@ -281,7 +289,7 @@ class ZeroEngine:
         self._ensure_end_of_backward_callback()
         with torch.profiler.record_function(f"zero::pre_backward::{unit.name}"):
             unit.begin_gather(self.comm)
-            self._prefetch(unit, self._last_forward_order, -1)
+            self._prefetch(unit, -1)
             unit.wait_gather()
 
     def _post_backward(self, unit: Unit) -> None:
@@ -315,7 +323,7 @@ class ZeroEngine:
             self._finish_one_reduce()
 
     def _finish_one_reduce(self) -> None:
-        group, handle, out = self._pending_reduces.pop(0)
+        group, handle, out = self._pending_reduces.popleft()
         handle.wait()
         group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
         if self._overlapping() and _in_backward():
@@ -356,12 +364,6 @@ class ZeroEngine:
     def release_all(self) -> None:
         for u in self.units:
             u.release()
-
-    def gather_all(self) -> None:
-        for u in self.units:
-            u.begin_gather(self.comm)
-        for u in self.units:
-            u.wait_gather()
 
     def finish_gradients(self, groups: list[FlatGroup] | None = None) -> None:
         """Make the groups' grad_shards final before clipping or stepping (stage 1 reduces here).

@@ -70,7 +70,6 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     if _lookup(model) is not None:
         raise ValueError("zero_strategy.setup: this model is already set up; call setup once per model "
                          "(call zero_strategy.teardown(model) first to start over)")
-    _refuse_unavailable(cfg)
     for opt in optimizers:
         check_elementwise(opt)
     comm = Collectives(process_group)
@@ -83,12 +82,6 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     if several:
         return model, zero_opts
     return model, (zero_opts[0] if zero_opts else None)
-
-
-def _refuse_unavailable(cfg: ZeroConfig) -> None:
-    """Every configuration the config layer accepts is available now; kept as the one place
-    to refuse a combination the engine cannot run yet."""
-    return None
 
 
 def _optimizer_group_of(model: nn.Module, optimizers: list) -> dict[int, tuple[int, int]]:
