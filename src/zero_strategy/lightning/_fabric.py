@@ -26,7 +26,7 @@ from ..checkpoint import load_checkpoint, load_metadata, save_checkpoint
 from . import _checkpoint
 from ._config import build_config, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
-from ._optimizers import loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
+from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import VALUE_CLIPPING_ERROR, ZeroFabricPrecision, check_precision_flag
 from .._optimizer import ZeroOptimizer
 
@@ -187,7 +187,7 @@ def _split_state(state: dict) -> tuple[torch.nn.Module, str, list[str], dict]:
 
     state = _unwrap_objects(state)
     modules = [k for k, v in state.items() if isinstance(v, torch.nn.Module)]
-    set_up = [k for k in modules if _is_set_up(state[k])]
+    set_up = [k for k in modules if is_set_up(state[k])]
     if len(set_up) != 1 or len(modules) != 1:
         raise ValueError("a ZeroFabricStrategy checkpoint holds exactly one model set up with fabric.setup; "
                          f"found modules {modules}. Save other models in separate checkpoints.")
@@ -200,11 +200,3 @@ def _split_state(state: dict) -> tuple[torch.nn.Module, str, list[str], dict]:
             raise ValueError(f"state[{k!r}] is an optimizer that fabric.setup did not set up with the model")
         rest[k] = v.state_dict() if isinstance(v, _Stateful) else v
     return state[set_up[0]], set_up[0], optimizer_keys, rest
-
-
-def _is_set_up(module) -> bool:
-    try:
-        zs.engine_of(module)
-    except ValueError:
-        return False
-    return True

@@ -32,7 +32,7 @@ from .. import api as zs
 from . import _checkpoint, _summary, _toggle
 from ._config import build_config, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
-from ._optimizers import loss_scaler_of, setup_model_and_optimizers
+from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers
 from ._precision import ZeroPrecision, check_precision_flag
 
 #: callbacks that rewrite parameters or optimizers behind the engine's back
@@ -133,7 +133,7 @@ class ZeroStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         _refuse_unsupported_callbacks(trainer)
         module = self.lightning_module
-        if _is_set_up(module):  # e.g. fit() interrupted before teardown
+        if is_set_up(module):  # e.g. fit() interrupted before teardown
             zs.teardown(module)
         if not has_meta_tensors(module):  # a meta model is materialized on the device by the engine
             self.model_to_device()
@@ -163,7 +163,7 @@ class ZeroStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and _is_set_up(module):
+        if module is not None and is_set_up(module):
             zs.teardown(module)
         if module is not None:
             _toggle.uninstall(module)
@@ -193,7 +193,7 @@ class ZeroStrategy(DDPStrategy):
     def block_backward_sync(self):
         """Gradient accumulation: no reduction on non-boundary micro-batches (stages 2-3; stage 1 reduces at the step)."""
         module = self.lightning_module
-        if module is not None and _is_set_up(module):
+        if module is not None and is_set_up(module):
             with zs.no_sync(module):
                 yield
         else:
@@ -211,7 +211,7 @@ class ZeroStrategy(DDPStrategy):
         return True  # sharded checkpoints load into the set-up engine
 
     def lightning_module_state_dict(self) -> dict:
-        if _is_set_up(self.lightning_module):
+        if is_set_up(self.lightning_module):
             return {}  # the weights go into the sharded files
         return super().lightning_module_state_dict()  # after fit: a plain module with full weights
 
@@ -223,7 +223,7 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options")
         module = self.lightning_module
-        if module is not None and not _is_set_up(module):  # after fit: teardown left a plain module
+        if module is not None and not is_set_up(module):  # after fit: teardown left a plain module
             if "optimizer_states" in checkpoint:
                 raise RuntimeError(
                     "ZeroStrategy: the sharded optimizer was released at the end of fit; save full checkpoints "
@@ -263,14 +263,6 @@ class ZeroStrategy(DDPStrategy):
         from ._registry import register_presets
 
         register_presets(strategy_registry, "trainer")
-
-
-def _is_set_up(module) -> bool:
-    try:
-        zs.engine_of(module)
-    except ValueError:
-        return False
-    return True
 
 
 def _refuse_unsupported_callbacks(trainer) -> None:
