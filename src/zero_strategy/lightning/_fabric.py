@@ -81,8 +81,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------- setup
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        if not has_meta_tensors(module):  # a meta model is materialized on the device by the engine
-            module.to(self.root_device)
+        self.module_to_device(module)
         config = self.zero_config
         self.zero_optimizers = setup_model_and_optimizers(module, list(optimizers), config, device=self.root_device,
                                                           param_init_fn=self.param_init_fn)
@@ -90,14 +89,13 @@ class ZeroFabricStrategy(DDPStrategy):
         return module, list(self.zero_optimizers), scheduler
 
     def setup_module(self, module):
-        if not has_meta_tensors(module):
-            module.to(self.root_device)
+        self.module_to_device(module)
         setup_model_and_optimizers(module, [], self.zero_config, device=self.root_device,
                                    param_init_fn=self.param_init_fn)
         return module
 
     def module_to_device(self, module) -> None:
-        if not has_meta_tensors(module):
+        if not has_meta_tensors(module):  # a meta model is materialized on the device by the engine
             module.to(self.root_device)
 
     def setup_optimizer(self, optimizer):
