@@ -194,12 +194,13 @@ class FlatGroup:
                     dst[lo - start:hi - start].copy_(src)
 
     def slot_ranges_in_shard(self):
-        """Yield (slot, lo, hi): the part [lo, hi) of each slot's flat elements held by this rank."""
+        """Yield (slot, lo, hi, where): the part [lo, hi) of each slot's flattened elements this
+        rank holds, and ``where`` those elements sit in a shard-sized tensor (master, state)."""
         for s in self.slots:
             lo = max(self.shard_start, s.offset)
             hi = min(self.shard_start + self.shard_numel, s.offset + s.numel)
             if lo < hi:
-                yield s, lo - s.offset, hi - s.offset
+                yield s, lo - s.offset, hi - s.offset, slice(lo - self.shard_start, hi - self.shard_start)
 
     # ----------------------------------------------------------- gather/release
     def _attach_views(self) -> None:
@@ -363,13 +364,23 @@ class FlatGroup:
         return self.grad_shard.to(self.master_dtype)
 
     def publish_master(self, comm: Collectives) -> Handle | None:
-        """Copy the stepped master into the parameters; all-gather them where replicated."""
-        if self.master is None:
-            return None
+        """Rebuild the compute-dtype parameters from the master (after a step or a load).
+
+        The master goes into the resting shard; where parameters are materialized (stages
+        1-2, persistent groups, or a stage-3 group gathered right now) this rank's slice
+        of ``full`` takes the shard and is all-gathered. Frozen groups (no master) just
+        re-gather from their shard.
+        """
         with torch.no_grad():
-            if not self.master_aliases_params:
+            if self.master is not None and not self.master_aliases_params:
                 self.param_shard.copy_(self.master)
-            return self.gather_replicated(comm)
+            if self.shard_params and self.state is ShardState.SHARDED:
+                return None
+            own = self.own(self.full)
+            with _preserve_version(self.full):
+                if own.data_ptr() != self.param_shard.data_ptr():  # the shard rests elsewhere (offload)
+                    own.copy_(self.param_shard)
+                return comm.all_gather(self.full, own, async_op=True)
 
     def stage_master_upload(self):
         """Offloaded step, on the CPU worker: master -> compute-dtype parameter shard.

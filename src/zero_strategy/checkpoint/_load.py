@@ -189,11 +189,11 @@ def _load_shards(reader: _Reader, names, engine, zopts) -> None:
 
 def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
     target = g.master.data if g.trainable else g.param_shard
-    for s, lo, hi in g.slot_ranges_in_shard():
+    for s, lo, hi, where in g.slot_ranges_in_shard():
         fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
         if fqn is None:
             continue  # missing: allowed by strict=False, keeps its current value
-        dst = target[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
+        dst = target[where]
         reader.fill(dst, fqn, lo, hi, lambda grp: grp.weight_tensor)
     if zopts and g.trainable:
         zopt = zopts[g.optimizer_index]
@@ -228,10 +228,10 @@ def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
     device = g.master.device
     for key, dname in first.state_tensors.items():
         t = torch.zeros(g.shard_numel, dtype=dtype_from_name(dname), device=device)
-        for s, lo, hi in g.slot_ranges_in_shard():
+        for s, lo, hi, where in g.slot_ranges_in_shard():
             fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
             if fqn is not None:
-                dst = t[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start]
+                dst = t[where]
                 reader.fill(dst, fqn, lo, hi, lambda grp, key=key: grp.state_tensor(key))
         state[key] = t
     for key, sc in first.state_scalars.items():
@@ -281,16 +281,10 @@ def _publish(engine) -> None:
     handles = []
     for g in engine.groups:
         with g.resident(write_back=True):  # NVMe: master in, updated parameter shard out
-            if g.trainable and not g.master_aliases_params:
-                g.param_shard.copy_(g.master.detach())
-            if not g.shard_params or g.state.value == "gathered":  # stage 3 inside gathered_parameters
-                own = g.own(g.full)
-                with torch.autograd._unsafe_preserve_version_counter(g.full):
-                    if own.data_ptr() != g.param_shard.data_ptr():  # resting shard elsewhere (offload)
-                        own.copy_(g.param_shard)
-                    handles.append(engine.comm.all_gather(g.full, own, async_op=True))
+            handles.append(g.publish_master(engine.comm))
     for h in handles:
-        h.wait()
+        if h is not None:
+            h.wait()
 
 
 def _load_hyperparameters(saved_optimizer: dict, zopt) -> None:

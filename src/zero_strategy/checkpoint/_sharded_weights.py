@@ -36,12 +36,12 @@ def load_sharded_weights(model: torch.nn.Module, read: SliceReader, strict: bool
     for g in engine.groups:
         with g.resident(write_back=True):
             target = g.master.data if g.trainable else g.param_shard
-            for s, lo, hi in g.slot_ranges_in_shard():
+            for s, lo, hi, where in g.slot_ranges_in_shard():
                 values = read(names.get(id(s.param), [s.fqn]), lo, hi)
                 if values is None:
                     missing.append(s.fqn)
                     continue
-                target[s.offset + lo - g.shard_start:s.offset + hi - g.shard_start].copy_(values.reshape(-1))
+                target[where].copy_(values.reshape(-1))
     missing = sorted(set(missing))
     if missing and strict:
         raise CheckpointError(f"the weights lack {len(missing)} parameter(s) of the model: {missing[:10]}"
