@@ -22,6 +22,7 @@ from .api import (
     full_shapes,
     full_state_dict,
     gathered_parameters,
+    is_set_up,
     memory_report,
     no_sync,
     setup,
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
-    "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "memory_report",
+    "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "is_set_up", "memory_report",
     "no_sync", "setup", "teardown", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "load_full_state_dict", "save_checkpoint",
 ]

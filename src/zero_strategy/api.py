@@ -114,6 +114,11 @@ def _sync_module_states(model: nn.Module, comm: Collectives) -> None:
                 comm.broadcast(t.data, src_rank=0)
 
 
+def is_set_up(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by a live engine (``setup`` and no ``teardown`` since)."""
+    return _lookup(model) is not None
+
+
 def engine_of(model: nn.Module) -> ZeroEngine:
     engine = _lookup(model)
     if engine is None:

@@ -269,9 +269,7 @@ class ZeroAccelerator(Accelerator):
     @contextlib.contextmanager
     def trigger_sync_in_backward(model):
         """DDP-only in Accelerate; refused for a ZeRO model rather than silently not syncing."""
-        try:
-            api.engine_of(model)
-        except ValueError:
+        if not api.is_set_up(model):
             with Accelerator.trigger_sync_in_backward(model):
                 yield
             return
@@ -329,11 +327,8 @@ class ZeroAccelerator(Accelerator):
     # ------------------------------------------------------------------ lifetime
     def _teardown_all(self) -> None:
         for record in self._zero_records:
-            try:
-                api.engine_of(record.model)
-            except ValueError:
-                continue  # torn down by the user already
-            api.teardown(record.model)
+            if api.is_set_up(record.model):  # else torn down by the user already
+                api.teardown(record.model)
         self._zero_records.clear()
         self._pending.clear()
 

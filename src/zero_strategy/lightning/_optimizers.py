@@ -29,11 +29,7 @@ def setup_model_and_optimizers(model: torch.nn.Module, optimizers: list, config,
 
 def is_set_up(module: torch.nn.Module) -> bool:
     """Whether ``module`` is sharded by a live engine (``zero_strategy.setup`` and no teardown since)."""
-    try:
-        zs_api.engine_of(module)
-    except ValueError:
-        return False
-    return True
+    return zs_api.is_set_up(module)
 
 
 def loss_scaler_of(zero_optimizers: list[ZeroOptimizer], precision: str) -> Optional[ZeroOptimizer]:
