@@ -56,10 +56,13 @@ def test_bf16_compute_keeps_fp32_master_from_the_original_values():
     assert torch.equal(g.master.detach()[:64], originals[0])  # not rounded through bf16
 
 
-def test_stage3_release_empties_parameters_and_gather_restores_them():
+def test_stage3_release_frees_parameters_and_gather_restores_them():
     g, params, originals = make_group([(3, 5), (7,)], world_size=1, rank=0, shard_params=True)
     assert g.state is ShardState.SHARDED
-    assert all(p.numel() == 0 for _, p in params)
+    for (_, p), orig in zip(params, originals):  # true shape, no memory, NaN if read
+        assert p.shape == orig.shape and p.numel() == orig.numel()
+        assert p.untyped_storage().nbytes() <= p.element_size()
+        assert torch.isnan(p).all()
     assert g.full.untyped_storage().nbytes() == 0
     handle = g.begin_gather(Collectives())
     assert handle is not None
@@ -77,18 +80,21 @@ def test_gradients_move_into_the_flat_buffer_and_are_dropped():
     for _, p in params:
         p.grad = torch.ones_like(p)
     for slot in g.slots:
-        g.accumulate_param_grad(slot)
-    assert all(p.grad is None for _, p in params)
-    assert torch.equal(g.full_grad[:7], torch.ones(7))
-    assert g.grads_complete and g.has_unreduced
+        g.grads.accumulate(slot)
+    for _, p in params:  # a zero-memory NaN marker stands in for the moved gradient
+        assert p.grad.shape == p.shape and p.grad.untyped_storage().nbytes() <= p.element_size()
+        assert torch.isnan(p.grad).all()
+    assert torch.equal(g.grads.full_grad[:7], torch.ones(7))
+    assert g.grads.complete and g.grads.has_unreduced
 
 
 def test_a_second_gradient_adds_and_unwritten_slots_reduce_as_zeros():
     g, params, _ = make_group([(2, 2), (3,)], world_size=1, rank=0)
     for _ in range(2):
+        g.grads.before_accumulate(g.slots[0])  # what the pre-accumulate hook does
         params[0][1].grad = torch.full((2, 2), 2.0)
-        g.accumulate_param_grad(g.slots[0])     # slot 1 never gets a gradient
-    handle, out = g.begin_reduce(Collectives(), in_place=False)  # world of one: a copy
+        g.grads.accumulate(g.slots[0])     # slot 1 never gets a gradient
+    handle, out = g.grads.begin_reduce(Collectives(), in_place=False)  # world of one: a copy
     handle.wait()
-    assert torch.equal(g.full_grad, torch.tensor([4.0, 4, 4, 4, 0, 0, 0]))
-    assert torch.equal(out, g.full_grad)
+    assert torch.equal(g.grads.full_grad, torch.tensor([4.0, 4, 4, 4, 0, 0, 0]))
+    assert torch.equal(out, g.grads.full_grad)

@@ -34,6 +34,8 @@ def test_threshold_decides_which_parameters_rest_sharded(threshold):
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     model, _ = zs.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
                         zs.ZeroConfig(stage=3, param_persistence_threshold=threshold))
-    for name, p in model.named_parameters():  # outside forward: sharded ones are empty
+    for name, p in model.named_parameters():  # outside forward: sharded ones are NaN placeholders
         expect_whole = sizes[name] < threshold
-        assert (p.numel() == sizes[name]) == expect_whole, (name, sizes[name], p.numel())
+        holds_values = bool(torch.isfinite(p).all())
+        assert holds_values == expect_whole, (name, sizes[name])
+        assert p.numel() == sizes[name]  # the true shape either way

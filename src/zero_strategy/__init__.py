@@ -25,6 +25,7 @@ from .api import (
     is_set_up,
     memory_report,
     no_sync,
+    reset_iter_state,
     setup,
     teardown,
     zero_grad,
@@ -38,7 +39,7 @@ __all__ = [
     "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
     "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "is_set_up", "memory_report",
-    "no_sync", "setup", "teardown", "zero_grad", "__version__",
+    "no_sync", "reset_iter_state", "setup", "teardown", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "load_full_state_dict", "save_checkpoint",
 ]
 

@@ -1,10 +1,16 @@
-"""Flat buffers and shards: layout, padding, views and the per-buffer state machine.
+"""Flat buffers: layout, padding, views and the gather state machine of one flat group.
 
 A :class:`FlatGroup` owns the parameters of one unit that share ``requires_grad``
 and the optimizer param group. Their values are laid end to end in one 1-D
 buffer, padded to a multiple of the world size, and each rank owns one contiguous
-slice (its *shard*). This module does no communication: callers pass a
-``Collectives`` into the few methods that need one and get handles back.
+slice (its *shard*). It composes two collaborators:
+
+* ``grads`` (:class:`~._grad_buffer.GradBuffer`): gradients, with their own states;
+* ``params`` / ``masters`` (``_storage.py``): where the resting parameter shard and
+  the fp32 master live, one class per offload policy.
+
+This module does no communication of its own: callers pass a ``Collectives`` into
+the few methods that need one and get handles back.
 
 [Note: parameter storage and aliasing]
 * ``full`` [padded] in the compute dtype holds the whole group. The module's
@@ -12,19 +18,16 @@ slice (its *shard*). This module does no communication: callers pass a
   parameters (one object registered under two names) need no special care and the
   user's references to parameters stay valid.
 * Sharded parameters (stage 3) free ``full`` by resizing its *storage* to zero
-  bytes and point each parameter at an empty tensor. Resizing the storage (not
-  dropping the tensor) matters: autograd may have saved views of ``full`` (e.g.
-  ``weight.t()`` for a linear layer); they see the re-gathered values when the
-  storage is refilled before backward. Pointing the parameters at an empty tensor
-  matters too: reading a view of a zero-byte storage crashes the process instead
-  of raising, so a released parameter is visibly empty rather than a trap.
-* ``master`` [shard] is the fp32 copy the optimizer steps. With an fp32 compute
-  dtype it aliases the parameter storage (the own slice of ``full`` for stages 1-2,
-  ``param_shard`` for stage 3), so fp32 training holds no second copy.
-* ``param_shard`` [shard] (stage 3 only) is the resting copy in the compute dtype,
-  the input of the all-gather.
-* ``full_grad`` [padded] collects this rank's unreduced gradients (reduce dtype);
-  ``grad_shard`` [shard] holds the reduced, averaged gradients of this rank's slice.
+  bytes. Resizing the storage (not dropping the tensor) matters: autograd may have
+  saved views of ``full`` (e.g. ``weight.t()`` for a linear layer); they see the
+  re-gathered values when the storage is refilled before backward.
+* A released parameter points at its *placeholder*: a zero-memory tensor with the
+  parameter's true shape, dtype and device whose every element is NaN (one element,
+  stride 0). ``p.shape``, ``p.numel()``, ``p.device`` and ``model.device`` stay true;
+  a value read outside forward/backward and outside ``gathered_parameters`` is NaN
+  (never a plausible zero, as an empty tensor summed would give), and an in-place
+  write raises. ``model.state_dict()`` gathers for real (``_module_state.py``).
+  Never a view of the zero-byte ``full``: reading one crashes the process.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ import torch
 from torch import nn
 
 from ._collectives import Collectives, Handle
+from ._grad_buffer import GradBuffer, nan_placeholder
 from ._offload import OffloadPlan, Transfers
+from ._storage import make_storage
 
 
 class ShardState(enum.Enum):
-    SHARDED = "sharded"    # only the shard exists; parameters are empty
+    SHARDED = "sharded"    # only the shard exists; parameters are placeholders
     GATHERED = "gathered"  # the full buffer exists; parameters are views into it
 
 
@@ -105,10 +110,7 @@ class FlatGroup:
         self.optimizer_group = optimizer_group
         self.shard_params = shard_params
         self.compute_dtype = compute_dtype
-        self.grad_dtype = grad_dtype
-        self.master_dtype = torch.float32
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.offload = offload
         self.transfers = transfers if transfers is not None else Transfers(device, pin_memory=False)
         #: the NVMe store when some of this group's state rests in the swap file (_nvme.py)
         self.swap = swap if (offload.nvme_optimizer or offload.nvme_params) else None
@@ -126,57 +128,43 @@ class FlatGroup:
         self.full = torch.zeros(self.padded_numel, dtype=compute_dtype, device=device)
         self._copy_params_into(self.full, 0, self.padded_numel)
         self._views = [self.full[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
-        self.master: nn.Parameter | None = None
-        if shard_params and offload.params:
-            self.param_shard = self.transfers.host_empty(self.shard_numel, compute_dtype)
-            self.param_shard.copy_(self.own(self.full))
-        elif shard_params:
-            self.param_shard = self.own(self.full).clone()
-        else:
-            self.param_shard = self.own(self.full)
-        if trainable:
-            # alias, no second copy: only where the parameters rest next to the master by design
-            # (not merely because device and host are both the CPU on a CUDA-less machine, so
-            # that offloading takes the same path there as on a GPU); NVMe swaps them apart
-            if (self.param_shard.dtype == self.master_dtype and (offload.params or not offload.optimizer)
-                    and not (offload.nvme_params or offload.nvme_optimizer)):
-                master = self.param_shard  # (master_aliases_params below)
-            else:
-                master = (self.transfers.host_empty(self.shard_numel, self.master_dtype) if offload.optimizer
-                          else torch.empty(self.shard_numel, dtype=self.master_dtype, device=device))
-                master.zero_()
-                # from the original values, so bf16/fp16 compute loses nothing at start
-                self._copy_params_into(master, self.shard_start, self.shard_numel)
-            self.master = nn.Parameter(master, requires_grad=True)
-        #: the master shares storage with the parameters (fp32 compute): no copy after a step
-        self.master_aliases_params = self.master is not None and master is self.param_shard
-        #: offload: the fp32 host copy of grad_shard the CPU step reads, and its download
-        self.host_grad: torch.Tensor | None = None
-        self._download = None
-
-        self.full_grad: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
-        self.grads_this_backward = 0
-        self.reduced_this_backward = False
-        #: full_grad holds gradients not yet reduced (e.g. accumulated inside no_sync)
-        self.has_unreduced = False
-        #: which slots of full_grad hold data since it was last consumed; the rest is
-        #: zeroed only at reduce time (saves a full memset per backward)
-        self._written = [False] * len(self.slots)
-        #: grad_shard is this rank's slice of full_grad, reduced in place (stage 1)
-        self._reduced_in_place = False
-        #: stage 1: reduced gradients to add back at the next reduce (see accumulate_param_grad)
-        self._carry: torch.Tensor | None = None
+        self._placeholders = ([nan_placeholder(s.shape, compute_dtype, device) for s in self.slots]
+                              if shard_params else [])
+        self.params, self.masters = make_storage(
+            self, own_slice=self.own(self.full), shard_params=shard_params, trainable=trainable,
+            offload=offload, transfers=self.transfers, swap=self.swap, device=device,
+            initial_master=lambda out: self._copy_params_into(out, self.shard_start, self.shard_numel))
+        self.grads = GradBuffer(self, grad_dtype, device)
 
         self.state = ShardState.GATHERED
         self._attach_views()
         if shard_params:
             self.release()
-        if self.swap is not None:  # from here on they rest in the swap file
-            if offload.nvme_optimizer and self.master is not None:
-                self.swap.adopt(self, "opt", {"master": self.master})
-            if offload.nvme_params:
-                self.swap.adopt(self, "param", {"param": self.param_shard})
+
+    def __repr__(self) -> str:
+        return (f"FlatGroup({self.name}, {len(self.slots)} params, {self.numel} elements, "
+                f"{self.state.value}, {type(self.params).__name__}, {type(self.masters).__name__})")
+
+    # ------------------------------------------------------------ what rests where
+    @property
+    def master(self) -> nn.Parameter | None:
+        """The fp32 master shard the optimizer steps (None for frozen groups)."""
+        return self.masters.master if self.masters is not None else None
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        """The resting compute-dtype shard (stages 1-2: the own slice of ``full``)."""
+        return self.params.tensor
+
+    @property
+    def master_aliases_params(self) -> bool:
+        return self.masters is not None and self.masters.aliases_params
+
+    def resident(self, write_back: bool):
+        """Context: this group's swapped state (NVMe) in host memory inside the block."""
+        if self.swap is None:
+            return contextlib.nullcontext()
+        return self.swap.resident(self, write_back)
 
     # ----------------------------------------------------------------- layout
     def own(self, flat: torch.Tensor) -> torch.Tensor:
@@ -213,27 +201,15 @@ class FlatGroup:
             return None
         storage = self.full.untyped_storage()
         storage.resize_(self.padded_numel * self.full.element_size())
-        if self.offload.nvme_params:
-            # The disk read starts now (a prefetch runs it under the previous unit's compute);
-            # upload and all-gather follow when the unit is waited for, in the same order on
-            # every rank.
-            self.swap.prefetch(self, "param")
-            return _DeferredHandle(lambda: self._upload_and_gather(comm))
-        return self._upload_and_gather(comm)
+        if self.params.needs_deferred_gather:
+            self.params.prefetch()  # a prefetch runs the read under the previous unit's compute
+            return _DeferredHandle(lambda: self._gather_from_shard(comm))
+        return self._gather_from_shard(comm)
 
-    def _upload_and_gather(self, comm: Collectives) -> Handle:
+    def _gather_from_shard(self, comm: Collectives) -> Handle:
         with _preserve_version(self.full):
-            if self.offload.params:  # upload this rank's shard into its slot, gather in place
-                own = self.own(self.full)
-                if self.offload.nvme_params:
-                    self.swap.swap_in(self, "param")
-                uploaded = self.transfers.upload(own, self.param_shard)
-                uploaded.wait()
-                if self.offload.nvme_params:
-                    uploaded.synchronize()  # the host slot is reused once evicted
-                    self.swap.swap_out(self, "param", write=False)
-                return comm.all_gather(self.full, own, async_op=True)
-            return comm.all_gather(self.full, self.param_shard, async_op=True)
+            source = self.params.gather_source(self.own(self.full), self.transfers)
+            return comm.all_gather(self.full, source, async_op=True)
 
     def finish_gather(self) -> None:
         if self.state is ShardState.SHARDED:
@@ -241,127 +217,28 @@ class FlatGroup:
             self.state = ShardState.GATHERED
 
     def release(self) -> None:
-        """Free ``full`` (stage 3): parameters become empty until the next gather."""
+        """Free ``full`` (stage 3): parameters become placeholders until the next gather."""
         if not self.shard_params or self.state is ShardState.SHARDED:
             return
-        empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        for s in self.slots:
-            s.param.data = empty
+        for s, placeholder in zip(self.slots, self._placeholders):
+            s.param.data = placeholder
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 
-    # ------------------------------------------------------------------ grads
-    def accumulate_param_grad(self, slot: ParamSlot) -> None:
-        """Move ``param.grad`` into ``full_grad`` (copy or add) and drop it, freeing memory early."""
-        grad = slot.param.grad
-        if grad is None:
-            return
-        if self._reduced_in_place:
-            # Gradients accumulate onto reduced ones (no zero_grad since the last reduce, e.g.
-            # another optimizer stepped): keep this rank's reduced slice aside and start a
-            # fresh local sum; the next reduce adds it back, as torch would accumulate.
-            self._carry = self.grad_shard.clone()
-            self.grad_shard = None
-            self._reduced_in_place = False
-            self._written = [False] * len(self.slots)
-        if self.full_grad is None:
-            self.full_grad = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-        view = self.full_grad[slot.offset:slot.offset + slot.numel]
-        if self._written[slot.index]:
-            view.add_(grad.reshape(-1))
-        else:
-            view.copy_(grad.reshape(-1))
-            self._written[slot.index] = True
-        slot.param.grad = None
-        self.grads_this_backward += 1
-        self.has_unreduced = True
-
-    @property
-    def grads_complete(self) -> bool:
-        return self.grads_this_backward >= len(self.slots)
-
-    def begin_reduce(self, comm: Collectives, in_place: bool) -> tuple[Handle, torch.Tensor]:
-        """Start summing ``full_grad`` over ranks into this rank's slice; ``finish_reduce`` averages.
-
-        ``in_place``: the slice is reduced into ``full_grad`` itself (stage 1, whose full
-        buffer persists anyway), so stepping needs no extra gradient memory.
-        """
-        if self.full_grad is None:  # unused on this backward: contribute zeros, stay in lock-step
-            self.full_grad = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-        else:
-            for s in self.slots:
-                if not self._written[s.index]:
-                    self.full_grad[s.offset:s.offset + s.numel].zero_()
-            self.full_grad[self.numel:].zero_()
-        full = self.full_grad
-        if comm.world_size > 1 and full.dtype == torch.float16:
-            full.div_(comm.world_size)  # fp16: divide before summing so the sum cannot overflow
-        out = self.own(full) if in_place else torch.empty(self.shard_numel, dtype=self.grad_dtype,
-                                                          device=self.device)
-        handle = comm.reduce_scatter(out, full, async_op=True)
-        self.reduced_this_backward = True
-        self.has_unreduced = False
-        return handle, out
-
-    def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
-        """Average the reduced slice into ``grad_shard``; free ``full_grad`` unless it persists."""
-        if comm.world_size > 1 and out.dtype != torch.float16:
-            out.div_(comm.world_size)  # on the shard: 1/N of the work of dividing the full buffer
-        self._written = [False] * len(self.slots)
-        if in_place:
-            if self._carry is not None:
-                out.add_(self._carry)
-                self._carry = None
-            self.grad_shard = out
-            self._reduced_in_place = True
-        else:
-            if self.grad_shard is None:
-                self.grad_shard = out
-            else:
-                self.grad_shard.add_(out)
-            self.full_grad = None
-        if self.offload.optimizer:
-            self.begin_grad_download()
-
-    def begin_grad_download(self) -> None:
-        """Start copying the (accumulated) gradient shard to host_grad; overlaps what follows."""
-        if self.host_grad is None:
-            self.host_grad = self.transfers.host_empty(self.shard_numel, self.master_dtype)
-        self._download = self.transfers.download(self.host_grad, self.grad_shard)
-
-    def reset_backward_counters(self) -> None:
-        self.grads_this_backward = 0
-        self.reduced_this_backward = False
-
-    def zero_grad(self, keep_full: bool) -> None:
-        self.grad_shard = None
-        self._carry = None
-        self._download = None
-        self._reduced_in_place = False
-        self._written = [False] * len(self.slots)
-        if not keep_full:
-            self.full_grad = None
-        self.has_unreduced = False
-        if self.master is not None:
-            self.master.grad = None
-        self.reset_backward_counters()
-
     # ------------------------------------------------------------------ step
     def master_grad(self) -> torch.Tensor | None:
-        """The fp32 gradient the optimizer sees, next to the master (host when offloaded).
+        """The fp32 gradient the optimizer sees, next to the master (host when offloaded)."""
+        return self.masters.grad_for_step(self.grads.grad_shard, self.grads.version)
 
-        Aliases ``grad_shard`` when dtype and device already match.
-        """
-        if self.grad_shard is None:
-            return None
-        if self.offload.optimizer:
-            if self._download is None:
-                self.begin_grad_download()
-            self._download.synchronize()
-            return self.host_grad
-        if self.grad_shard.dtype == self.master_dtype:
-            return self.grad_shard
-        return self.grad_shard.to(self.master_dtype)
+    def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
+        self.grads.finish_reduce(out, comm, in_place)
+        if self.masters is not None:
+            self.masters.on_grad_reduced(self.grads.grad_shard, self.grads.version)
+
+    def zero_grad(self, keep_full: bool) -> None:
+        self.grads.reset(keep_full)
+        if self.masters is not None:
+            self.masters.drop_grad()
 
     def publish_master(self, comm: Collectives) -> Handle | None:
         """Rebuild the compute-dtype parameters from the master (after a step or a load).
@@ -372,8 +249,10 @@ class FlatGroup:
         re-gather from their shard.
         """
         with torch.no_grad():
-            if self.master is not None and not self.master_aliases_params:
-                self.param_shard.copy_(self.master)
+            if self.masters is not None and not self.masters.aliases_params:
+                uploaded = self.params.take_master(self.master.detach(), self.transfers)
+                if uploaded is not None:
+                    uploaded.wait()
             if self.shard_params and self.state is ShardState.SHARDED:
                 return None
             own = self.own(self.full)
@@ -385,27 +264,12 @@ class FlatGroup:
     def stage_master_upload(self):
         """Offloaded step, on the CPU worker: master -> compute-dtype parameter shard.
 
-        Parameters resting on the host (param offload) take the cast directly; otherwise
-        the cast goes to a pinned staging buffer and is uploaded on the H2D stream.
-        Returns the upload's event (``wait()`` it before using the parameters).
+        Returns the upload's event (``wait()`` it before using the parameters) or None.
         """
         with torch.no_grad():
-            if self.master_aliases_params:
+            if self.masters.aliases_params:
                 return None
-            if self.offload.params:  # parameters rest on the host: cast in place, no upload
-                if self.offload.nvme_params:
-                    self.swap.swap_in(self, "param")
-                self.param_shard.copy_(self.master)
-                if self.offload.nvme_params:
-                    self.swap.swap_out(self, "param", write=True, wait=False)
-                return None
-            return self.transfers.upload_cast(self.param_shard, self.master.detach())
-
-    def resident(self, write_back: bool):
-        """Context: this group's swapped state (NVMe) in host memory inside the block."""
-        if self.swap is None:
-            return contextlib.nullcontext()
-        return self.swap.resident(self, write_back)
+            return self.params.take_master(self.master.detach(), self.transfers)
 
     def gather_replicated(self, comm: Collectives) -> Handle | None:
         """Stages 1-2 (and persistent stage-3 groups): all-gather ``full`` from the own slice."""
@@ -413,6 +277,22 @@ class FlatGroup:
             return None
         with _preserve_version(self.full):
             return comm.all_gather(self.full, self.own(self.full), async_op=True)
+
+    def write_back_gathered(self) -> None:
+        """The gathered ``full`` was changed (a load, a modification inside ``gathered_parameters``):
+        write this rank's slice into the resting shard and the fp32 master."""
+        own = self.own(self.full)
+        with torch.no_grad(), self.resident(write_back=True):
+            if self.shard_params:
+                self.param_shard.copy_(own)
+            if self.master is not None and not self.master_aliases_params:
+                self.master.copy_(own)
+
+    def free(self) -> None:
+        """Teardown: drop gradients and host copies (the masters go with the optimizer state)."""
+        self.zero_grad(keep_full=False)
+        if self.masters is not None:
+            self.masters.free()
 
     # ---------------------------------------------------------------- reporting
     def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
@@ -425,14 +305,10 @@ class FlatGroup:
         if not self.shard_params:
             out.append(("params", False, self.full))
         else:
-            out.append(("params", self.offload.params, self.param_shard))
+            out.append(("params", self.params.on_host, self.param_shard))
             if self.state is ShardState.GATHERED:
                 out.append(("params", False, self.full))
-        if self.master is not None and not self.master_aliases_params:
-            out.append(("master", self.offload.optimizer, self.master.data))
-        for g in (self.full_grad, self.grad_shard):
-            if g is not None:
-                out.append(("grads", False, g))
-        if self.host_grad is not None:
-            out.append(("grads", True, self.host_grad))
+        if self.masters is not None:
+            out.extend(self.masters.held_tensors())
+        out.extend(self.grads.held_tensors())
         return out

@@ -72,8 +72,8 @@ def measure(engine, optimizers=()) -> MemoryReport:
     for g in engine.groups:
         for cat, on_host, t in g.held_tensors():
             add(cat, on_host, t)
-    offloaded = engine.offload.optimizer
     for optimizer in optimizers:
+        offloaded = any(g.masters.steps_on_host for g in optimizer.groups)
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:

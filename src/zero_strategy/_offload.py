@@ -32,6 +32,8 @@ are synchronous, and "events" are already complete; the CPU tests exercise it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import queue
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +79,7 @@ class Transfers:
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        # two staging slots: one fills while the other uploads (bounded host memory)
-        self._staging: list[torch.Tensor | None] = [None, None]
-        self._staging_done: list = [DONE, DONE]
-        self._next_slot = 0
+        self._staging = _StagingRing(2, self.host_empty)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
@@ -115,22 +114,17 @@ class Transfers:
     def upload_cast(self, dst_dev: torch.Tensor, src_host: torch.Tensor):
         """dst_dev <- src_host cast to dst's dtype on the CPU, through a pinned staging slot.
 
-        Casting on the host halves the bytes over PCIe for bf16/fp16 parameters. Only
-        one thread (the CPU-step worker) calls this, so the slot ring needs no lock.
+        Casting on the host halves the bytes over PCIe for bf16/fp16 parameters. Any
+        thread may call it: a slot is taken from the ring and handed back with its
+        upload's event, so no two copies ever share a slot (see _StagingRing).
         """
-        k = self._next_slot
-        self._next_slot ^= 1
-        self._staging_done[k].synchronize()  # the upload that last used this slot is done
-        buf = self._staging[k]
-        if buf is None or buf.numel() < src_host.numel() or buf.dtype != dst_dev.dtype:
-            buf = self._staging[k] = self.host_empty(src_host.numel(), dst_dev.dtype)
-        view = buf[:src_host.numel()]
-        view.copy_(src_host)
-        done = self._staging_done[k] = self.upload(dst_dev, view)
-        return done
+        with self._staging.slot(src_host.numel(), dst_dev.dtype) as (view, done):
+            view.copy_(src_host)
+            done.append(self.upload(dst_dev, view))
+        return done[0]
 
     def staging_tensors(self) -> list[torch.Tensor]:
-        return [b for b in self._staging if b is not None]
+        return self._staging.buffers()
 
     @property
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -143,6 +137,42 @@ class Transfers:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+class _StagingRing:
+    """A fixed number of pinned staging buffers, safe by construction for any number of threads.
+
+    ``slot()`` blocks until a buffer is free *and* the upload that last read it has
+    finished, yields a view of the requested size, and gives the buffer back with the
+    new upload's event. Bounded host memory: one buffer per slot, grown to the largest
+    request seen.
+    """
+
+    def __init__(self, count: int, allocate):
+        self._allocate = allocate
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._all: list[list] = []
+        for _ in range(count):
+            entry = [None, DONE]  # [buffer, event of the upload that last read it]
+            self._all.append(entry)
+            self._free.put(entry)
+
+    @contextlib.contextmanager
+    def slot(self, numel: int, dtype: torch.dtype):
+        entry = self._free.get()  # blocks while every slot is in use
+        done: list = []
+        try:
+            entry[1].synchronize()
+            buf = entry[0]
+            if buf is None or buf.numel() < numel or buf.dtype != dtype:
+                buf = entry[0] = self._allocate(numel, dtype)
+            yield buf[:numel], done
+        finally:
+            entry[1] = done[0] if done else DONE
+            self._free.put(entry)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [e[0] for e in self._all if e[0] is not None]
 
 
 class _CudaEvent:

@@ -18,6 +18,22 @@ clear error instead of a silently different update.
 4. the user's optimizer steps the master shards; 5. masters are copied into the
    parameters and all-gathered where parameters are replicated (stages 1-2).
 An fp16 overflow anywhere skips steps 3-5 on every rank and backs off the scale.
+
+[Note: hooks fire once per step]
+The user may hold either object: the ZeroOptimizer ``setup`` returned, or their own
+optimizer (hooks registered before setup, an LR scheduler built on it). Step hooks
+on either, and torch's global optimizer hooks, fire exactly once per ``step()``, on
+the calling thread. Internally the user's optimizer steps once per call (device) or
+once per group on the CPU worker (offload) through its *unhooked* step function, and
+``step()`` fires the user's optimizer's hooks around the whole step itself.
+
+[Note: overlap_step]
+With ZeroConfig(overlap_step=True) a synced backward is the last micro-batch of a
+step (the user said so), so a group whose gradients are reduced is final: the engine
+tells every optimizer (``group_reduced``), and the one that owns the group starts its
+CPU step on the worker thread while backward goes on. ``step()`` then only waits for
+those steps and issues the all-gathers, in group order on every rank (collectives
+never leave the main thread).
 """
 
 from __future__ import annotations
@@ -111,6 +127,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
         self._zero_grad_profile_name = "zero::zero_grad"
+        self._patch_step_function()  # torch's step-hook wrapper, as Optimizer.__init__ would install
+        self._unhooked_step = _unhooked_step_of(optimizer)
+        self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
+        self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -164,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._prepared = True
 
     def _shards(self) -> list[torch.Tensor]:
-        return [g.grad_shard for g in self.groups if g.grad_shard is not None]
+        return [g.grads.grad_shard for g in self.groups if g.grads.grad_shard is not None]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over *all* shards on all ranks; returns that global norm.
@@ -198,7 +218,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     def _refuse_after_early_steps(self, what: str) -> None:
-        if any(id(g) in self.engine.early_steps for g in self.groups):
+        if self._early:
             raise RuntimeError(f"{what}: with overlap_step=True the groups already stepped during backward, "
                                "so their gradients cannot be clipped any more; drop overlap_step to clip")
 
@@ -217,15 +237,44 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._found_inf:
             return
         bound = float(clip_value) / float(self._factor)  # shards are still scaled by 1/factor
-        for x in self._shards():
-            x.clamp_(-bound, bound)
+        for g in self.groups:
+            if g.grads.grad_shard is not None:
+                g.grads.grad_shard.clamp_(-bound, bound)
+                g.grads.mark_changed()  # an offloaded copy downloaded before this is stale
+
+    # -------------------------------------------------------------------- step
+    # ------------------------------------------------------------ overlap_step
+    def group_reduced(self, group) -> None:
+        """The engine reduced ``group`` during a synced backward: step it now if it is ours.
+
+        See [Note: overlap_step].
+        """
+        if group.optimizer_index != self.index or id(group) in self._early:
+            return
+        self._early[id(group)] = self.engine.transfers.pool.submit(self._cpu_step_group, group, 1.0)
+        self.steps_overlapped += 1
+
+    def stepped_early(self, group) -> bool:
+        """Whether ``group`` already stepped during the last backward (its gradients are final)."""
+        return id(group) in self._early
 
     # -------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure=None) -> Any:
+        """One optimizer step over the master shards. See [Note: the order inside ``step()``]."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward first, "
                              "then call step()")
+        inner = self.optimizer
+        for hook in list(inner._optimizer_step_pre_hooks.values()):  # See [Note: hooks fire once per step]
+            hook(inner, (inner,), {})
+        if getattr(inner.step, "_wrapped_by_lr_sched", False):
+            inner._opt_called = True  # what the scheduler's wrapper of inner.step records
+        self._step_all()
+        for hook in list(inner._optimizer_step_post_hooks.values()):
+            hook(inner, (inner,), {})
+
+    def _step_all(self) -> None:
         self._prepare_gradients()
         try:
             if self._found_inf:
@@ -234,7 +283,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             clip = self.config.gradient_clipping
             if clip:
                 self.clip_grad_norm_(clip)
-            if self.engine.offload.optimizer:
+            if any(g.masters.steps_on_host for g in self.groups):
                 self._offloaded_step()
             else:
                 self._device_step()
@@ -245,7 +294,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._scaled_backward = False
             self.engine.last_step_comm = self.engine.comm.stats.as_dict()
             self.engine.comm.stats.reset()
-        return None
 
     def _device_step(self) -> None:
         groups = self.groups
@@ -255,12 +303,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if mg is not None and factor is not None:
                 mg.mul_(factor)
             g.master.grad = mg
-        self.optimizer.step()
+        self._unhooked_step(self.optimizer)
         handles = [g.publish_master(self.engine.comm) for g in groups]
         for g, h in zip(groups, handles):
             if h is not None:
                 h.wait()
-            if g.master.grad is not g.grad_shard:
+            if g.master.grad is not g.grads.grad_shard:
                 g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
 
     def _offloaded_step(self) -> None:
@@ -271,12 +319,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         one (all state is per parameter).
         """
         factor = float(self._factor)
-        groups = [g for g in self.groups if g.grad_shard is not None]
+        groups = [g for g in self.groups if g.grads.grad_shard is not None]
         pool = self.engine.transfers.pool
-        swap = self.engine.swap
-        read_ahead = swap.policy.read_ahead if swap is not None else 0
-        early = self.engine.early_steps  # stepped during backward (overlap_step)
-        futures = [early.pop(id(g), None) or pool.submit(self._cpu_step_one, g, factor,
+        read_ahead = self.engine.swap.policy.read_ahead if self.engine.swap is not None else 0
+        early, self._early = self._early, {}
+        futures = [early.pop(id(g), None) or pool.submit(self._cpu_step_group, g, factor,
                                                          groups[i + 1:i + 1 + read_ahead])
                    for i, g in enumerate(groups)]
         handles = []
@@ -289,40 +336,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             for fut in futures:  # never leave the worker running past an error
                 concurrent.futures.wait([fut])
-            if swap is not None:
-                swap.wait_writes()  # surfaces write errors; the next step reads what was written
+            if self.engine.swap is not None:
+                self.engine.swap.wait_writes()  # surfaces write errors; the next step reads what was written
         for h in handles:
             if h is not None:
                 h.wait()
 
     @torch.no_grad()
-    def _cpu_step_one(self, g, factor: float, upcoming=()):
-        swap = g.swap if g.offload.nvme_optimizer else None
-        if swap is not None:
+    def _cpu_step_group(self, g, factor: float, upcoming=()):
+        """On the CPU worker: one group's step (state read ahead for ``upcoming`` groups)."""
+        with torch.profiler.record_function(f"zero::cpu_step::{g.name}"):
             for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
-                swap.prefetch(nxt, "opt")
-            swap.swap_in(g, "opt")
-        grad = g.master_grad()  # waits for this group's download only
-        if factor != 1.0:
-            grad.mul_(factor)
-        g.master.grad = grad
-        try:
-            self.optimizer.step()
-        finally:
-            g.master.grad = None
-        uploaded = g.stage_master_upload()
-        if swap is not None:
-            state = self.optimizer.state.get(g.master, {})
-            new = swap.needs_adopt(g, "opt", {f"state.{k}": v for k, v in state.items()
-                                              if isinstance(v, torch.Tensor) and v.dim() == 1
-                                              and v.numel() == g.shard_numel})
-            if new:  # first step: the optimizer just created its state; from now on it swaps too
-                swap.adopt(g, "opt", new)
-            swap.swap_out(g, "opt", write=True, wait=False)  # write-back overlaps the next group's step
-        return uploaded
+                nxt.masters.prefetch()
+            g.masters.begin_step()
+            grad = g.master_grad()  # waits for this group's download only
+            if factor != 1.0:
+                grad.mul_(factor)
+            g.master.grad = grad
+            try:
+                self._unhooked_step(self.optimizer)
+            finally:
+                g.master.grad = None
+            uploaded = g.stage_master_upload()
+            g.masters.end_step(self.optimizer.state.get(g.master, {}))
+            return uploaded
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
+        for fut in self._early.values():  # never drop gradients a worker is still stepping on
+            concurrent.futures.wait([fut])
+        self._early.clear()
         self.engine.zero_grad(self.groups)
         self._prepared = False
         self._found_inf = False
@@ -365,3 +408,11 @@ def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
             f"zero_strategy cannot shard {type(optimizer).__name__}: sharded optimizer state is exact "
             f"only for elementwise optimizers (each element's update depends on that element alone). "
             f"Use one of torch.optim.{{{names}}} (or a subclass of one).")
+
+
+def _unhooked_step_of(optimizer: torch.optim.Optimizer):
+    """``optimizer``'s step function without torch's hook wrapper. See [Note: hooks fire once per step]."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):  # installed by Optimizer._patch_step_function
+        step = step.__wrapped__
+    return step

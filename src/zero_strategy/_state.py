@@ -14,6 +14,19 @@ backward  pre-backward (first output gradient): gather the unit again, prefetch 
           parameters contribute zeros), wait for every reduce-scatter, release all.
 step      (optimizer) stage 1 reduces here; see ``_optimizer.py``.
 
+[Note: training state]
+One enum says where the model is in an iteration: ``IDLE`` between iterations,
+``FORWARD`` inside the root forward, ``PRE_BACKWARD`` once backward has started
+(units regathered, gradients arriving), ``POST_BACKWARD`` while the end-of-backward
+callback reduces and releases. Transitions are asserted (an illegal one names both
+states). An exception can abandon an iteration anywhere: forward hooks are
+``always_call`` (a raising forward still releases and returns to ``IDLE``), the
+end-of-backward callback never runs for a backward that raised, so a forward, a
+zero_grad or a step that finds the engine out of ``IDLE`` outside backward calls
+``reset_iter_state()``: in-flight collectives are waited for, units released and the
+per-backward bookkeeping cleared. The abandoned backward's partial gradients stay,
+as torch's stay in ``.grad``, until the retry loop's zero_grad drops them.
+
 [Note: lock-step]
 Every collective is issued in the same order on every rank: groups complete in
 autograd's deterministic order, and everything deferred to the end of backward or
@@ -25,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import warnings
 import weakref
 from typing import Any
@@ -40,41 +54,23 @@ from ._flat import FlatGroup, ParamSlot, ShardState
 from ._nvme import NVMeStore
 from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan, plan_for
+from ._placement import single_device, swap_bytes
+from ._tree import map_tensors, tensors_in
 from ._units import Unit, build_units
 
 #: reduce-scatters allowed in flight during backward before the oldest is waited on
 _MAX_REDUCES_IN_FLIGHT = 4
 
 
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Tensors inside nested tuples/lists/dicts (including Hugging Face ModelOutput)."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return out
-
-
-def _map_tensors(obj: Any, fn) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(x, fn) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(x, fn) for x in obj)
-    if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    return obj
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
 
 
 class _UnitBackwardDone(torch.autograd.Function):
@@ -105,7 +101,7 @@ class ZeroEngine:
         self.config = config
         self.plan: ShardingPlan = plan_for(config.stage)
         self.comm = comm
-        self.device = _single_device(model, device)
+        self.device = single_device(model, device)
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.gradient_reduce_dtype
         self._optimizer_group_of = optimizer_group_of
@@ -123,7 +119,7 @@ class ZeroEngine:
         self.swap = None
         if nvme_policy is not None:
             self.swap = NVMeStore(nvme_policy, comm.rank, pin=self.transfers.pin,
-                                  needed_bytes=_swap_bytes(model, self.offload, config, comm.world_size))
+                                  needed_bytes=swap_bytes(model, self.offload, config, comm.world_size))
         self.units: list[Unit] = build_units(
             model, plan=self.plan, unit_classes=tuple(config.unit_classes),
             persistence_threshold=config.param_persistence_threshold,
@@ -140,30 +136,80 @@ class ZeroEngine:
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._handles: list[Any] = []
         self._pending_reduces: collections.deque[tuple[FlatGroup, Handle, torch.Tensor]] = collections.deque()
-        self._callback_queued = False
         self._sync_gradients = True
+        # See [Note: training state]: every "where are we in the iteration" fact lives here,
+        # and reset_iter_state() puts each back.
+        self.training_state = TrainingState.IDLE
+        self._root_forward_depth = 0
         self._forward_order: list[Unit] = []
         self._forward_seen: set[int] = set()  # ids in _forward_order (a unit is recorded once)
         self._last_forward_order: list[Unit] = []
         self._last_position: dict[int, int] = {}  # id(unit) -> its place in _last_forward_order
-        self._root_forward_depth = 0
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
-        self.early_steps: dict = {}  # id(group) -> future of its CPU step started during backward
-        self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
         self._register_hooks()
+
+    def __repr__(self) -> str:
+        sharded = sum(1 for u in self.units if u.sharded_groups)
+        return (f"ZeroEngine(stage={self.plan.stage}, world_size={self.comm.world_size}, "
+                f"units={len(self.units)} ({sharded} sharded), groups={len(self.groups)}, "
+                f"params={sum(g.numel for g in self.groups)}, state={self.training_state.value})")
+
+    def optimizers(self) -> list:
+        """The live ZeroOptimizers stepping this engine's masters."""
+        return [z for z in (ref() for ref in self.optimizer_refs) if z is not None]
+
+    @property
+    def steps_overlapped(self) -> int:
+        """Group steps started during backward so far (overlap_step), over all optimizers."""
+        return sum(z.steps_overlapped for z in self.optimizers())
+
+    # ------------------------------------------------------------ training state
+    def _assert_state(self, *allowed: TrainingState) -> None:
+        if self.training_state not in allowed:
+            raise AssertionError(
+                f"zero_strategy: illegal transition from {self.training_state.value} (expected one of "
+                f"{[s.value for s in allowed]}); call zero_strategy.reset_iter_state(model) after an "
+                "iteration that was interrupted")
+
+    def _recover_if_abandoned(self) -> None:
+        """A backward that raised never reached its end-of-backward callback: reset first."""
+        if self.training_state is not TrainingState.IDLE and not _in_backward() and self._root_forward_depth == 0:
+            self.reset_iter_state()
+
+    def reset_iter_state(self) -> None:
+        """Put the engine back to IDLE after an iteration abandoned by an exception.
+
+        Waits for every collective already issued (all ranks issued the same ones, so
+        this keeps them in lock-step), releases every unit, and clears the per-iteration
+        bookkeeping. Gradients a raising backward already produced stay, exactly as torch
+        keeps them in ``.grad``: they carry markers (See [Note: param.grad after backward]),
+        so the retry loop's ``optimizer.zero_grad()`` or ``model.zero_grad()`` drops them.
+        """
+        for unit in self.units:
+            unit.wait_gather()
+        while self._pending_reduces:
+            self._finish_one_reduce(stepping_allowed=False)
+        for g in self.groups:
+            g.grads.end_backward()
+        if self.plan.shards_parameters:
+            self.release_all()
+        self._root_forward_depth = 0
+        self._forward_order, self._forward_seen = [], set()
+        self.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------- registration
     def _register_hooks(self) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post_forward, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post_forward, with_kwargs=True,
+                                                              always_call=True))
         if self.plan.shards_parameters:
             for unit in self.units[1:]:
                 if unit.sharded_groups:
                     self._handles.append(unit.module.register_forward_pre_hook(
                         self._make_unit_pre_forward(unit), with_kwargs=True))
                     self._handles.append(unit.module.register_forward_hook(
-                        self._make_unit_post_forward(unit), with_kwargs=True))
+                        self._make_unit_post_forward(unit), with_kwargs=True, always_call=True))
             # A submodule holding root-unit parameters may be called directly, not through the
             # root's forward (a GAN's discriminator in manual optimization): gather on demand.
             root_params = {id(s.param) for g in self.root.sharded_groups for s in g.slots}
@@ -181,9 +227,16 @@ class ZeroEngine:
             if engine is not None:
                 engine._on_grad_accumulated(param)
 
+        def before_grad(group, slot, engine_ref=engine_ref):
+            def hook(grad):
+                if engine_ref() is not None:
+                    group.grads.before_accumulate(slot)  # See [Note: param.grad after backward]
+            return hook
+
         for g in self.groups:
             for s in g.slots:
                 if g.trainable:
+                    self._handles.append(s.param.register_hook(before_grad(g, s)))
                     self._handles.append(s.param.register_post_accumulate_grad_hook(on_grad))
                 elif s.param.requires_grad:
                     dropped.append(s.fqn)
@@ -205,6 +258,9 @@ class ZeroEngine:
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module, args, kwargs):
         if self._root_forward_depth == 0 and not _in_backward():
+            self._recover_if_abandoned()
+            self._assert_state(TrainingState.IDLE)
+            self.training_state = TrainingState.FORWARD
             self._forward_order = []
             self._forward_seen: set[int] = set()
         self._root_forward_depth += 1
@@ -212,7 +268,7 @@ class ZeroEngine:
             self.root.gather(self.comm)
         if self.config.cast_forward_inputs and self.compute_dtype != torch.float32:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t  # noqa: E731
-            return _map_tensors(args, cast), _map_tensors(kwargs, cast)
+            return map_tensors(args, cast), map_tensors(kwargs, cast)
         return None
 
     def _gather_root_on_demand(self, module, args) -> None:
@@ -220,13 +276,17 @@ class ZeroEngine:
             self.root.gather(self.comm)  # released again at the end of backward or of a no-grad forward
 
     def _root_post_forward(self, module, args, kwargs, output):
-        self._root_forward_depth -= 1
-        if self._root_forward_depth > 0 or _in_backward():
+        """Also runs when forward raised (``always_call``; ``output`` is then None)."""
+        if _in_backward():
+            return None  # recomputation inside backward (activation checkpointing)
+        self._root_forward_depth = max(0, self._root_forward_depth - 1)
+        if self._root_forward_depth > 0:
             return None
+        self.training_state = TrainingState.IDLE
         if self._forward_order:
             self._last_forward_order = self._forward_order
             self._last_position = {id(u): i for i, u in enumerate(self._forward_order)}
-        backward_expected = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors_in(output))
+        backward_expected = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
         if self.plan.shards_parameters and not backward_expected:
             self.release_all()  # eval / no_grad / generate step: nothing will come back for them
         return None
@@ -242,7 +302,7 @@ class ZeroEngine:
             unit.wait_gather()
             if not torch.is_grad_enabled():
                 return None
-            flat = _tensors_in((args, kwargs))
+            flat = tensors_in((args, kwargs))
             if not any(t.requires_grad for t in flat):
                 return None
             return self._wrap_inputs(unit, args, kwargs)
@@ -250,18 +310,18 @@ class ZeroEngine:
 
     def _wrap_inputs(self, unit: Unit, args, kwargs):
         needing = []
-        _map_tensors((args, kwargs), lambda t: needing.append(t) if t.requires_grad else None)
+        map_tensors((args, kwargs), lambda t: needing.append(t) if t.requires_grad else None)
         wrapped = _UnitBackwardDone.apply(lambda: self._post_backward(unit), *needing)
         it = iter(wrapped)
         replace = lambda t: next(it) if t.requires_grad else t  # noqa: E731
-        new_args, new_kwargs = _map_tensors((args, kwargs), replace)
+        new_args, new_kwargs = map_tensors((args, kwargs), replace)
         return new_args, new_kwargs
 
     def _make_unit_post_forward(self, unit: Unit):
         def hook(module, args, kwargs, output):
             if _in_backward():
                 return None  # recomputation (activation checkpointing): backward still needs it
-            outputs = [t for t in _tensors_in(output) if t.requires_grad]
+            outputs = [t for t in tensors_in(output) if t.requires_grad]
             if torch.is_grad_enabled() and outputs:
                 register_multi_grad_hook(outputs, lambda grads: self._pre_backward(unit), mode="any")
             unit.release()
@@ -281,9 +341,13 @@ class ZeroEngine:
 
     # ----------------------------------------------------------------- backward
     def _ensure_end_of_backward_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        """Queue the end-of-backward callback at the first hook of a backward. ``PRE_BACKWARD``
+        means it is queued: the inner backward of reentrant checkpointing shares the outer's."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
+        self.training_state = TrainingState.PRE_BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
@@ -300,65 +364,57 @@ class ZeroEngine:
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         self._ensure_end_of_backward_callback()
         group, slot = self._slot_of[id(param)]
-        if id(group) in self.early_steps:
+        if self.config.overlap_step and any(z.stepped_early(group) for z in self.optimizers()):
             raise RuntimeError(
                 "zero_strategy: overlap_step=True already stepped these parameters during the last "
                 "backward; call optimizer.step() after every backward outside no_sync() (accumulate "
                 "micro-batches inside no_sync), or drop overlap_step")
-        if group.reduced_this_backward:
+        if group.grads.reduced_this_backward:
             raise RuntimeError(
                 f"zero_strategy: gradient of {slot.fqn} arrived after its group {group.name} was "
                 "reduced in this backward; is the parameter used after its unit's backward?")
-        group.accumulate_param_grad(slot)
-        if self.plan.reduces_in_backward and self._sync_gradients and group.grads_complete:
+        group.grads.accumulate(slot)
+        if self.plan.reduces_in_backward and self._sync_gradients and group.grads.complete:
             self._launch_reduce(group)
 
     def _launch_reduce(self, group: FlatGroup) -> None:
         with torch.profiler.record_function(f"zero::reduce::{group.name}"):
-            handle, out = group.begin_reduce(self.comm, in_place=self.plan.keeps_full_gradients)
+            handle, out = group.grads.begin_reduce(self.comm, in_place=self.plan.keeps_full_gradients)
         self._pending_reduces.append((group, handle, out))
         # with overlap_step every finished reduce starts a CPU step, so finish them promptly
         limit = 1 if self._overlapping() else _MAX_REDUCES_IN_FLIGHT
         while len(self._pending_reduces) > limit:
             self._finish_one_reduce()
 
-    def _finish_one_reduce(self) -> None:
+    def _finish_one_reduce(self, stepping_allowed: bool = True) -> None:
         group, handle, out = self._pending_reduces.popleft()
-        handle.wait()
+        with torch.profiler.record_function(f"zero::reduce_wait::{group.name}"):
+            handle.wait()
         group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
-        if self._overlapping() and _in_backward():
-            self._step_early(group)
+        if stepping_allowed and self._overlapping() and _in_backward():
+            for zopt in self.optimizers():  # See [Note: overlap_step] in _optimizer.py
+                zopt.group_reduced(group)
 
-    # [Note: overlap_step]
-    # With ZeroConfig(overlap_step=True) a synced backward is the last micro-batch of a
-    # step (the user said so), so a group whose gradients are reduced is final: its CPU
-    # step starts on the worker thread while backward goes on. optimizer.step() then
-    # only waits for those steps and issues the all-gathers, in group order on every
-    # rank (collectives never leave the main thread).
     def _overlapping(self) -> bool:
         return self.config.overlap_step and self._sync_gradients
-
-    def _step_early(self, group: FlatGroup) -> None:
-        zopt = next(z for z in (ref() for ref in self.optimizer_refs)
-                    if z is not None and z.index == group.optimizer_index)
-        self.early_steps[id(group)] = self.transfers.pool.submit(zopt._cpu_step_one, group, 1.0)
-        self.steps_overlapped += 1
 
     def wait_reduces(self) -> None:
         while self._pending_reduces:
             self._finish_one_reduce()
 
     def _end_of_backward(self) -> None:
-        self._callback_queued = False
+        self._assert_state(TrainingState.PRE_BACKWARD)
+        self.training_state = TrainingState.POST_BACKWARD
         if self.plan.reduces_in_backward and self._sync_gradients:
             for g in self.trainable_groups:  # fixed order on every rank
-                if not g.reduced_this_backward:
+                if not g.grads.reduced_this_backward:
                     self._launch_reduce(g)
         self.wait_reduces()
         for g in self.groups:
-            g.reset_backward_counters()
+            g.grads.end_backward()
         if self.plan.shards_parameters:
             self.release_all()
+        self.training_state = TrainingState.IDLE
 
     # --------------------------------------------------------------- utilities
     def release_all(self) -> None:
@@ -370,16 +426,24 @@ class ZeroEngine:
 
         ``groups``: one optimizer's groups (default: all trainable groups).
         """
+        self._recover_if_abandoned()
         self.wait_reduces()
-        for g in self.trainable_groups if groups is None else groups:
-            # stage 1 reduces every group once per step (zeros for an unused one, in lock-step)
-            if g.has_unreduced or (self.plan.keeps_full_gradients and g.grad_shard is None):
+        groups = self.trainable_groups if groups is None else groups
+        # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
+        cleared = {id(g) for g in groups if g.grads.take_cleared_slots(keep_full=self.plan.keeps_full_gradients)}
+        for g in groups:
+            # stage 1 reduces every group once per step (zeros for one unused here, in lock-step),
+            # except a group the user cleared after backward on every rank: torch skips it
+            if g.grads.has_unreduced or (self.plan.keeps_full_gradients and g.grads.grad_shard is None
+                                         and id(g) not in cleared):
                 self._launch_reduce(g)
         self.wait_reduces()
         for g in self.groups:
-            g.reset_backward_counters()
+            g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time
 
     def zero_grad(self, groups: list[FlatGroup] | None = None) -> None:
+        """Drop the gradients of ``groups`` (default: all); also ends an abandoned iteration."""
+        self._recover_if_abandoned()
         for g in self.groups if groups is None else groups:
             g.zero_grad(keep_full=self.plan.keeps_full_gradients)
 
@@ -403,41 +467,3 @@ class ZeroEngine:
 
 def _drop_grad(param: nn.Parameter) -> None:
     param.grad = None
-
-
-def _swap_bytes(model: nn.Module, offload: OffloadPlan, config, world_size: int) -> int:
-    """Bytes this rank's swap file will hold: fp32 master + up to two fp32 moments per trainable
-    element (Adam), and the compute-dtype parameter shard; checked against free space up front."""
-    unique = {id(p): p for p in model.parameters() if p.is_floating_point()}.values()
-    trainable = sum(p.numel() for p in unique if p.requires_grad)
-    everything = sum(p.numel() for p in unique)
-    total = 0
-    if offload.nvme_optimizer:
-        total += 12 * trainable
-    if offload.nvme_params:
-        total += config.compute_dtype.itemsize * everything
-    return total // world_size + 64 * 2**20  # + alignment and per-region rounding
-
-
-def _single_device(model: nn.Module, requested: torch.device | None) -> torch.device:
-    """The compute device: the parameters' (one), or for a meta-device model the requested
-    device, else the current CUDA device, else the CPU."""
-    devices = {p.device for p in model.parameters() if not p.is_meta}
-    has_meta = any(p.is_meta for p in model.parameters())
-    if not devices and not has_meta:
-        raise ValueError("zero_strategy.setup: the model has no parameters to shard")
-    if len(devices) > 1:
-        raise ValueError(
-            f"zero_strategy.setup: the model's parameters are on several devices {sorted(map(str, devices))}; "
-            "move the whole model to one device (model.to(device)) before setup")
-    if devices:
-        device = devices.pop()
-        if requested is not None and torch.device(requested) != device:
-            raise ValueError(f"zero_strategy.setup: device={requested} but the model's parameters are on "
-                             f"{device}; move the model or drop the device argument")
-        return device
-    if requested is not None:
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

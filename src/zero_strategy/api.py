@@ -138,12 +138,10 @@ def teardown(model: nn.Module, keep_weights: bool = True) -> None:
     full = full_state_dict(model) if keep_weights else {}
     engine.remove_hooks()
     _ENGINES.pop(id(model), None)
-    for ref in engine.optimizer_refs:
-        zopt = ref()
-        if zopt is not None:
-            zopt.optimizer.state.clear()
+    for zopt in engine.optimizers():
+        zopt.optimizer.state.clear()
     for g in engine.groups:
-        g.grad_shard = g.full_grad = g.host_grad = None
+        g.free()
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
@@ -156,13 +154,26 @@ def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:
 
 
 def zero_grad(model: nn.Module) -> None:
-    """Drop every gradient shard of the model (all its optimizers' groups).
+    """Drop every gradient shard of the model (all its optimizers' groups) now.
 
-    ``model.zero_grad()`` cannot do this: after setup, gradients live in the shards,
-    not in ``param.grad``. Loops that zero through the model (the Hugging Face Trainer)
-    call this instead; ``optimizer.zero_grad()`` is the usual way.
+    ``model.zero_grad()``, ``submodule.zero_grad()`` and ``optimizer.zero_grad()`` work
+    too (see [Note: param.grad after backward] in _grad_buffer.py); this one frees the
+    gradient memory at once instead of when the next gradient arrives.
     """
     engine_of(model).zero_grad()
+
+
+def reset_iter_state(model: nn.Module) -> None:
+    """Return the engine to idle after an iteration that an exception interrupted.
+
+    Called automatically by the next forward, ``zero_grad`` or ``step``, so a retry loop
+    (``try: ... except torch.OutOfMemoryError: optimizer.zero_grad()``) needs nothing
+    more; call it yourself before anything else that would touch the model, e.g. a
+    second ``backward()`` on a retained graph after the first one raised. Every rank
+    must call it (it waits for collectives already in flight). Like FSDP2's
+    ``FSDPModule.reset_iter_state``.
+    """
+    engine_of(model).reset_iter_state()
 
 
 def no_sync(model: nn.Module):
@@ -177,7 +188,7 @@ def no_sync(model: nn.Module):
 def memory_report(model: nn.Module) -> MemoryReport:
     """Model-state bytes this rank holds now (params, grads, master, optimizer state)."""
     engine = engine_of(model)
-    return measure(engine, [z for z in (ref() for ref in engine.optimizer_refs) if z is not None])
+    return measure(engine, engine.optimizers())
 
 
 def comm_stats(model: nn.Module) -> dict:
@@ -246,12 +257,7 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
             with torch.no_grad():
                 for g in groups:
                     engine.comm.broadcast(g.full, src_rank=modifier_rank)
-                    own = g.own(g.full)
-                    with g.resident(write_back=True):
-                        if g.shard_params:
-                            g.param_shard.copy_(own)
-                        if g.master is not None and not g.master_aliases_params:
-                            g.master.copy_(own)
+                    g.write_back_gathered()
         for u in units:
             if was_sharded[id(u)]:
                 u.release()

@@ -82,6 +82,7 @@ def main() -> None:
         report["gathered_shape"] = list(model.layers[1].fc1.weight.shape)
         report["gathered_vs_ddp"] = (model.layers[1].fc1.weight - ref.layers[1].fc1.weight).abs().max().item()
     report["shape_after"] = list(model.layers[1].fc1.weight.shape)
+    report["bytes_after"] = model.layers[1].fc1.weight.untyped_storage().nbytes()
 
     # modify on rank 0 only; every rank and the masters must take it
     with zs.gathered_parameters(model, params=[model.layers[2].fc2.weight], modifier_rank=0):

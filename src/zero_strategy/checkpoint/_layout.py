@@ -249,7 +249,7 @@ def resolve_zero_optimizers(engine, optimizer) -> list:
     from .._optimizer import ZeroOptimizer
 
     given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    mine = [z for z in (ref() for ref in engine.optimizer_refs) if z is not None]
+    mine = engine.optimizers()
     out = []
     for opt in given:
         if isinstance(opt, ZeroOptimizer):

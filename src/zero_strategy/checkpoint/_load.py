@@ -198,11 +198,8 @@ def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
     if zopts and g.trainable:
         zopt = zopts[g.optimizer_index]
         _load_optimizer_state(reader, g, zopt, names, alias)
-        if g.swap is not None and g.offload.nvme_optimizer:  # the new state tensors swap from now on
-            state = zopt.optimizer.state.get(g.master, {})
-            g.swap.adopt(g, "opt", {f"state.{k}": v for k, v in state.items()
-                                    if isinstance(v, torch.Tensor) and v.dim() == 1
-                                    and v.numel() == g.shard_numel}, replace=True)
+        # the rebuilt state tensors rest where the master does from now on (NVMe: the swap file)
+        g.masters.track_optimizer_state(zopt.optimizer.state.get(g.master, {}), replace=True)
 
 
 def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:

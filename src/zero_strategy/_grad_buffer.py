@@ -1,0 +1,272 @@
+"""The gradient buffer of one flat group: where its gradients live between backward and step.
+
+[Note: gradient buffer states]
+``EMPTY``         nothing held (after ``reset()``, the one way back here).
+``ACCUMULATING``  ``full_grad`` [padded, reduce dtype] holds this rank's unreduced
+                  gradients: some slots written by this or earlier backwards (``no_sync``).
+``REDUCING``      a reduce-scatter of ``full_grad`` is in flight.
+``REDUCED``       ``grad_shard`` [shard] holds the averaged gradients of this rank's slice.
+
+A reduced buffer may accumulate again (a second backward before the step without
+zero_grad, as torch allows): it goes back to ``ACCUMULATING`` keeping ``grad_shard``,
+and the next reduce adds onto it. Stage 1 reduces *in place* (``grad_shard`` is the
+own slice of its persistent ``full_grad``); accumulating onto that moves the reduced
+slice aside (the carry), added back at the next reduce.
+
+[Note: param.grad after backward]
+The engine moves each gradient into the flat buffer as it arrives, so ``param.grad``
+holds no values after backward. It holds a *marker*: a zero-memory tensor with the
+parameter's shape whose every element is NaN (one element, stride 0). It makes the
+user's own gradient code exact or loud:
+* ``model.zero_grad()``, ``submodule.zero_grad()``, ``p.grad = None`` and
+  ``zero_grad(set_to_none=False)`` (``zero_()`` on the marker bumps its version)
+  are seen the next time the parameter's gradient arrives (the per-parameter
+  pre-accumulate hook, ``before_accumulate``) or at the step
+  (``take_cleared_slots``), and that parameter's held gradient is dropped;
+* a tensor the user assigned to ``p.grad`` is accumulated onto by autograd and then
+  taken into the buffer, as torch would;
+* reading the marker gives NaN, and arithmetic on it in place raises, instead of a
+  plausible zero.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ._collectives import Collectives, Handle
+
+
+class GradState(enum.Enum):
+    EMPTY = "empty"
+    ACCUMULATING = "accumulating"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
+
+
+def nan_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-memory tensor of ``shape`` whose every element is NaN (one element, stride 0).
+
+    Stands in for values the engine holds elsewhere: a released stage-3 parameter
+    (see [Note: parameter storage and aliasing] in _flat.py) and ``param.grad`` after
+    backward (see [Note: param.grad after backward]). Reads give NaN, in-place writes raise.
+    """
+    t = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
+    return t.fill_(float("nan"))
+
+
+class GradBuffer:
+    """Gradients of one flat group: accumulate per slot, reduce-scatter, hold the reduced shard."""
+
+    def __init__(self, layout, grad_dtype: torch.dtype, device: torch.device):
+        self.layout = layout  # the FlatGroup: slots, padded/shard sizes, own()
+        self.grad_dtype, self.device = grad_dtype, device
+        self.state = GradState.EMPTY
+        self.full_grad: torch.Tensor | None = None    # [padded] unreduced, this rank
+        self.grad_shard: torch.Tensor | None = None   # [shard] reduced and averaged
+        #: bumped whenever grad_shard's values change (offload re-downloads a stale copy)
+        self.version = 0
+        n = len(layout.slots)
+        #: slots of full_grad written since it was last consumed; the rest is zeroed at reduce
+        #: time only (saves a full memset per backward)
+        self._written = [False] * n
+        self._reduced_in_place = False
+        self._carry: torch.Tensor | None = None  # stage 1: reduced slice to add back
+        # per-backward bookkeeping (reset by end_backward)
+        self.arrived = 0
+        self.reduced_this_backward = False
+        # markers: See [Note: param.grad after backward]
+        self._markers: list[torch.Tensor | None] = [None] * n
+        self._marker_version = [0] * n
+        self._marked = [False] * n
+        self._marked_in = [0] * n     # which backward placed the marker
+        self._backwards = 0           # backwards ended so far
+
+    # --------------------------------------------------------------- markers
+    def before_accumulate(self, slot) -> None:
+        """Autograd is about to accumulate into ``param.grad``: take the marker away, and drop the
+        held gradient if the user cleared or replaced it since."""
+        i = slot.index
+        if not self._marked[i]:
+            return
+        self._marked[i] = False
+        grad, marker = slot.param.grad, self._markers[i]
+        if grad is marker and marker._version == self._marker_version[i]:
+            slot.param.grad = None  # untouched: the held gradient stays and this one adds to it
+            return
+        self.drop_slot(slot)
+        if grad is marker:  # zeroed in place (zero_grad(set_to_none=False)): start from nothing
+            slot.param.grad = None
+
+    def _place_marker(self, slot) -> None:
+        i = slot.index
+        marker = self._markers[i]
+        if marker is None or marker.shape != slot.param.shape:
+            marker = self._markers[i] = nan_placeholder(slot.param.shape, slot.param.dtype, slot.param.device)
+        slot.param.grad = marker
+        self._marker_version[i] = marker._version
+        self._marked[i] = True
+        self._marked_in[i] = self._backwards
+
+    def take_cleared_slots(self, keep_full: bool) -> bool:
+        """Before a step: apply clearings made since the last backward (``model.zero_grad()`` after
+        backward, or of a parameter the last backward did not reach).
+
+        A clearing after the last backward that leaves other parameters of this group with
+        gradients cannot be honoured exactly (torch would skip those parameters entirely,
+        a flat master cannot skip part of itself), so it raises instead of stepping them
+        with a zero gradient. Returns True when the user cleared the whole group after the
+        last backward: torch would skip it, so no rank reduces or steps it.
+        """
+        cleared, kept = [], 0
+        for s in self.layout.slots:
+            i = s.index
+            if not self._marked[i]:
+                continue
+            marker = self._markers[i]
+            if s.param.grad is marker and marker._version == self._marker_version[i]:
+                kept += 1
+            else:
+                cleared.append(s)
+        if not cleared:
+            return False
+        latest = [s.fqn for s in cleared if self._marked_in[s.index] == self._backwards - 1]
+        if kept == 0:
+            self.reset(keep_full)
+            return len(latest) == len(cleared)
+        if latest:
+            raise RuntimeError(
+                f"zero_strategy: the gradients of {latest[:3]} were cleared after backward (e.g. "
+                "submodule.zero_grad()) while other parameters of the same flat group "
+                f"{self.layout.name} kept theirs; a sharded step cannot skip part of a group. Clear "
+                "gradients before backward or for the whole model (model.zero_grad(), optimizer.zero_grad())")
+        for s in cleared:
+            self._marked[s.index] = False
+            self.drop_slot(s)
+        return False
+
+    # ------------------------------------------------------------ accumulate
+    def accumulate(self, slot) -> None:
+        """Move ``param.grad`` into ``full_grad`` (copy or add) and leave the marker, freeing memory early."""
+        grad = slot.param.grad
+        if grad is None:
+            return
+        if self._reduced_in_place:
+            # Gradients accumulate onto reduced ones (no zero_grad since the last reduce, e.g.
+            # another optimizer stepped): keep this rank's reduced slice aside and start a
+            # fresh local sum; the next reduce adds it back, as torch would accumulate.
+            self._carry = self.grad_shard.clone()
+            self.grad_shard = None
+            self._reduced_in_place = False
+            self._written = [False] * len(self._written)
+        if self.full_grad is None:
+            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+        view = self.full_grad[slot.offset:slot.offset + slot.numel]
+        if self._written[slot.index]:
+            view.add_(grad.reshape(-1))
+        else:
+            view.copy_(grad.reshape(-1))
+            self._written[slot.index] = True
+        self._place_marker(slot)
+        self.arrived += 1
+        self.state = GradState.ACCUMULATING
+
+    @property
+    def complete(self) -> bool:
+        """Every slot's gradient arrived in this backward: the group can be reduced now."""
+        return self.arrived >= len(self._written)
+
+    @property
+    def has_unreduced(self) -> bool:
+        return self.state is GradState.ACCUMULATING
+
+    def drop_slot(self, slot) -> None:
+        """Forget one parameter's held gradient (unreduced and reduced parts)."""
+        self._written[slot.index] = False
+        ranges = [where for s, _, _, where in self.layout.slot_ranges_in_shard() if s is slot]
+        for t in (self.grad_shard, self._carry):
+            if t is not None:
+                for where in ranges:
+                    t[where].zero_()
+        if ranges and self.grad_shard is not None:
+            self.mark_changed()
+
+    def mark_changed(self) -> None:
+        """``grad_shard`` was changed in place (e.g. clipped by value): copies of it are stale."""
+        self.version += 1
+
+    # ---------------------------------------------------------------- reduce
+    def begin_reduce(self, comm: Collectives, in_place: bool) -> tuple[Handle, torch.Tensor]:
+        """Start summing ``full_grad`` over ranks into this rank's slice; ``finish_reduce`` averages.
+
+        ``in_place``: the slice is reduced into ``full_grad`` itself (stage 1, whose full
+        buffer persists anyway), so stepping needs no extra gradient memory.
+        """
+        layout = self.layout
+        if self.full_grad is None:  # unused on this backward: contribute zeros, stay in lock-step
+            self.full_grad = torch.zeros(layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+        else:
+            for s in layout.slots:
+                if not self._written[s.index]:
+                    self.full_grad[s.offset:s.offset + s.numel].zero_()
+            self.full_grad[layout.numel:].zero_()
+        full = self.full_grad
+        if comm.world_size > 1 and full.dtype == torch.float16:
+            full.div_(comm.world_size)  # fp16: divide before summing so the sum cannot overflow
+        out = layout.own(full) if in_place else torch.empty(layout.shard_numel, dtype=self.grad_dtype,
+                                                            device=self.device)
+        handle = comm.reduce_scatter(out, full, async_op=True)
+        self.reduced_this_backward = True
+        self.state = GradState.REDUCING
+        return handle, out
+
+    def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
+        """Average the reduced slice into ``grad_shard``; free ``full_grad`` unless it persists."""
+        if comm.world_size > 1 and out.dtype != torch.float16:
+            out.div_(comm.world_size)  # on the shard: 1/N of the work of dividing the full buffer
+        self._written = [False] * len(self._written)
+        if in_place:
+            if self._carry is not None:
+                out.add_(self._carry)
+                self._carry = None
+            self.grad_shard = out
+            self._reduced_in_place = True
+        else:
+            if self.grad_shard is None:
+                self.grad_shard = out
+            else:
+                self.grad_shard.add_(out)
+            self.full_grad = None
+        self.version += 1
+        self.state = GradState.REDUCED
+
+    # ------------------------------------------------------------------ reset
+    def clear_arrivals(self) -> None:
+        """The next backward counts arriving gradients (and may reduce) afresh."""
+        self.arrived = 0
+        self.reduced_this_backward = False
+
+    def end_backward(self) -> None:
+        """A backward ended (or was abandoned)."""
+        self.clear_arrivals()
+        self._backwards += 1
+
+    def reset(self, keep_full: bool) -> None:
+        """Drop every held gradient and marker. ``keep_full`` keeps the (stage 1) full buffer's memory."""
+        for s in self.layout.slots:
+            if self._marked[s.index] and s.param.grad is self._markers[s.index]:
+                s.param.grad = None
+        self._marked = [False] * len(self._marked)
+        self.grad_shard = None
+        self._carry = None
+        self._reduced_in_place = False
+        self._written = [False] * len(self._written)
+        if not keep_full:
+            self.full_grad = None
+        self.version += 1
+        self.state = GradState.EMPTY
+        self.clear_arrivals()
+
+    def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
+        return [("grads", False, g) for g in (self.full_grad, self.grad_shard) if g is not None]

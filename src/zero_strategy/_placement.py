@@ -1,0 +1,46 @@
+"""Where an engine's state goes: the compute device, and how big this rank's NVMe swap file gets."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._offload import OffloadPlan
+
+
+def swap_bytes(model: nn.Module, offload: OffloadPlan, config, world_size: int) -> int:
+    """Bytes this rank's swap file will hold: fp32 master + up to two fp32 moments per trainable
+    element (Adam), and the compute-dtype parameter shard; checked against free space up front."""
+    unique = {id(p): p for p in model.parameters() if p.is_floating_point()}.values()
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    everything = sum(p.numel() for p in unique)
+    total = 0
+    if offload.nvme_optimizer:
+        total += 12 * trainable
+    if offload.nvme_params:
+        total += config.compute_dtype.itemsize * everything
+    return total // world_size + 64 * 2**20  # + alignment and per-region rounding
+
+
+def single_device(model: nn.Module, requested: torch.device | None) -> torch.device:
+    """The compute device: the parameters' (one), or for a meta-device model the requested
+    device, else the current CUDA device, else the CPU."""
+    devices = {p.device for p in model.parameters() if not p.is_meta}
+    has_meta = any(p.is_meta for p in model.parameters())
+    if not devices and not has_meta:
+        raise ValueError("zero_strategy.setup: the model has no parameters to shard")
+    if len(devices) > 1:
+        raise ValueError(
+            f"zero_strategy.setup: the model's parameters are on several devices {sorted(map(str, devices))}; "
+            "move the whole model to one device (model.to(device)) before setup")
+    if devices:
+        device = devices.pop()
+        if requested is not None and torch.device(requested) != device:
+            raise ValueError(f"zero_strategy.setup: device={requested} but the model's parameters are on "
+                             f"{device}; move the model or drop the device argument")
+        return device
+    if requested is not None:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

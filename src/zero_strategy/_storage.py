@@ -1,0 +1,258 @@
+"""Where a flat group's shards rest: one storage class per offload policy.
+
+Two things of a flat group can live off the compute device, independently:
+
+* the **parameter shard** (stage 3: the compute-dtype slice each rank keeps between
+  uses, the input of the all-gather): :class:`DeviceParamShard` (on the device),
+  :class:`HostParamShard` (pinned host memory, uploaded as part of the gather),
+  :class:`NVMeParamShard` (the swap file, read when the gather is started);
+* the **fp32 master** with the optimizer state and the step: :class:`DeviceMaster`
+  (the step runs on the device), :class:`HostMaster` (pinned host memory, the step
+  runs on the CPU on a downloaded copy of the gradient shard), :class:`NVMeMaster`
+  (the swap file, resident only while the step or a checkpoint touches it).
+
+The group and the optimizer call the same methods whatever the policy, so no
+caller asks "is this offloaded?". ``make_storage`` is the one place the config's
+policies become classes.
+
+[Note: the master aliases the parameters]
+With an fp32 compute dtype the master *is* the resting parameter shard whenever
+both rest in the same place by design (device step on a device shard, or a host
+step on a host shard), so fp32 training holds no second copy and a step needs no
+copy back. It never aliases across policies, not even on a CUDA-less machine where
+"device" and "host" are both the CPU, so offloading takes the same path there as on
+a GPU; NVMe swaps the two apart.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._offload import Transfers
+
+
+# ------------------------------------------------------------------ parameter shard
+class DeviceParamShard:
+    """The resting parameter shard on the compute device (stages 1-2: the own slice of ``full``)."""
+
+    on_host = False
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor  # [shard] compute dtype
+
+    def prefetch(self) -> None:
+        """Start bringing the shard next to the device (only NVMe has anything to start)."""
+
+    @property
+    def needs_deferred_gather(self) -> bool:
+        return False
+
+    def gather_source(self, own: torch.Tensor, transfers: Transfers) -> torch.Tensor:
+        """The tensor to all-gather from; ``own`` is this rank's slot of the full buffer."""
+        return self.tensor
+
+    def take_master(self, master: torch.Tensor, transfers: Transfers):
+        """shard <- master (cast). Returns an upload event to ``wait()`` or None."""
+        if master.device != self.tensor.device:  # host master: cast on the host, half the PCIe bytes
+            return transfers.upload_cast(self.tensor, master)
+        self.tensor.copy_(master)
+        return None
+
+
+class HostParamShard(DeviceParamShard):
+    """The shard rests in (pinned) host memory and is uploaded into its slot as part of the gather."""
+
+    on_host = True
+
+    def gather_source(self, own: torch.Tensor, transfers: Transfers) -> torch.Tensor:
+        transfers.upload(own, self.tensor).wait()
+        return own
+
+    def take_master(self, master: torch.Tensor, transfers: Transfers):
+        self.tensor.copy_(master)  # both on the host: cast in place, no upload
+        return None
+
+
+class NVMeParamShard(HostParamShard):
+    """The shard rests in the swap file; a gather reads it (started at prefetch), uploads, evicts."""
+
+    def __init__(self, tensor: torch.Tensor, swap, owner):
+        super().__init__(tensor)
+        self.swap, self.owner = swap, owner
+        swap.adopt(owner, "param", {"param": tensor})
+
+    @property
+    def needs_deferred_gather(self) -> bool:
+        # the disk read starts now; upload and all-gather follow when the unit is waited for,
+        # in the same order on every rank
+        return True
+
+    def prefetch(self) -> None:
+        self.swap.prefetch(self.owner, "param")
+
+    def gather_source(self, own: torch.Tensor, transfers: Transfers) -> torch.Tensor:
+        self.swap.swap_in(self.owner, "param")
+        uploaded = transfers.upload(own, self.tensor)
+        uploaded.wait()
+        uploaded.synchronize()  # the host slot is reused once evicted
+        self.swap.swap_out(self.owner, "param", write=False)
+        return own
+
+    def take_master(self, master: torch.Tensor, transfers: Transfers):
+        self.swap.swap_in(self.owner, "param")
+        self.tensor.copy_(master)
+        self.swap.swap_out(self.owner, "param", write=True, wait=False)
+        return None
+
+
+# --------------------------------------------------------------------------- master
+class DeviceMaster:
+    """fp32 master shard next to the gradients; the optimizer steps it on the device."""
+
+    steps_on_host = False
+
+    def __init__(self, master: nn.Parameter, aliases_params: bool):
+        self.master = master
+        #: the master shares storage with the parameter shard: no copy after a step
+        self.aliases_params = aliases_params
+
+    def on_grad_reduced(self, grad_shard: torch.Tensor, version: int) -> None:
+        """A reduce finished (``version`` counts changes to the shard): start moving it if needed."""
+
+    def grad_for_step(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
+        """The fp32 gradient the optimizer sees, next to the master (aliases the shard when it can)."""
+        if grad_shard is None:
+            return None
+        return grad_shard if grad_shard.dtype == self.master.dtype else grad_shard.to(self.master.dtype)
+
+    def drop_grad(self) -> None:
+        self.master.grad = None
+
+    def free(self) -> None:
+        """Teardown: drop everything besides the master itself."""
+        self.drop_grad()
+
+    def prefetch(self) -> None:
+        """Start reading the state the next step needs (only NVMe has anything to read)."""
+
+    def begin_step(self) -> None:
+        """Make master and optimizer state resident for the step."""
+
+    def end_step(self, optimizer_state: dict) -> None:
+        """The step is done: keep (or swap out) master and the state the optimizer built."""
+
+    def track_optimizer_state(self, optimizer_state: dict, replace: bool = False) -> None:
+        """The optimizer built (``replace``: rebuilt, e.g. by a checkpoint load) its state for
+        this master; it rests where the master does."""
+
+    def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
+        return [] if self.aliases_params else [("master", self.steps_on_host, self.master.data)]
+
+
+class HostMaster(DeviceMaster):
+    """fp32 master and optimizer state in (pinned) host memory; the step runs on the CPU.
+
+    Each finished reduce starts downloading the gradient shard into ``host_grad`` on
+    the D2H stream while backward goes on (see [Note: the offloaded step overlaps in
+    three places] in _offload.py); the step waits for that download only.
+    """
+
+    steps_on_host = True
+
+    def __init__(self, master: nn.Parameter, aliases_params: bool, transfers: Transfers):
+        super().__init__(master, aliases_params)
+        self.transfers = transfers
+        self.host_grad: torch.Tensor | None = None  # [shard] fp32
+        self._download = None
+        self._downloaded_version = -1
+
+    def on_grad_reduced(self, grad_shard: torch.Tensor, version: int) -> None:
+        if self.host_grad is None:
+            self.host_grad = self.transfers.host_empty(grad_shard.numel(), self.master.dtype)
+        self._download = self.transfers.download(self.host_grad, grad_shard)
+        self._downloaded_version = version
+
+    def grad_for_step(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
+        if grad_shard is None:
+            return None
+        if self._downloaded_version != version:  # changed since the last download (or never downloaded)
+            self.on_grad_reduced(grad_shard, version)
+        self._download.synchronize()
+        return self.host_grad
+
+    def drop_grad(self) -> None:
+        super().drop_grad()
+        self._download, self._downloaded_version = None, -1
+
+    def free(self) -> None:
+        self.drop_grad()
+        self.host_grad = None
+
+    def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
+        out = super().held_tensors()
+        if self.host_grad is not None:
+            out.append(("grads", True, self.host_grad))
+        return out
+
+
+class NVMeMaster(HostMaster):
+    """Master and optimizer state rest in the swap file and visit a host slot for each step."""
+
+    def __init__(self, master: nn.Parameter, transfers: Transfers, swap, owner):
+        super().__init__(master, aliases_params=False, transfers=transfers)
+        self.swap, self.owner = swap, owner
+        swap.adopt(owner, "opt", {"master": master})
+
+    def prefetch(self) -> None:
+        self.swap.prefetch(self.owner, "opt")
+
+    def begin_step(self) -> None:
+        self.swap.swap_in(self.owner, "opt")
+
+    def end_step(self, optimizer_state: dict) -> None:
+        self.track_optimizer_state(optimizer_state)  # first step: the state was just created
+        self.swap.swap_out(self.owner, "opt", write=True, wait=False)  # write-back overlaps the next step
+
+    def track_optimizer_state(self, optimizer_state: dict, replace: bool = False) -> None:
+        elementwise = {f"state.{k}": v for k, v in optimizer_state.items()
+                       if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == self.master.numel()}
+        new = elementwise if replace else self.swap.needs_adopt(self.owner, "opt", elementwise)
+        if new:
+            self.swap.adopt(self.owner, "opt", new, replace=replace)
+
+
+# -------------------------------------------------------------------------- factory
+def make_storage(owner, *, own_slice: torch.Tensor, shard_params: bool, trainable: bool,
+                 offload, transfers: Transfers, swap, device: torch.device, initial_master):
+    """The (parameter shard, master) stores of one group, from its offload policies.
+
+    ``own_slice``: this rank's slice of the freshly filled ``full`` buffer.
+    ``initial_master(out)``: fills ``out`` [shard] fp32 from the original parameter values
+    (so bf16/fp16 compute loses nothing at start).
+    """
+    if shard_params and offload.params:
+        tensor = transfers.host_empty(own_slice.numel(), own_slice.dtype)
+        tensor.copy_(own_slice)
+        params = (NVMeParamShard(tensor, swap, owner) if offload.nvme_params else HostParamShard(tensor))
+    else:
+        params = DeviceParamShard(own_slice.clone() if shard_params else own_slice)
+    if not trainable:
+        return params, None
+    # See [Note: the master aliases the parameters]
+    alias = (params.tensor.dtype == torch.float32 and params.on_host == offload.optimizer
+             and not (offload.nvme_params or offload.nvme_optimizer))
+    if alias:
+        master = params.tensor
+    else:
+        master = (transfers.host_empty(own_slice.numel(), torch.float32) if offload.optimizer
+                  else torch.empty(own_slice.numel(), dtype=torch.float32, device=device))
+        master.zero_()
+        initial_master(master)
+    master = nn.Parameter(master, requires_grad=True)
+    if offload.nvme_optimizer:
+        return params, NVMeMaster(master, transfers, swap, owner)
+    if offload.optimizer:
+        return params, HostMaster(master, alias, transfers)
+    return params, DeviceMaster(master, alias)
+
