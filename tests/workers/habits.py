@@ -1,0 +1,211 @@
+"""Users' own training-loop habits, run on a ZeRO model and on a plain reference model.
+
+The reference is one plain torch model trained on the *global* batch (every rank's
+micro-batch; loss = mean over ranks), which is what data parallelism must equal. The
+ZeRO side runs the same user code on this rank's micro-batch. Each scenario is the
+loop a user writes (``model.zero_grad()``, a try/except retry around an OOM, ...);
+the code under test is the scenario function, applied to both models unchanged.
+
+args["cases"]: list of {scenario, stage, offload (None|"cpu"), steps}.
+Reports per case: losses of both and the largest relative weight difference.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from _worker import finish, start
+from _models import TinyLM, batch, loss_fn, param_groups
+
+import zero_strategy as zs
+
+
+class Side:
+    """One model + optimizer and how it computes the loss of (step, micro)."""
+
+    def __init__(self, model, optimizer, ranks: list[int]):
+        self.model, self.optimizer, self.ranks = model, optimizer, ranks
+        self.fail_forward_at: set = set()   # (step, micro, attempt) where block 1 raises in forward
+        self.fail_backward_at: set = set()  # ... where block 1's output gradient raises in backward
+        self.where = None
+        block = model.layers[1]
+        block.register_forward_hook(self._inject)
+
+    def _inject(self, module, args, output):
+        if self.where in self.fail_forward_at:
+            raise torch.OutOfMemoryError("injected: out of memory in forward")
+        if self.where in self.fail_backward_at and output.requires_grad:
+            def boom(grad):
+                raise torch.OutOfMemoryError("injected: out of memory in backward")
+            output.register_hook(boom)
+        return None
+
+    def loss(self, step: int, micro: int, attempt: int = 0) -> torch.Tensor:
+        self.where = (step, micro, attempt)
+        losses = [loss_fn(self.model(tokens), targets)
+                  for tokens, targets in (batch(r, step, micro) for r in self.ranks)]
+        return sum(losses) / len(losses)
+
+
+# ---------------------------------------------------------------- the users' loops
+def model_zero_grad(side: Side, steps: int) -> list[float]:
+    """Accelerate's and many users' loop: zero through the model at the top of each step."""
+    out = []
+    for step in range(steps):
+        side.model.zero_grad()
+        loss = side.loss(step, 0)
+        loss.backward()
+        side.optimizer.step()
+        out.append(loss.item())
+    return out
+
+
+def model_zero_grad_keep_tensors(side: Side, steps: int) -> list[float]:
+    """``zero_grad(set_to_none=False)``: gradients zeroed in place instead of dropped."""
+    out = []
+    for step in range(steps):
+        loss = side.loss(step, 0)
+        loss.backward()
+        side.optimizer.step()
+        side.model.zero_grad(set_to_none=False)
+        out.append(loss.item())
+    return out
+
+
+def submodule_zero_grad(side: Side, steps: int) -> list[float]:
+    """Two micro-batches accumulate, but block 0's gradients of the first are cleared in between."""
+    out = []
+    for step in range(steps):
+        first = side.loss(step, 0)
+        first.backward()
+        side.model.layers[0].zero_grad()
+        second = side.loss(step, 1)
+        second.backward()
+        side.optimizer.step()
+        side.model.zero_grad()
+        out.append(first.item() + second.item())
+    return out
+
+
+def grad_set_to_none_by_hand(side: Side, steps: int) -> list[float]:
+    """``for p in model.parameters(): p.grad = None`` after each step."""
+    out = []
+    for step in range(steps):
+        loss = side.loss(step, 0)
+        loss.backward()
+        side.optimizer.step()
+        for p in side.model.parameters():
+            p.grad = None
+        out.append(loss.item())
+    return out
+
+
+def zero_grad_between_backward_and_step(side: Side, steps: int) -> list[float]:
+    """A step after ``model.zero_grad()`` has no gradients: torch skips every parameter."""
+    out = []
+    for step in range(steps):
+        loss = side.loss(step, 0)
+        loss.backward()
+        if step == 1:
+            side.model.zero_grad()
+        side.optimizer.step()
+        side.optimizer.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _retry_loop(side: Side, steps: int, clear) -> list[float]:
+    """The OOM-retry loop of Lightning's batch-size finder / HF auto_find_batch_size / users' own."""
+    out = []
+    for step in range(steps):
+        for attempt in range(2):
+            try:
+                loss = side.loss(step, 0, attempt)
+                loss.backward()
+                break
+            except torch.OutOfMemoryError:
+                clear(side)
+        else:
+            raise AssertionError("the retry failed too")
+        side.optimizer.step()
+        side.optimizer.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def retry_after_forward_error(side: Side, steps: int) -> list[float]:
+    side.fail_forward_at = {(1, 0, 0)}
+    return _retry_loop(side, steps, lambda s: s.optimizer.zero_grad())
+
+
+def retry_after_backward_error(side: Side, steps: int) -> list[float]:
+    side.fail_backward_at = {(1, 0, 0), (2, 0, 0)}
+    return _retry_loop(side, steps, lambda s: s.optimizer.zero_grad())
+
+
+def retry_after_backward_error_model_zero_grad(side: Side, steps: int) -> list[float]:
+    side.fail_backward_at = {(1, 0, 0)}
+    return _retry_loop(side, steps, lambda s: s.model.zero_grad())
+
+
+SCENARIOS = {f.__name__: f for f in (
+    model_zero_grad, model_zero_grad_keep_tensors, submodule_zero_grad, grad_set_to_none_by_hand,
+    zero_grad_between_backward_and_step, retry_after_forward_error, retry_after_backward_error,
+    retry_after_backward_error_model_zero_grad,
+)}
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for name, ref in b.items():
+        if not ref.is_floating_point():
+            continue
+        worst = max(worst, ((a[name].float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item())
+    return worst
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    base = TinyLM(layers=3)
+    ref_model = copy.deepcopy(base)
+    ref = Side(ref_model, torch.optim.AdamW(param_groups(ref_model)), list(range(world)))
+    config = zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0,
+                           offload_optimizer=case.get("offload"),
+                           offload_params=case.get("offload") if case["stage"] == 3 else None)
+    model = copy.deepcopy(base)
+    model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)), config)
+    zero = Side(model, zopt, [rank])
+    scenario = SCENARIOS[case["scenario"]]
+    steps = case.get("steps", 4)
+    losses_ref = scenario(ref, steps)
+    losses_zero = scenario(zero, steps)
+    # this rank's loss is its own micro-batch's: compare the mean over ranks with the reference's
+    mean = torch.tensor(losses_zero, dtype=torch.float64)
+    dist.all_reduce(mean)
+    engine = zs.engine_of(model)
+    return dict(case=case, losses_ref=losses_ref, losses_zero=(mean / world).tolist(),
+                weight_rel_diff=rel_diff(zs.full_state_dict(model), ref_model.state_dict()),
+                training_state=engine.training_state.value,
+                units_gathered=[u.name for u in engine.units[1:] if u.sharded_groups and u.state.value == "gathered"])
+
+
+def main() -> None:
+    args, out = start()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for case in args["cases"]:
+        try:
+            results.append(run_case(case, rank, world))
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+            results.append(dict(case=case, error=traceback.format_exc()[-3000:]))
+    finish(out, {"results": results})
+
+
+if __name__ == "__main__":
+    main()
