@@ -10,15 +10,13 @@ as they do under zero_strategy.
 from __future__ import annotations
 
 import copy
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _block_models import MODELS, images
-from _worker import finish, start
+from _worker import finish, run_cases, start, worst_rel_diff
 
 import zero_strategy as zs
 
@@ -45,27 +43,13 @@ def run(name: str) -> dict:
         zopt.step()
         zopt.zero_grad()
         losses.append((loss.item(), loss_ref.item()))
-    full = zs.full_state_dict(model, dtype=None)
-    worst, worst_name = 0.0, ""
-    for key, t in ref.module.state_dict().items():
-        a, b = full[key].double(), t.double()
-        diff = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
-        if diff > worst:
-            worst, worst_name = diff, key
+    worst, worst_name = worst_rel_diff(zs.full_state_dict(model, dtype=None), ref.module.state_dict())
     return dict(model=name, units=units, losses=losses, weight_rel_diff=worst, worst_tensor=worst_name)
 
 
 def main() -> None:
     args, out = start()
-    results = []
-    for name in args["models"]:
-        try:
-            results.append(run(name))
-        except Exception:  # report, keep the other ranks in lock-step
-            results.append(dict(model=name, error=traceback.format_exc()))
-            print(traceback.format_exc(), file=sys.stderr)
-            break
-    finish(out, {"results": results})
+    finish(out, {"results": run_cases(args["models"], run, key="model")})
 
 
 if __name__ == "__main__":

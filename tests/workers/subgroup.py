@@ -6,15 +6,19 @@ and setup, like DDP, must start the pair from the pair's first rank). A broadcas
 that names a group rank where a global rank is meant, or a collective that runs over
 the world instead of the pair, shows up as a pair that differs from its DDP.
 
-args["cases"]: dicts with ``config`` (a preset name or ZeroConfig kwargs), ``steps``
-and ``split`` ("new_group": dist.new_group per pair, "new_subgroups":
-dist.new_subgroups(2)). args["non_member"]: also check that a rank passing a group
-it is not in gets a ValueError, and that the members' group still works afterwards.
-args["checkpoint"]: a directory; each pair saves and reloads a checkpoint there.
+args["cases"]: dicts with ``config`` (a preset name or ZeroConfig kwargs) and
+optionally ``split`` ("new_group": dist.new_group per pair, the default;
+"new_subgroups": dist.new_subgroups(2)), ``meta`` (build on the meta device, let
+setup materialize), ``accum`` (micro-batches, all but the last under no_sync),
+``clip`` (global-norm clipping), ``steps``, and ``checkpoint`` (a directory: each
+pair saves into its own subdirectory, perturbs its weights and loads them back).
+args["non_member"]: also check that a rank passing a group it is not in gets a
+ValueError, and that the members of that group still train.
 
 Reports per case: per-step losses of both, the largest relative weight difference
-(per tensor: max|a-b| / max|ref|), and the pair's first-rank initial value of one
-weight (so the test can see the pairs really started apart).
+(per tensor: max|a-b| / max|ref|), whether the pair's two replicas hold identical
+weights, and the pair's initial value of one weight (so the test can see the pairs
+really started apart).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _worker import finish, start
+from _worker import finish, run_cases, start, worst_rel_diff
+from meta_init import init  # param_init_fn for a meta-device TinyLM
 from _models import TinyLM, batch, loss_fn, param_groups
 
 import zero_strategy as zs
@@ -43,17 +48,6 @@ def make_pairs(split: str):
         return group
     groups = [dist.new_group(ranks) for ranks in PAIRS]  # every rank creates every group
     return groups[dist.get_rank() // 2]
-
-
-def init(module):
-    """param_init_fn for a meta-device TinyLM (as in workers/meta_init.py)."""
-    if hasattr(module, "reset_parameters"):
-        module.reset_parameters()
-    for name, p in module.named_parameters(recurse=False):
-        if name == "gate":
-            p.data.fill_(0.5)
-        elif name == "frozen_mix":
-            p.data.normal_(0, 0.1)
 
 
 def build(case: dict, group):
@@ -106,11 +100,7 @@ def run_case(case: dict) -> dict:
         losses_ref.append(total_ref)
         losses_zero.append(total_zero)
     full = zs.full_state_dict(model)
-    worst, worst_name = 0.0, ""
-    for name, t in ref.module.state_dict().items():
-        diff = (full[name].float() - t.float()).abs().max().item() / max(t.abs().max().item(), 1e-12)
-        if diff > worst:
-            worst, worst_name = diff, name
+    worst, worst_name = worst_rel_diff(full, ref.module.state_dict())
     # replicas of one pair hold bit-identical weights, whatever the reference says
     flat = torch.cat([full[k].float().reshape(-1) for k in sorted(full)])
     replicas = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
@@ -165,15 +155,7 @@ def non_member_check() -> dict:
 
 def main() -> None:
     args, out = start()
-    results = []
-    for case in args["cases"]:
-        try:
-            results.append(run_case(case))
-        except Exception:  # report, keep the other cases running in lock-step
-            results.append(dict(case=case, error=traceback.format_exc()))
-            print(traceback.format_exc(), file=sys.stderr)
-            break
-    report: dict = {"results": results}
+    report: dict = {"results": run_cases(args["cases"], run_case)}
     if args.get("non_member"):
         try:
             report.update(non_member_check())
