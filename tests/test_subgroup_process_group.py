@@ -39,16 +39,25 @@ def _key(case: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One 4-rank run of every case: (each rank's report, case key -> the four ranks' results)."""
-    cases = CASES + [dict(config=dict(stage=3), checkpoint=str(tmp_path_factory.mktemp("subgroup_ckpt")))]
-    reps = launch("subgroup.py", 4, {"cases": cases, "non_member": True}, timeout=420)
-    out: dict[str, list[dict]] = {}
-    for rank, rep in enumerate(reps):
-        for res in rep["results"]:
-            assert "error" not in res, f"rank {rank}, case {res['case']}:\n{res['error']}"
-            out.setdefault(_key(res["case"]), []).append(res)
-    return reps, out
+def runs(tmp_path_factory) -> tuple[list[dict], dict]:
+    """One 4-rank run of every case: (each rank's report, the checkpoint case)."""
+    checkpoint_case = dict(config=dict(stage=3), checkpoint=str(tmp_path_factory.mktemp("subgroup_ckpt")))
+    reports = launch("subgroup.py", 4, {"cases": CASES + [checkpoint_case], "non_member": True}, timeout=420)
+    return reports, checkpoint_case
+
+
+def results_for(runs, case: dict) -> list[dict]:
+    """The four ranks' results for ``case``; a worker error fails only the tests that need that case."""
+    per_rank = []
+    for rank, rep in enumerate(runs[0]):
+        res = next((r for r in rep["results"] if _key(r["case"]) == _key(case)), None)
+        if res is None:
+            earlier = [r["error"] for r in rep["results"] if "error" in r]
+            pytest.fail(f"rank {rank} did not run {case}" + (f"; an earlier case failed:\n{earlier[0]}"
+                                                             if earlier else ""))
+        assert "error" not in res, f"rank {rank}, case {case}:\n{res['error']}"
+        per_rank.append(res)
+    return per_rank
 
 
 def _rel(a: float, b: float) -> float:
@@ -57,8 +66,7 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_each_pair_trains_like_ddp_over_its_subgroup(runs, case):
-    per_rank = runs[1][_key(case)]
-    assert len(per_rank) == 4
+    per_rank = results_for(runs, case)
     for rank, res in enumerate(per_rank):
         assert (res["group_rank"], res["group_size"]) == (rank % 2, 2)
         for step, (lz, lr) in enumerate(zip(res["losses_zero"], res["losses_ref"], strict=True)):
@@ -75,10 +83,7 @@ def test_each_pair_trains_like_ddp_over_its_subgroup(runs, case):
 
 
 def test_a_checkpoint_saved_and_loaded_by_each_pair_restores_that_pairs_weights(runs):
-    results = [res for rep in runs[0] for res in rep["results"] if res["case"].get("checkpoint")]
-    assert len(results) == 4
-    for rank, res in enumerate(results):
-        assert "error" not in res, res.get("error")
+    for rank, res in enumerate(results_for(runs, runs[1])):
         assert res["checkpoint_restored_max_abs"] == 0.0, f"rank {rank}"
         assert res["weight_rel_diff"] <= TOL
 

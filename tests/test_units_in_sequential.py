@@ -136,21 +136,25 @@ def test_no_warning_when_unit_classes_names_the_root_on_purpose():
 
 # --------------------------------------------------------------------- stage 3 trains like DDP
 @pytest.fixture(scope="module")
-def parity():
-    reports = launch("block_units.py", 2, {"models": ["vit", "resnet"]}, timeout=240)
-    out: dict[str, list[dict]] = {}
+def parity() -> list[dict]:
+    """Each rank's report of one 2-rank run of both models."""
+    return launch("block_units.py", 2, {"models": ["vit", "resnet"]}, timeout=240)
+
+
+def results_for(reports: list[dict], name: str) -> list[dict]:
+    per_rank = []
     for rank, rep in enumerate(reports):
-        for res in rep["results"]:
-            assert "error" not in res, f"rank {rank}, {res['model']}:\n{res['error']}"
-            out.setdefault(res["model"], []).append(res)
-    return out
+        res = next((r for r in rep["results"] if r["model"] == name), None)
+        assert res is not None, f"rank {rank} did not run {name}: {[r.get('error') for r in rep['results']]}"
+        assert "error" not in res, f"rank {rank}, {name}:\n{res['error']}"
+        per_rank.append(res)
+    return per_rank
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name,units", [("vit", VIT_UNITS), ("resnet", RESNET_UNITS)])
 def test_stage3_over_sequential_blocks_matches_ddp(parity, name, units):
-    per_rank = parity[name]
-    assert len(per_rank) == 2
+    per_rank = results_for(parity, name)
     for rank, res in enumerate(per_rank):
         assert res["units"] == ["<root>"] + units
         for step, (zero, ref) in enumerate(res["losses"]):
