@@ -26,11 +26,22 @@ convention of the ZeRO paper in which DDP's all-reduce moves 2x the parameters a
 stage 3 moves 3x. ``sent_bytes`` is what a bandwidth-optimal (ring) algorithm
 actually sends from each rank: (N-1)/N of the volume for all-gather and
 reduce-scatter, 2(N-1)/N for all-reduce.
+
+[Note: group ranks]
+``process_group`` may be a subgroup (``dist.new_group([2, 3])``,
+``dist.new_subgroups()``): each subgroup shards and trains on its own, like
+``DDP(model, process_group=sub)``. Everything here speaks *group* ranks
+(``self.rank``, ``src_rank``), and the one torch call that wants a *global* rank,
+the ``src`` of a broadcast, is translated in :meth:`Collectives.global_rank`; every
+call passes ``group=self.group``. A rank outside the group it passes gets a
+``ValueError`` at construction, before any communication, so the members are not
+left waiting in a collective (tests/test_subgroup_process_group.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,6 +115,7 @@ class Collectives:
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         if dist.is_available() and dist.is_initialized():
+            _check_member(group)
             self.group = group
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
@@ -158,9 +170,42 @@ class Collectives:
         work = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
         return Handle(work, (tensor,)) if async_op else Handle()
 
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of ``group_rank``; see [Note: group ranks]."""
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
     def broadcast(self, tensor: torch.Tensor, src_rank: int) -> None:
-        """Broadcast from ``src_rank`` (rank within the group); used for user edits of gathered params."""
+        """Broadcast from ``src_rank`` (rank within the group): initial weights, user edits of gathered params."""
         if self.world_size == 1:
             return
-        src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
-        dist.broadcast(tensor, src=src, group=self.group)
+        dist.broadcast(tensor, src=self.global_rank(src_rank), group=self.group)
+
+    # ------------------------------------------------------------- small objects
+    def broadcast_object(self, obj: Any, src_rank: int = 0) -> Any:
+        """Group rank ``src_rank``'s picklable ``obj`` on every rank (checkpoint decisions)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.global_rank(src_rank), group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's picklable ``obj``, in group-rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _check_member(group: dist.ProcessGroup | None) -> None:
+    """Refuse a group this rank is not in (``dist.new_group(ranks)`` on a rank outside ``ranks``)."""
+    if group is None:
+        return
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"zero_strategy.setup: this process (global rank {dist.get_rank()}) is not a member of the "
+            "process_group it passed; torch.distributed.new_group(ranks) returns a non-member placeholder "
+            "on every rank outside `ranks`. Pass each rank the group that contains it (create every group "
+            "on every rank and pick the one holding dist.get_rank(), or use dist.new_subgroups()), or "
+            "process_group=None to shard over the whole world")

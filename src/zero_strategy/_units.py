@@ -2,12 +2,32 @@
 
 [Note: choosing units]
 A unit is gathered with one all-gather and reduced with one reduce-scatter, so it
-should be one repeated block of the model. Auto-detection takes the children of
-every outermost ``nn.ModuleList`` (transformer blocks in every common model);
-``unit_classes`` names module classes instead. Units never nest: the outermost
-match wins. Everything not inside a unit belongs to the *root* unit (embeddings,
-final norm, head), which under stage 3 stays gathered from the start of forward to
-the end of backward because it is used at both ends.
+should be one repeated block of the model. Auto-detection walks the model from the
+root, outermost first, and descends into every module until it finds blocks:
+
+* every child holding parameters of an ``nn.ModuleList`` (transformer blocks in
+  Hugging Face models: ``model.layers``, ``h``, ``encoder.layer``);
+* a child of an ``nn.Sequential`` or ``nn.ModuleDict`` that is a *block*: it holds
+  parameters, has submodules of its own (a composite, not one layer such as
+  ``Linear`` or ``Conv2d``), is not itself a container, and its class occurs at
+  least twice among that container's children. This finds timm's ViT
+  (``blocks = nn.Sequential(*blocks)``), torchvision's ResNet (``layer1..4``:
+  Sequentials of ``BasicBlock``/``Bottleneck``), ConvNeXt/EfficientNet stages
+  (Sequentials inside a Sequential) and Swin stages, and leaves alone an MLP
+  ``nn.Sequential(Linear, ReLU, Linear)`` and VGG's Sequential of single layers,
+  where one unit per layer would only add collectives.
+
+Only containers are looked into this way: two sibling attributes of one class on an
+ordinary module (T5's ``encoder`` and ``decoder`` stacks) are not units, so the
+blocks inside them are. Containers themselves (including subclasses such as
+torchvision's ``Conv2dNormActivation``) are never units; they are descended into,
+as are children not chosen. ``unit_classes`` names module classes instead and
+overrides all of this. Units never nest: the outermost match wins. Everything not
+inside a unit belongs to the *root* unit (embeddings, final norm, head), which under
+stage 3 stays gathered from the start of forward to the end of backward because it
+is used at both ends. When stage 3 finds no unit at all, the whole model is that
+root unit, gathered at every forward: :func:`warn_if_no_units` says so once per
+setup and names repeated classes to put in ``unit_classes``.
 
 A parameter registered in two units (shared across blocks) also goes to the root,
 the one unit that is materialized whenever either user runs.
@@ -15,6 +35,8 @@ the one unit that is materialized whenever either user runs.
 
 from __future__ import annotations
 
+import collections
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -30,23 +52,45 @@ from ._plan import ShardingPlan
 ROOT = "<root>"
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _is_block(m: nn.Module) -> bool:
+    """A composite module with parameters that is not a container: a candidate repeated block."""
+    return not isinstance(m, _CONTAINERS) and any(True for _ in m.children()) and _has_params(m)
+
+
+def _auto_units_among(container: nn.Module) -> set[str]:
+    """Names of ``container``'s children that auto-detection makes units. See [Note: choosing units]."""
+    children = list(container.named_children())
+    if isinstance(container, nn.ModuleList):
+        return {name for name, child in children if _has_params(child)}
+    if not isinstance(container, (nn.Sequential, nn.ModuleDict)):
+        return set()
+    blocks = [(name, type(child)) for name, child in children if _is_block(child)]
+    counts = collections.Counter(cls for _, cls in blocks)
+    return {name for name, cls in blocks if counts[cls] >= 2}
+
+
 def find_unit_modules(root: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
     """Outermost unit modules in registration order, as (fully qualified name, module)."""
     found: list[tuple[str, nn.Module]] = []
 
-    def has_params(m: nn.Module) -> bool:
-        return any(True for _ in m.parameters())
-
     def visit(prefix: str, module: nn.Module) -> None:
+        if unit_classes:
+            chosen = {name for name, child in module.named_children()
+                      if type(child).__name__ in unit_classes and _has_params(child)}
+        else:
+            chosen = _auto_units_among(module)
         for name, child in module.named_children():
             fqn = f"{prefix}{name}"
-            if unit_classes:
-                if type(child).__name__ in unit_classes and has_params(child):
-                    found.append((fqn, child))
-                    continue
-            elif isinstance(module, nn.ModuleList) and has_params(child):
+            if name in chosen:
                 found.append((fqn, child))
-                continue
+                continue  # units never nest: the outermost wins
             visit(fqn + ".", child)
 
     if unit_classes and type(root).__name__ in unit_classes:
@@ -59,6 +103,46 @@ def find_unit_modules(root: nn.Module, unit_classes: tuple[str, ...]) -> list[tu
             f"module classes present: {present[:30]}"
         )
     return found
+
+
+def warn_if_no_units(root: nn.Module, unit_modules: list, unit_classes: tuple[str, ...],
+                     persistence_threshold: int) -> None:
+    """Stage 3 only: warn when auto-detection found no unit, so the whole model is gathered every forward.
+
+    Counts the parameter elements that are really gathered (those at or above the
+    persistence threshold); a model whose parameters all stay whole costs nothing
+    and gets no warning. ``unit_classes`` naming the root is the user's choice: no warning.
+    """
+    if unit_modules or unit_classes:
+        return
+    unique = {id(p): p for p in root.parameters() if p.is_floating_point()}.values()
+    gathered = sum(p.numel() for p in unique if p.numel() >= persistence_threshold)
+    if gathered == 0:
+        return
+    warnings.warn(
+        f"zero_strategy: stage 3 found no repeated blocks to shard as units in {type(root).__name__}, so "
+        f"its {gathered:,} sharded parameter elements form one unit that is gathered whole at every "
+        f"forward, so peak parameter memory is that of stage 2. {_unit_class_hint(root)}",
+        stacklevel=5)  # warn_if_no_units <- build_units <- ZeroEngine <- setup <- the user's call
+
+
+def _unit_class_hint(root: nn.Module) -> str:
+    """Repeated classes holding parameters, blocks first, as candidates for ``unit_classes``."""
+    stats: dict[str, list] = {}  # class name -> [count, is a block, parameter elements]
+    for m in root.modules():
+        if m is root or isinstance(m, _CONTAINERS) or not _has_params(m):
+            continue
+        entry = stats.setdefault(type(m).__name__, [0, _is_block(m), 0])
+        entry[0] += 1
+        entry[2] += sum(p.numel() for p in m.parameters())
+    repeated = sorted((name for name, (n, _, _) in stats.items() if n >= 2),
+                      key=lambda name: (not stats[name][1], -stats[name][2]))
+    if not repeated:
+        return ("No module class holding parameters repeats in it; split the model into blocks, or use "
+                "stage 2.")
+    shown = ", ".join(f"{name!r} (x{stats[name][0]})" for name in repeated[:5])
+    return (f"Name its repeated block class in ZeroConfig(unit_classes=[...]); repeated classes here: "
+            f"{shown}.")
 
 
 class Unit:
@@ -132,6 +216,8 @@ def build_units(
     Meta-device parameters are materialized here, unit by unit (see _materialize.py).
     """
     unit_modules = find_unit_modules(model, unit_classes)
+    if plan.shards_parameters:
+        warn_if_no_units(model, unit_modules, unit_classes, persistence_threshold)
     prefixes = [(fqn + ".", fqn) for fqn, _ in unit_modules]
 
     owner: dict[int, str] = {}

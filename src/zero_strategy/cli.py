@@ -78,7 +78,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
 def _load_hf_model(path: str):
     try:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     except ImportError:
         raise ZeroConfigError("--model", "needs the transformers package, which is not installed",
                               "pip install transformers, or pass --params.") from None
@@ -96,8 +96,6 @@ def _load_hf_model(path: str):
         try:
             return AutoModelForCausalLM.from_config(hf_config)
         except ValueError:  # not a causal LM (e.g. an encoder): the base model has the same parameters
-            from transformers import AutoModel
-
             return AutoModel.from_config(hf_config)
 
 

@@ -345,7 +345,9 @@ class ZeroConfig:
             ``None`` or ``0`` disables it.
         loss_scale: fp16 dynamic loss scaling (ignored for fp32/bf16).
         unit_classes: module class names that become units; ``()`` auto-detects the
-            blocks held in ``nn.ModuleList`` containers.
+            blocks held in ``nn.ModuleList`` containers and the repeated composite
+            blocks of ``nn.Sequential`` / ``nn.ModuleDict`` (see ``[Note: choosing units]``
+            in _units.py).
         param_persistence_threshold: stage 3: parameters with fewer elements stay
             whole on every rank (not worth a collective).
         prefetch: stage 3: how many units are gathered ahead of use.

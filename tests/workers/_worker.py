@@ -1,4 +1,4 @@
-"""What every worker does first and last: join the gloo group, report, exit cleanly."""
+"""What every worker does first and last: join the gloo group, run its cases, report, exit cleanly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import datetime
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,31 @@ def start() -> tuple[dict, Path]:
     if int(os.environ["WORLD_SIZE"]) > 1 or args.get("always_init", True):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
     return args, out
+
+
+def run_cases(cases: list, run: Callable[[object], dict], key: str = "case") -> list[dict]:
+    """``run(case)`` for each case; the first failure is reported as ``{key: case, "error": traceback}``
+    and ends the loop, so the ranks stay in lock-step and the test shows the traceback."""
+    results = []
+    for case in cases:
+        try:
+            results.append(run(case))
+        except Exception:  # noqa: BLE001 - reported to the test
+            results.append({key: case, "error": traceback.format_exc()})
+            print(traceback.format_exc(), file=sys.stderr)
+            break
+    return results
+
+
+def worst_rel_diff(full: dict, ref: dict) -> tuple[float, str]:
+    """Largest per-tensor max|a - b| / max|ref| over ``ref``'s keys, and that tensor's name."""
+    worst, worst_name = 0.0, ""
+    for name, t in ref.items():
+        a, b = full[name].double(), t.double()
+        diff = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+        if diff > worst:
+            worst, worst_name = diff, name
+    return worst, worst_name
 
 
 def finish(out: Path, report: dict) -> None:

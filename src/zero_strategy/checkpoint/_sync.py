@@ -1,4 +1,8 @@
-"""Small object collectives for checkpointing (a world of one skips them).
+"""Small object collectives for checkpointing, through the engine's ``Collectives``.
+
+They go through :class:`zero_strategy._collectives.Collectives` like every other
+collective, so a subgroup ``process_group`` is honoured in one place (group ranks,
+``src`` translated to a global rank). A world of one skips them.
 
 Checkpoint code must never leave one rank waiting in a collective while another
 raised: every phase that can fail locally ends in :func:`agree`, which turns any
@@ -9,27 +13,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
-
 from ._layout import CheckpointError
 
 
 def broadcast_object(comm, obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if comm.world_size == 1:
-        return obj
-    box = [obj]
-    src = dist.get_global_rank(comm.group, 0) if comm.group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=comm.group)
-    return box[0]
+    """Group rank 0's ``obj`` on every rank."""
+    return comm.broadcast_object(obj, src_rank=0)
 
 
 def all_gather_object(comm, obj: Any) -> list:
-    if comm.world_size == 1:
-        return [obj]
-    out: list = [None] * comm.world_size
-    dist.all_gather_object(out, obj, group=comm.group)
-    return out
+    return comm.all_gather_object(obj)
 
 
 def agree(comm, error: str | None) -> None:
