@@ -92,3 +92,16 @@ def test_lr_schedulers_on_either_optimizer_follow_a_plain_model(name):
         warnings.simplefilter("error")
         _train(model, zopt, [on_zero])
     assert on_zero.get_last_lr() == plain_sched.get_last_lr()
+
+
+def test_stepping_the_original_optimizer_object_after_setup_is_refused():
+    """It would step master shards without gradients: a silent no-op on a plain-looking loop."""
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    inner = torch.optim.AdamW(param_groups(model))
+    model, zopt = zs.setup(model, inner, zs.ZeroConfig(stage=2))
+    tokens, targets = batch(0, 0, 0)
+    loss_fn(model(tokens), targets).backward()
+    with pytest.raises(RuntimeError, match="call step\\(\\) and zero_grad\\(\\) on the optimizer setup returned"):
+        inner.step()
+    zopt.step()  # the returned one steps

@@ -129,6 +129,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._zero_grad_profile_name = "zero::zero_grad"
         self._patch_step_function()  # torch's step-hook wrapper, as Optimizer.__init__ would install
         self._unhooked_step = _unhooked_step_of(optimizer)
+        # the user's own object stepped directly would step masters without gradients: a silent
+        # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
+        self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
         self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
         self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
@@ -266,8 +269,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward first, "
                              "then call step()")
         inner = self.optimizer
-        for hook in list(inner._optimizer_step_pre_hooks.values()):  # See [Note: hooks fire once per step]
-            hook(inner, (inner,), {})
+        for key, hook in list(inner._optimizer_step_pre_hooks.items()):  # See [Note: hooks fire once per step]
+            if key != self._guard.id:
+                hook(inner, (inner,), {})
         if getattr(inner.step, "_wrapped_by_lr_sched", False):
             inner._opt_called = True  # what the scheduler's wrapper of inner.step records
         self._step_all()
@@ -416,3 +420,10 @@ def _unhooked_step_of(optimizer: torch.optim.Optimizer):
     if getattr(step, "hooked", False):  # installed by Optimizer._patch_step_function
         step = step.__wrapped__
     return step
+
+
+def _refuse_direct_step(optimizer, args, kwargs):
+    raise RuntimeError(
+        f"this {type(optimizer).__name__} was re-homed onto ZeRO master shards by zero_strategy.setup; "
+        "call step() and zero_grad() on the optimizer setup returned (model, optimizer = "
+        "zero_strategy.setup(model, optimizer, config)), not on the original object")

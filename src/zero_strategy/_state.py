@@ -186,12 +186,13 @@ class ZeroEngine:
         keeps them in ``.grad``: they carry markers (See [Note: param.grad after backward]),
         so the retry loop's ``optimizer.zero_grad()`` or ``model.zero_grad()`` drops them.
         """
+        in_backward = self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
         for unit in self.units:
             unit.wait_gather()
         while self._pending_reduces:
             self._finish_one_reduce(stepping_allowed=False)
         for g in self.groups:
-            g.grads.end_backward()
+            g.grads.end_backward() if in_backward else g.grads.clear_arrivals()
         if self.plan.shards_parameters:
             self.release_all()
         self._root_forward_depth = 0
@@ -277,10 +278,8 @@ class ZeroEngine:
 
     def _root_post_forward(self, module, args, kwargs, output):
         """Also runs when forward raised (``always_call``; ``output`` is then None)."""
-        if _in_backward():
-            return None  # recomputation inside backward (activation checkpointing)
         self._root_forward_depth = max(0, self._root_forward_depth - 1)
-        if self._root_forward_depth > 0:
+        if self._root_forward_depth > 0 or _in_backward():  # nested, or recomputed inside backward
             return None
         self.training_state = TrainingState.IDLE
         if self._forward_order:
