@@ -1,13 +1,16 @@
-"""``model.state_dict()`` on a set-up model, as on a plain one.
+"""``model.state_dict()`` and ``model.load_state_dict(sd)`` on a set-up model, as on a plain one.
 
-Without these hooks torch's own method sees the engine's storage, not the model: at
+Without these hooks torch's own methods see the engine's storage, not the model: at
 stage 3 a released parameter holds no values, so ``state_dict()`` returned empty tensors
-(and ``save_pretrained`` wrote them to disk without a word). Module state-dict hooks
-route the call through the engine.
+(and ``save_pretrained`` wrote them to disk without a word), and ``load_state_dict``
+wrote only the compute-dtype parameters, which the next ``optimizer.step()`` overwrote
+from the fp32 masters. Module state-dict hooks route both calls through the engine;
+writes reach the shards and masters through ``FlatGroup.write_back_gathered``, the one
+write-back ``gathered_parameters(modifier_rank=...)`` uses too.
 
 [Note: state dict calls are collectives]
-At stage 3 ``state_dict()`` all-gathers the units it touches, so every rank must make
-the same calls in the same order, as with any collective.
+At stage 3 ``state_dict()`` and ``load_state_dict()`` all-gather the units they touch,
+so every rank must make the same calls in the same order, as with any collective.
 ``save_pretrained`` calls ``state_dict()`` on every rank before it looks at
 ``is_main_process``, so it too is called on every rank. Stages 1-2, persistent groups,
 ``keep_vars=True`` and calls while the units are gathered anyway (inside forward or
@@ -33,16 +36,27 @@ by copies before any release (and at the end of the call, for units gathered by
 someone else). One copy per viewed tensor: tied parameters (one object under two
 names, HF's ``lm_head``/``embed_tokens``) come out as one tensor under both names, as on
 a plain model, which ``save_pretrained`` relies on to drop the duplicate.
+
+[Note: load_state_dict keeps the fp32 masters exact]
+torch's copy writes each value into the compute-dtype parameter (a view of the gathered
+full buffer). When the unit is released or the call ends, ``write_back_gathered`` puts
+this rank's slice of the full buffer into the resting shard, and the masters of just
+the parameters loaded take the state dict's own values: a bf16 model loading an fp32
+state dict keeps fp32 masters (as a mixed-precision model that loads into its fp32
+copy does), and a parameter the state dict lacks (``strict=False``) keeps its master
+instead of a bf16 rounding of it. The value a parameter got is read from torch's own
+dict when it is stored (torch copies from that dict after our pre-hook and after any
+hook registered later); for a tied parameter the last of its names wins, as in torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
 
-from ._flat import ShardState
+from ._flat import FlatGroup, ShardState
 from ._units import Unit
 
 if TYPE_CHECKING:  # the engine imports this module
@@ -56,6 +70,8 @@ class _Call:
         self.owner = owner
         #: id(unit) -> (unit, the module whose post-hook releases it; None: the call's end)
         self.ours: dict[int, tuple[Unit, nn.Module | None]] = {}
+        #: load_state_dict: id(param) -> (its group, torch's dict for its module, its key)
+        self.loaded: dict[int, tuple[FlatGroup, Mapping[str, Any], str]] = {}
 
     def releasing_at(self, module: nn.Module) -> list[Unit]:
         if module is self.owner:
@@ -64,7 +80,7 @@ class _Call:
 
 
 class ModuleStateHooks:
-    """The module state-dict hooks of one engine; see the Notes above."""
+    """The four module state-dict hooks of one engine; see the Notes above."""
 
     def __init__(self, engine: "ZeroEngine"):
         self.engine = engine
@@ -72,20 +88,21 @@ class ModuleStateHooks:
         self._load: _Call | None = None
         self._unit_of_module = {id(u.module): u for u in engine.units if u.sharded_groups}
         self._sharded_unit_of = {id(s.param): u for u in engine.units for g in u.sharded_groups for s in g.slots}
-        self._managed = {id(s.param) for g in engine.groups for s in g.slots}
+        self._shape_of = {id(s.param): s.shape for g in engine.groups for s in g.slots}
 
     def register(self) -> list:
         """Hooks on every module holding managed parameters; returns their handles."""
-        managed = self._managed
+        managed = self._shape_of
         after_save = lambda m, sd, prefix, meta: self.after_save(m, sd, prefix)  # noqa: E731
         handles = []
-        if not self._sharded_unit_of:
-            return handles  # stages 1-2, or nothing sharded: state_dict() is right as it is
         for m in self.engine.model.modules():
             if not any(id(p) in managed for p in m.parameters()):
                 continue
-            handles.append(m.register_state_dict_pre_hook(self.before_save))
-            handles.append(m.register_state_dict_post_hook(after_save))
+            if self._sharded_unit_of:  # stage 3: something is ever released (stages 1-2 are right as is)
+                handles.append(m.register_state_dict_pre_hook(self.before_save))
+                handles.append(m.register_state_dict_post_hook(after_save))
+            handles.append(m.register_load_state_dict_pre_hook(self.before_load))
+            handles.append(m.register_load_state_dict_post_hook(self.after_load))
         return handles
 
     # -------------------------------------------------------------- gathering
@@ -161,6 +178,77 @@ class ModuleStateHooks:
                 if view not in copies:
                     copies[view] = t.clone()
                 destination[key] = copies[view]
+
+    # ------------------------------------------------------- load_state_dict
+    def before_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
+                    strict: bool, missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        call = self._load
+        if call is None or module is call.owner:
+            if call is not None:  # the last call died half way: keep what it loaded, as torch does
+                self._store_loaded(call, None)
+                self._release(call, call.releasing_at(call.owner))
+            _refuse_replacing_parameters(module, local_metadata)
+            call = self._load = _Call(module)
+        self._gather_for(call, module)
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            key = prefix + name
+            group = self.engine.group_of(p)
+            if group is not None and key in state_dict:
+                call.loaded[id(p)] = (group, state_dict, key)  # pre-order, as torch copies: last wins
+
+    def after_load(self, module: nn.Module, incompatible_keys) -> None:
+        call = self._load
+        if call is None:
+            return
+        units = call.releasing_at(module)
+        if module is call.owner:
+            self._load = None
+            self._store_loaded(call, None)
+        elif units:
+            self._store_loaded(call, units)
+        self._release(call, units)
+
+    def _store_loaded(self, call: _Call, units: list[Unit] | None) -> None:
+        """``FlatGroup.write_back_gathered`` for the groups loaded into (of ``units``; None: all)."""
+        unit_ids = None if units is None else {id(u) for u in units}
+        touched: dict[int, tuple[FlatGroup, dict[int, torch.Tensor]]] = {}
+        for pid, (group, sd, key) in list(call.loaded.items()):
+            if unit_ids is not None and id(self.engine.unit_of(group)) not in unit_ids:
+                continue
+            del call.loaded[pid]
+            values = touched.setdefault(id(group), (group, {}))[1]
+            value = sd.get(key)
+            if _loads_as(value, self._shape_of[pid]):
+                values[pid] = value.detach()
+        for group, values in touched.values():
+            unit = self.engine.unit_of(group)
+            if group in unit.sharded_groups and unit.state is ShardState.SHARDED:
+                continue  # released since (only after a call that died half way): nothing to keep
+            group.write_back_gathered(values)
+
+
+def _loads_as(value: Any, shape: torch.Size) -> bool:
+    """Whether torch's ``_load_from_state_dict`` copies ``value`` into a parameter of ``shape``
+    (otherwise it reported an error and the parameter kept its value)."""
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        return False
+    return value.shape == shape or (len(shape) == 0 and tuple(value.shape) == (1,))
+
+
+def _refuse_replacing_parameters(module: nn.Module, local_metadata: dict) -> None:
+    """``assign=True`` and swap-tensors loading replace the parameters' storage, which after
+    setup is the engine's flat buffer: refuse before anything is gathered or copied."""
+    if local_metadata.get("assign_to_params_buffers", False):
+        how = "load_state_dict(..., assign=True)"
+    elif torch.__future__.get_swap_module_params_on_conversion():
+        how = "load_state_dict under torch.__future__.set_swap_module_params_on_conversion(True)"
+    else:
+        return
+    raise ValueError(
+        f"zero_strategy: {how} would replace the parameters of {type(module).__name__}, which after setup "
+        "are views into the engine's shards; call load_state_dict without it (values are copied into "
+        "the shards and masters), or zs.load_full_state_dict(model, state_dict)")
+
 
 def register_module_state_hooks(engine: "ZeroEngine") -> list:
     """Route ``state_dict`` / ``load_state_dict`` of ``engine.model`` and its submodules
