@@ -1,8 +1,9 @@
 """``model.state_dict()`` and ``model.load_state_dict(sd)`` on a set-up model, as on a plain one.
 
 Without these hooks torch's own methods see the engine's storage, not the model: at
-stage 3 a released parameter holds no values, so ``state_dict()`` returned empty tensors
-(and ``save_pretrained`` wrote them to disk without a word), and ``load_state_dict``
+stage 3 a released parameter holds no values, so ``state_dict()`` returned its
+placeholder (an empty tensor once, a NaN one now) and ``save_pretrained`` wrote it to
+disk without a word, and ``load_state_dict``
 wrote only the compute-dtype parameters, which the next ``optimizer.step()`` overwrote
 from the fp32 masters. Module state-dict hooks route both calls through the engine;
 writes reach the shards and masters through ``FlatGroup.write_back_gathered``, the one
