@@ -36,6 +36,8 @@ def test_teardown_leaves_a_plain_module_with_the_trained_weights():
     for name, t in model.state_dict().items():
         assert torch.equal(t, trained[name]), name
     assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not any(m._state_dict_pre_hooks or m._state_dict_hooks or m._load_state_dict_pre_hooks
+                   or m._load_state_dict_post_hooks for m in model.modules())
     tokens, _ = batch(0, 1, 0)
     model(tokens).sum().backward()  # plain autograd again: gradients land on the parameters
     assert model.layers[0].fc1.weight.grad is not None

@@ -36,6 +36,7 @@ import contextlib
 import enum
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -278,15 +279,30 @@ class FlatGroup:
         with _preserve_version(self.full):
             return comm.all_gather(self.full, self.own(self.full), async_op=True)
 
-    def write_back_gathered(self) -> None:
+    def write_back_gathered(self, loaded: Mapping[int, torch.Tensor] | None = None) -> None:
         """The gathered ``full`` was changed (a load, a modification inside ``gathered_parameters``):
-        write this rank's slice into the resting shard and the fp32 master."""
+        write this rank's slice into the resting shard and the fp32 master.
+
+        ``loaded=None`` (anything may have changed): the whole master takes the gathered
+        values. ``loaded``: id(parameter) -> a tensor with that parameter's new elements
+        (``load_state_dict``, _module_state.py): only those parameters' master elements
+        change, to the tensors' own values, so an fp32 state dict loaded into a bf16 model
+        keeps fp32 masters and the parameters it lacks keep theirs.
+        """
         own = self.own(self.full)
         with torch.no_grad(), self.resident(write_back=True):
             if self.shard_params:
                 self.param_shard.copy_(own)
-            if self.master is not None and not self.master_aliases_params:
-                self.master.copy_(own)
+            if self.master is None or self.master_aliases_params:
+                return
+            master = self.master.data
+            if loaded is None:
+                master.copy_(own)
+                return
+            for slot, lo, hi, where in self.slot_ranges_in_shard():
+                values = loaded.get(id(slot.param))
+                if values is not None:
+                    master[where].copy_(values.reshape(-1)[lo:hi])
 
     def free(self) -> None:
         """Teardown: drop gradients and host copies (the masters go with the optimizer state)."""

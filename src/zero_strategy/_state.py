@@ -51,6 +51,7 @@ from .config import NVMeOffload
 
 from ._collectives import Collectives, Handle
 from ._flat import FlatGroup, ParamSlot, ShardState
+from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
 from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan, plan_for
@@ -217,6 +218,8 @@ class ZeroEngine:
             for m in self.model.modules():
                 if m is not self.model and any(id(p) in root_params for p in m.parameters(recurse=False)):
                     self._handles.append(m.register_forward_pre_hook(self._gather_root_on_demand))
+        # model.state_dict() / load_state_dict() see full weights and reach the shards and masters
+        self._handles.extend(register_module_state_hooks(self))
         dropped = []
         # [Note: weak self in tensor hooks] tensor hooks live in C++, where Python's
         # garbage collector cannot see the cycle parameter -> hook -> engine -> parameter;
