@@ -247,9 +247,9 @@ class ZeroStrategy(DDPStrategy):
         state_dict = checkpoint.get("state_dict")
         if not state_dict:
             return  # a sharded checkpoint: loaded in load_checkpoint
-        module = self.lightning_module  # a full state dict from a plain .ckpt (e.g. a DDP run)
-        with zs.gathered_parameters(module, modifier_rank=0):
-            module.load_state_dict(state_dict, strict=strict)
+        # a full state dict from a plain .ckpt (e.g. a DDP run), read by every rank: load_state_dict
+        # on a set-up model writes each rank's slices into the shards and fp32 masters (_module_state.py)
+        self.lightning_module.load_state_dict(state_dict, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if any(checkpoint.get("optimizer_states", [])):
