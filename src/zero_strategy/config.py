@@ -27,9 +27,6 @@ normalised in ``__post_init__``, so the engine only ever sees canonical values a
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -37,6 +34,20 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
+
+from ._config_values import (  # ZeroConfigError is public here too
+    _DTYPES,
+    ZeroConfigError,
+    _as_bool,
+    _as_dtype_name,
+    _as_float,
+    _as_int,
+    _check_keys,
+    _suggest,
+    FILE_SUFFIXES,
+    looks_like_deepspeed,
+    read_mapping_file,
+)
 
 __all__ = [
     "ZeroConfigError",
@@ -49,127 +60,6 @@ __all__ = [
     "OffloadPolicy",
 ]
 
-
-# --------------------------------------------------------------------------- errors
-
-
-class ZeroConfigError(ValueError):
-    """A configuration problem: which key, what is wrong with it, how to fix it.
-
-    ``str(err)`` reads ``"<key>: <problem>. <fix>"``. ``key`` is a dotted path
-    (``"offload_optimizer.buffer_size"``) or ``None`` for whole-config problems.
-    ``ZeroConfigError("message")`` also works, as for any ``ValueError``.
-    """
-
-    def __init__(self, key: str | None, problem: str | None = None, fix: str | None = None,
-                 source: str | None = None):
-        if problem is None:  # ZeroConfigError("plain message"), like any ValueError
-            key, problem = None, str(key)
-        self.key = key
-        self.problem = problem
-        self.fix = fix
-        self.source = source
-        super().__init__(self._render())
-
-    def _render(self) -> str:
-        msg = f"{self.key}: {self.problem}" if self.key else self.problem
-        if self.fix:
-            msg = f"{msg}{' ' if msg.endswith('.') else '. '}{self.fix}"
-        if self.source:
-            msg = f"{self.source}: {msg}"
-        return msg
-
-    def __reduce__(self):  # keep the error picklable across processes
-        return (type(self), (self.key, self.problem, self.fix, self.source))
-
-    def within(self, prefix: str) -> ZeroConfigError:
-        """The same error with ``prefix.`` in front of the key (for nested sections)."""
-        key = f"{prefix}.{self.key}" if self.key else prefix
-        return ZeroConfigError(key, self.problem, self.fix, self.source)
-
-    def from_source(self, source: str) -> ZeroConfigError:
-        return ZeroConfigError(self.key, self.problem, self.fix, source)
-
-
-def _suggest(word: str, choices: Iterable[str]) -> str:
-    """``" (did you mean 'stage'?)"`` for the close matches of ``word``, else ``""``."""
-    matches = difflib.get_close_matches(str(word), list(choices), n=3, cutoff=0.6)
-    if matches:  # keep only the matches about as close as the best one
-        ratio = lambda m: difflib.SequenceMatcher(None, str(word), m).ratio()  # noqa: E731
-        best = ratio(matches[0])
-        matches = [m for m in matches if ratio(m) >= best - 0.05]
-    if not matches:
-        return ""
-    if len(matches) == 1:
-        return f" (did you mean {matches[0]!r}?)"
-    return " (did you mean one of " + ", ".join(repr(m) for m in matches) + "?)"
-
-
-def _check_keys(given: Iterable[str], allowed: Iterable[str], where: str | None, what: str = "key") -> None:
-    """Raise for the first key of ``given`` that is not in ``allowed``, with a suggestion."""
-    allowed = list(allowed)
-    for key in given:
-        if key not in allowed:
-            path = f"{where}.{key}" if where else str(key)
-            hint = _suggest(key, allowed)
-            fix = None
-            if not hint or len(allowed) <= 20:  # long lists only when there is no suggestion
-                fix = "Valid " + what + "s: " + ", ".join(sorted(allowed)) + "."
-            raise ZeroConfigError(path, f"unknown {what}{hint}", fix)
-
-
-# ------------------------------------------------------------------ value checking
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _as_int(key: str, value: Any, minimum: int | None = None) -> int:
-    """An int (an integral float such as ``1e5`` from YAML/JSON is accepted)."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ZeroConfigError(key, f"expected an integer, got {value!r} ({type(value).__name__})",
-                              "Write a whole number such as 4.")
-    if minimum is not None and value < minimum:
-        raise ZeroConfigError(key, f"must be >= {minimum}, got {value}", f"Use a value of at least {minimum}.")
-    return value
-
-
-def _as_float(key: str, value: Any) -> float:
-    if not _is_number(value) or not math.isfinite(float(value)):
-        raise ZeroConfigError(key, f"expected a finite number, got {value!r}", "Write a number such as 1.0.")
-    return float(value)
-
-
-def _as_bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ZeroConfigError(key, f"expected true or false, got {value!r}", "Write true or false (no quotes).")
-    return value
-
-
-_DTYPE_ALIASES: dict[Any, str] = {
-    "fp32": "fp32", "float32": "fp32", "32": "fp32", "float": "fp32", "32-true": "fp32",
-    "torch.float32": "fp32", "f32": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "16": "fp16", "half": "fp16", "16-mixed": "fp16", "16-true": "fp16",
-    "torch.float16": "fp16", "f16": "fp16",
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _as_dtype_name(key: str, value: Any) -> str:
-    probe = str(value).lower() if isinstance(value, (str, int)) and not isinstance(value, bool) else value
-    try:
-        name = _DTYPE_ALIASES.get(probe)
-    except TypeError:  # unhashable
-        name = None
-    if name is None:
-        hint = _suggest(str(value).lower(), [k for k in _DTYPE_ALIASES if isinstance(k, str)])
-        raise ZeroConfigError(key, f"unknown dtype {value!r}{hint}", 'Use "fp32", "bf16" or "fp16".')
-    return name
 
 
 # ------------------------------------------------------------------ offload policies
@@ -477,9 +367,9 @@ class ZeroConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> ZeroConfig:
         """Read a ``.yaml``/``.yml``/``.json`` file (ours, or a DeepSpeed ``ds_config``)."""
-        data = _read_mapping_file(Path(path))
+        data = read_mapping_file(Path(path))
         try:
-            if _looks_like_deepspeed(data):
+            if looks_like_deepspeed(data):
                 return cls.from_deepspeed(data)
             return cls.from_dict(data)
         except ZeroConfigError as err:
@@ -493,7 +383,7 @@ class ZeroConfig:
         if isinstance(path_or_dict, Mapping):
             return cls(**translate_deepspeed(path_or_dict).fields)
         source = str(path_or_dict)
-        data = _read_mapping_file(Path(path_or_dict))
+        data = read_mapping_file(Path(path_or_dict))
         try:
             return cls(**translate_deepspeed(data).fields)
         except ZeroConfigError as err:
@@ -509,12 +399,12 @@ class ZeroConfig:
         if isinstance(spec, ZeroConfig):
             return spec
         if isinstance(spec, Mapping):
-            return cls.from_deepspeed(spec) if _looks_like_deepspeed(spec) else cls.from_dict(spec)
+            return cls.from_deepspeed(spec) if looks_like_deepspeed(spec) else cls.from_dict(spec)
         if isinstance(spec, (str, os.PathLike)):
             text = os.fspath(spec)
             if isinstance(spec, str) and _preset_key_or_none(text) is not None:
                 return cls.preset(text)
-            if Path(text).suffix.lower() in _FILE_SUFFIXES or Path(text).exists():
+            if Path(text).suffix.lower() in FILE_SUFFIXES or Path(text).exists():
                 return cls.from_file(text)
             hint = _suggest(text.lower(), PRESETS)
             raise ZeroConfigError(None, f"{text!r} is neither a preset name nor an existing config file{hint}",
@@ -575,51 +465,3 @@ def _preset_key(name: Any, key: str | None = None) -> str:
         listing = "; ".join(f"{n} ({desc})" for n, (desc, _) in PRESETS.items())
         raise ZeroConfigError(key, f"unknown preset {name!r}{hint}", f"Presets: {listing}.")
     return found
-
-
-# ------------------------------------------------------------------ files
-
-_FILE_SUFFIXES = (".yaml", ".yml", ".json")
-
-
-def _looks_like_deepspeed(data: Mapping) -> bool:
-    return "zero_optimization" in data
-
-
-def _read_mapping_file(path: Path) -> Mapping:
-    """Parse a YAML/JSON file into a mapping, with the line of a syntax error."""
-    suffix = path.suffix.lower()
-    if suffix not in _FILE_SUFFIXES:
-        raise ZeroConfigError(None, f"unsupported config file type {suffix or '(none)'!r} for {path}",
-                              "Use a .yaml, .yml or .json file.")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ZeroConfigError(None, f"config file {path} does not exist",
-                              "Check the path (relative paths are resolved from the working directory "
-                              f"{os.getcwd()}).") from None
-    except OSError as err:
-        raise ZeroConfigError(None, f"cannot read config file {path}: {err.strerror or err}",
-                              "Check that it is a readable file.") from None
-    if suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ZeroConfigError(None, f"invalid JSON in {path} at line {err.lineno}, column {err.colno}: "
-                                  f"{err.msg}", "Fix the syntax there.") from None
-    else:
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(err, "problem", None) or str(err)
-            raise ZeroConfigError(None, f"invalid YAML in {path}{where}: {problem}",
-                                  "Fix the syntax there.") from None
-    if not isinstance(data, Mapping):
-        raise ZeroConfigError(None, f"the top level of {path} must be a mapping, got "
-                              f"{'an empty file' if data is None else type(data).__name__}",
-                              "Write key: value pairs such as 'stage: 3'.")
-    return data
