@@ -91,10 +91,26 @@ def test_gradients_move_into_the_flat_buffer_and_are_dropped():
 def test_a_second_gradient_adds_and_unwritten_slots_reduce_as_zeros():
     g, params, _ = make_group([(2, 2), (3,)], world_size=1, rank=0)
     for _ in range(2):
-        g.grads.before_accumulate(g.slots[0])  # what the pre-accumulate hook does
+        g.grads.before_accumulate(g.slots[0], keep_full=False)  # what the pre-accumulate hook does
         params[0][1].grad = torch.full((2, 2), 2.0)
         g.grads.accumulate(g.slots[0])     # slot 1 never gets a gradient
     handle, out = g.grads.begin_reduce(Collectives(), in_place=False)  # world of one: a copy
     handle.wait()
     assert torch.equal(g.grads.full_grad, torch.tensor([4.0, 4, 4, 4, 0, 0, 0]))
     assert torch.equal(out, g.grads.full_grad)
+
+
+def test_clearing_every_marker_frees_the_buffer_when_the_next_gradient_arrives():
+    """As ``set_to_none`` frees ``.grad`` on a plain model: ``model.zero_grad()`` after backward
+    leaves the held gradients droppable, and the next arrival resets the whole group."""
+    g, params, _ = make_group([(2, 2), (3,)], world_size=1, rank=0)
+    for slot, (_, p) in zip(g.slots, params):
+        p.grad = torch.ones_like(p)
+        g.grads.accumulate(slot)
+    for _, p in params:  # model.zero_grad()
+        p.grad = None
+    g.grads.before_accumulate(g.slots[0], keep_full=False)
+    assert g.grads.full_grad is None and g.grads.grad_shard is None
+    params[0][1].grad = torch.full((2, 2), 3.0)
+    g.grads.accumulate(g.slots[0])
+    assert torch.equal(g.grads.full_grad[:4], torch.full((4,), 3.0))  # nothing of the cleared one

@@ -82,21 +82,51 @@ class GradBuffer:
         self._marked = [False] * n
         self._marked_in = [0] * n     # which backward placed the marker
         self._backwards = 0           # backwards ended so far
+        self._clearings_applied = False  # this backward already applied the user's clearings
 
     # --------------------------------------------------------------- markers
-    def before_accumulate(self, slot) -> None:
-        """Autograd is about to accumulate into ``param.grad``: take the marker away, and drop the
-        held gradient if the user cleared or replaced it since."""
+    def _intact(self, slot) -> bool:
+        marker = self._markers[slot.index]
+        return slot.param.grad is marker and marker._version == self._marker_version[slot.index]
+
+    def _marked_slots(self) -> tuple[list, list, list]:
+        """Marked slots as (intact, zeroed in place, set to None or replaced)."""
+        intact, zeroed, dropped = [], [], []
+        for s in self.layout.slots:
+            if self._marked[s.index]:
+                if self._intact(s):
+                    intact.append(s)
+                elif s.param.grad is self._markers[s.index]:
+                    zeroed.append(s)
+                else:
+                    dropped.append(s)
+        return intact, zeroed, dropped
+
+    def _forget(self, slots, keep_full: bool, keep_others: bool) -> None:
+        """Drop these slots' held gradients; without others to keep, reset the whole buffer
+        (freeing it, as ``set_to_none`` frees ``.grad`` on a plain model)."""
+        if not keep_others:
+            self.reset(keep_full)
+            return
+        for s in slots:
+            self._marked[s.index] = False
+            self.drop_slot(s)
+
+    def before_accumulate(self, slot, keep_full: bool) -> None:
+        """Autograd is about to accumulate into ``param.grad``: take the marker away. At the
+        group's first arrival in a backward, clearings made since the last one are applied
+        first: a cleared or zeroed parameter starts from nothing (torch adds onto zeros), and
+        a group nobody kept is reset. ``keep_full``: stage 1 keeps its full buffer's memory."""
+        if not self._clearings_applied:
+            self._clearings_applied = True
+            intact, zeroed, dropped = self._marked_slots()
+            if zeroed or dropped:
+                self._forget(zeroed + dropped, keep_full, keep_others=bool(intact))
+                for s in zeroed:
+                    s.param.grad = None
         i = slot.index
-        if not self._marked[i]:
-            return
-        self._marked[i] = False
-        grad, marker = slot.param.grad, self._markers[i]
-        if grad is marker and marker._version == self._marker_version[i]:
-            slot.param.grad = None  # untouched: the held gradient stays and this one adds to it
-            return
-        self.drop_slot(slot)
-        if grad is marker:  # zeroed in place (zero_grad(set_to_none=False)): start from nothing
+        if self._marked[i]:  # the held gradient stays and this one adds to it
+            self._marked[i] = False
             slot.param.grad = None
 
     def _place_marker(self, slot) -> None:
@@ -113,38 +143,29 @@ class GradBuffer:
         """Before a step: apply clearings made since the last backward (``model.zero_grad()`` after
         backward, or of a parameter the last backward did not reach).
 
-        A clearing after the last backward that leaves other parameters of this group with
-        gradients cannot be honoured exactly (torch would skip those parameters entirely,
-        a flat master cannot skip part of itself), so it raises instead of stepping them
-        with a zero gradient. Returns True when the user cleared the whole group after the
-        last backward: torch would skip it, so no rank reduces or steps it.
+        As torch would: a parameter zeroed in place steps with a zero gradient; one set to None
+        has none. A group with no gradient left is skipped, but a flat master cannot skip part
+        of itself, so setting part of a group to None after the last backward, while other
+        parameters keep theirs, raises instead of stepping those with a zero gradient. Returns
+        True when the user cleared the whole group after the last backward: torch would skip
+        it, so no rank reduces or steps it.
         """
-        cleared, kept = [], 0
-        for s in self.layout.slots:
-            i = s.index
-            if not self._marked[i]:
-                continue
-            marker = self._markers[i]
-            if s.param.grad is marker and marker._version == self._marker_version[i]:
-                kept += 1
-            else:
-                cleared.append(s)
-        if not cleared:
+        intact, zeroed, dropped = self._marked_slots()
+        for s in zeroed:  # a zero gradient is still a gradient: held as zeros from now on
+            self.drop_slot(s)
+            self._marker_version[s.index] = self._markers[s.index]._version
+        if not dropped:
             return False
-        latest = [s.fqn for s in cleared if self._marked_in[s.index] == self._backwards - 1]
-        if kept == 0:
-            self.reset(keep_full)
-            return len(latest) == len(cleared)
-        if latest:
+        latest = [s.fqn for s in dropped if self._marked_in[s.index] == self._backwards - 1]
+        kept = bool(intact or zeroed)
+        if kept and latest:
             raise RuntimeError(
                 f"zero_strategy: the gradients of {latest[:3]} were cleared after backward (e.g. "
                 "submodule.zero_grad()) while other parameters of the same flat group "
                 f"{self.layout.name} kept theirs; a sharded step cannot skip part of a group. Clear "
                 "gradients before backward or for the whole model (model.zero_grad(), optimizer.zero_grad())")
-        for s in cleared:
-            self._marked[s.index] = False
-            self.drop_slot(s)
-        return False
+        self._forget(dropped, keep_full, keep_others=kept)
+        return not kept and len(latest) == len(dropped)
 
     # ------------------------------------------------------------ accumulate
     def accumulate(self, slot) -> None:
@@ -246,6 +267,7 @@ class GradBuffer:
         """The next backward counts arriving gradients (and may reduce) afresh."""
         self.arrived = 0
         self.reduced_this_backward = False
+        self._clearings_applied = False
 
     def end_backward(self) -> None:
         """A backward ended (or was abandoned)."""

@@ -231,10 +231,12 @@ class ZeroEngine:
             if engine is not None:
                 engine._on_grad_accumulated(param)
 
+        keep_full = self.plan.keeps_full_gradients
+
         def before_grad(group, slot, engine_ref=engine_ref):
             def hook(grad):
                 if engine_ref() is not None:
-                    group.grads.before_accumulate(slot)  # See [Note: param.grad after backward]
+                    group.grads.before_accumulate(slot, keep_full)  # See [Note: param.grad after backward]
             return hook
 
         for g in self.groups:

@@ -90,6 +90,21 @@ def submodule_zero_grad(side: Side, steps: int) -> list[float]:
     return out
 
 
+def part_of_a_block_zero_grad(side: Side, steps: int) -> list[float]:
+    """As above, but only one layer inside block 0 is cleared: part of a flat group."""
+    out = []
+    for step in range(steps):
+        first = side.loss(step, 0)
+        first.backward()
+        side.model.layers[0].fc1.zero_grad()
+        second = side.loss(step, 1)
+        second.backward()
+        side.optimizer.step()
+        side.model.zero_grad()
+        out.append(first.item() + second.item())
+    return out
+
+
 def grad_set_to_none_by_hand(side: Side, steps: int) -> list[float]:
     """``for p in model.parameters(): p.grad = None`` after each step."""
     out = []
@@ -111,6 +126,21 @@ def zero_grad_between_backward_and_step(side: Side, steps: int) -> list[float]:
         loss.backward()
         if step == 1:
             side.model.zero_grad()
+        side.optimizer.step()
+        side.optimizer.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def zeroed_in_place_between_backward_and_step(side: Side, steps: int) -> list[float]:
+    """``zero_grad(set_to_none=False)`` before step: torch steps with zero gradients (AdamW's
+    moments and weight decay still move the weights)."""
+    out = []
+    for step in range(steps):
+        loss = side.loss(step, 0)
+        loss.backward()
+        if step == 1:
+            side.model.zero_grad(set_to_none=False)
         side.optimizer.step()
         side.optimizer.zero_grad()
         out.append(loss.item())
@@ -152,8 +182,8 @@ def retry_after_backward_error_model_zero_grad(side: Side, steps: int) -> list[f
 
 
 SCENARIOS = {f.__name__: f for f in (
-    model_zero_grad, model_zero_grad_keep_tensors, submodule_zero_grad, grad_set_to_none_by_hand,
-    zero_grad_between_backward_and_step, retry_after_forward_error, retry_after_backward_error,
+    model_zero_grad, model_zero_grad_keep_tensors, submodule_zero_grad, part_of_a_block_zero_grad,
+    grad_set_to_none_by_hand, zero_grad_between_backward_and_step, zeroed_in_place_between_backward_and_step, retry_after_forward_error, retry_after_backward_error,
     retry_after_backward_error_model_zero_grad,
 )}
 
