@@ -56,3 +56,37 @@ def test_reset_iter_state_after_an_abandoned_backward_and_illegal_transitions_ar
     engine.training_state = type(engine.training_state).POST_BACKWARD  # as if a callback were stuck
     with pytest.raises(AssertionError, match="illegal transition from post_backward"):
         engine._end_of_backward()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_keyboard_interrupt_in_forward_is_recovered_by_zero_grad(stage):
+    """A BaseException skips torch's always_call hooks; the retry loop's zero_grad still resets."""
+    torch.manual_seed(0)
+    plain = TinyLM(layers=3)
+    model = TinyLM(layers=3)
+    model.load_state_dict(plain.state_dict())
+    model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)),
+                           zs.ZeroConfig(stage=stage, param_persistence_threshold=0, prefetch=2))
+    popt = torch.optim.AdamW(param_groups(plain))
+    interrupt = {"on": True}
+
+    def maybe_interrupt(module, args):
+        if interrupt["on"]:
+            raise KeyboardInterrupt
+
+    model.layers[1].fc2.register_forward_pre_hook(maybe_interrupt)
+    tokens, targets = batch(0, 0, 0)
+    with pytest.raises(KeyboardInterrupt):
+        model(tokens)
+    interrupt["on"] = False
+    zopt.zero_grad()
+    engine = zs.engine_of(model)
+    assert engine.training_state.value == "idle"
+    assert all(u.state.value == "sharded" for u in engine.units if u.sharded_groups)
+    for m, opt in ((plain, popt), (model, zopt)):
+        loss_fn(m(tokens), targets).backward()
+        opt.step()
+        opt.zero_grad()
+    full = zs.full_state_dict(model)
+    for key, ref in plain.state_dict().items():
+        torch.testing.assert_close(full[key], ref, rtol=1e-5, atol=1e-7, msg=key)

@@ -15,18 +15,21 @@ slice aside (the carry), added back at the next reduce.
 
 [Note: param.grad after backward]
 The engine moves each gradient into the flat buffer as it arrives, so ``param.grad``
-holds no values after backward. It holds a *marker*: a zero-memory tensor with the
-parameter's shape whose every element is NaN (one element, stride 0). It makes the
-user's own gradient code exact or loud:
+holds no values after backward. It holds a *marker* (:class:`GradInShard`): a
+zero-memory tensor with the parameter's shape, dtype and device. It makes the user's
+own gradient code exact or loud:
 * ``model.zero_grad()``, ``submodule.zero_grad()``, ``p.grad = None`` and
-  ``zero_grad(set_to_none=False)`` (``zero_()`` on the marker bumps its version)
-  are seen the next time the parameter's gradient arrives (the per-parameter
-  pre-accumulate hook, ``before_accumulate``) or at the step
-  (``take_cleared_slots``), and that parameter's held gradient is dropped;
-* a tensor the user assigned to ``p.grad`` is accumulated onto by autograd and then
-  taken into the buffer, as torch would;
-* reading the marker gives NaN, and arithmetic on it in place raises, instead of a
-  plausible zero.
+  ``zero_grad(set_to_none=False)`` (``zero_()``, also ``p.grad.data.zero_()``, bumps
+  the marker's version) are seen when the group's next gradient arrives (the
+  per-parameter pre-accumulate hook, ``before_accumulate``) or at the step
+  (``take_cleared_slots``): a parameter set to None has no gradient, one zeroed has
+  zeros, as in torch;
+* a tensor the user assigned to ``p.grad`` before a backward is accumulated onto by
+  autograd and then taken into the buffer, as torch would; one assigned between
+  backward and step cannot be used, and the step raises;
+* anything else on the marker (reading values, ``norm()``, ``clip_grad_norm_``,
+  ``masked_fill_``, arithmetic) raises at once with the fix, instead of giving a
+  plausible number.
 """
 
 from __future__ import annotations
@@ -48,12 +51,53 @@ class GradState(enum.Enum):
 def nan_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-memory tensor of ``shape`` whose every element is NaN (one element, stride 0).
 
-    Stands in for values the engine holds elsewhere: a released stage-3 parameter
-    (see [Note: parameter storage and aliasing] in _flat.py) and ``param.grad`` after
-    backward (see [Note: param.grad after backward]). Reads give NaN, in-place writes raise.
+    Stands in for the values of a released stage-3 parameter (see [Note: parameter storage
+    and aliasing] in _flat.py): reads give NaN, in-place writes raise.
     """
     t = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
     return t.fill_(float("nan"))
+
+
+# What a marker answers: metadata, and the calls zero_grad(set_to_none=False) makes.
+_MARKER_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "layout", "ndim",
+                      "_version", "is_cuda", "is_sparse", "is_meta", "is_quantized", "is_nested", "names")
+_MARKER_METADATA = {getattr(torch.Tensor, n).__get__ for n in _MARKER_PROPERTIES if hasattr(torch.Tensor, n)} | {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.stride,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_contiguous,
+    torch.Tensor.requires_grad_, torch.Tensor.detach_}
+_MARKER_ZEROING = {torch.Tensor.zero_, torch._foreach_zero_}
+_DATA_GET = torch.Tensor.data.__get__
+
+
+class GradInShard(torch.Tensor):
+    """``param.grad`` after backward: the gradient is in the flat group's shard, not here.
+
+    See [Note: param.grad after backward]. Metadata reads and zeroing work; anything that
+    would read or change values raises at once with the fix, instead of a plausible number.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _MARKER_METADATA or func in _MARKER_ZEROING:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func == _DATA_GET:  # p.grad.data.zero_(): the marker itself
+            return args[0]
+        if func == torch.Tensor.__repr__:
+            return f"GradInShard(shape={tuple(args[0].shape)}: the gradient lives in a ZeRO shard)"
+        name = getattr(func, "__name__", str(func))
+        raise RuntimeError(
+            f"zero_strategy: {name} on param.grad after backward: on a ZeRO model the gradient lives in "
+            "the flat group's shard and param.grad is only a marker. Clear gradients with zero_grad() "
+            "(model or optimizer), clip with optimizer.clip_grad_norm_()/clip_grad_value_(), scale "
+            "the loss instead of the gradients")
+
+
+def _new_marker(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(marker, its plain base): the base shares the marker's version counter, read without
+    the subclass's dispatch on the hot path."""
+    base = nan_placeholder(param.shape, param.dtype, param.device)
+    return torch.Tensor._make_subclass(GradInShard, base, False), base
 
 
 class GradBuffer:
@@ -78,6 +122,7 @@ class GradBuffer:
         self.reduced_this_backward = False
         # markers: See [Note: param.grad after backward]
         self._markers: list[torch.Tensor | None] = [None] * n
+        self._marker_bases: list[torch.Tensor | None] = [None] * n  # same version counter
         self._marker_version = [0] * n
         self._marked = [False] * n
         self._marked_in = [0] * n     # which backward placed the marker
@@ -86,8 +131,8 @@ class GradBuffer:
 
     # --------------------------------------------------------------- markers
     def _intact(self, slot) -> bool:
-        marker = self._markers[slot.index]
-        return slot.param.grad is marker and marker._version == self._marker_version[slot.index]
+        i = slot.index
+        return slot.param.grad is self._markers[i] and self._marker_bases[i]._version == self._marker_version[i]
 
     def _marked_slots(self) -> tuple[list, list, list]:
         """Marked slots as (intact, zeroed in place, set to None or replaced)."""
@@ -131,11 +176,10 @@ class GradBuffer:
 
     def _place_marker(self, slot) -> None:
         i = slot.index
-        marker = self._markers[i]
-        if marker is None or marker.shape != slot.param.shape:
-            marker = self._markers[i] = nan_placeholder(slot.param.shape, slot.param.dtype, slot.param.device)
-        slot.param.grad = marker
-        self._marker_version[i] = marker._version
+        if self._markers[i] is None:
+            self._markers[i], self._marker_bases[i] = _new_marker(slot.param)
+        slot.param.grad = self._markers[i]
+        self._marker_version[i] = self._marker_bases[i]._version
         self._marked[i] = True
         self._marked_in[i] = self._backwards
 
@@ -151,9 +195,16 @@ class GradBuffer:
         it, so no rank reduces or steps it.
         """
         intact, zeroed, dropped = self._marked_slots()
+        replaced = [s.fqn for s in dropped if s.param.grad is not None]
+        if replaced:
+            raise RuntimeError(
+                f"zero_strategy: param.grad of {replaced[:3]} was replaced by a tensor after backward; on a "
+                "ZeRO model the gradient lives in the shard, so a step cannot use the new tensor. Scale the "
+                "loss instead, clip with optimizer.clip_grad_norm_()/clip_grad_value_(), or assign "
+                "param.grad before backward (autograd then accumulates onto it)")
         for s in zeroed:  # a zero gradient is still a gradient: held as zeros from now on
             self.drop_slot(s)
-            self._marker_version[s.index] = self._markers[s.index]._version
+            self._marker_version[s.index] = self._marker_bases[s.index]._version
         if not dropped:
             return False
         latest = [s.fqn for s in dropped if self._marked_in[s.index] == self._backwards - 1]

@@ -173,9 +173,15 @@ class ZeroEngine:
                 f"{[s.value for s in allowed]}); call zero_strategy.reset_iter_state(model) after an "
                 "iteration that was interrupted")
 
-    def _recover_if_abandoned(self) -> None:
-        """A backward that raised never reached its end-of-backward callback: reset first."""
-        if self.training_state is not TrainingState.IDLE and not _in_backward() and self._root_forward_depth == 0:
+    def _recover_if_abandoned(self, outside_forward: bool = False) -> None:
+        """An iteration an exception abandoned: reset first. A backward that raised never ran its
+        end-of-backward callback; a forward interrupted by a ``BaseException`` that is not an
+        ``Exception`` (KeyboardInterrupt) never ran the always_call hooks either, so its depth
+        stays up: zero_grad and step (``outside_forward``, never called inside a forward) reset
+        it too, while a forward cannot tell it from a nested call of the root."""
+        if self.training_state is TrainingState.IDLE or _in_backward():
+            return
+        if self._root_forward_depth == 0 or outside_forward:
             self.reset_iter_state()
 
     def reset_iter_state(self) -> None:
@@ -430,7 +436,7 @@ class ZeroEngine:
 
         ``groups``: one optimizer's groups (default: all trainable groups).
         """
-        self._recover_if_abandoned()
+        self._recover_if_abandoned(outside_forward=True)
         self.wait_reduces()
         groups = self.trainable_groups if groups is None else groups
         # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
@@ -447,7 +453,7 @@ class ZeroEngine:
 
     def zero_grad(self, groups: list[FlatGroup] | None = None) -> None:
         """Drop the gradients of ``groups`` (default: all); also ends an abandoned iteration."""
-        self._recover_if_abandoned()
+        self._recover_if_abandoned(outside_forward=True)
         for g in self.groups if groups is None else groups:
             g.zero_grad(keep_full=self.plan.keeps_full_gradients)
 
