@@ -45,3 +45,38 @@ def test_swap_files_are_gone_after_the_run(results):
     _, path = results
     import os
     assert [f for f in os.listdir(path) if f.startswith("zero_swap")] == []
+
+
+@pytest.mark.timeout(120, method="thread")  # a regression hangs in a wait: end the process
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_units_with_many_groups_and_deep_prefetch_do_not_wait_on_their_own_slots(tmp_path, prefetch):
+    """Three flat groups per block (a frozen norm weight, as LoRA-style fine-tunes have) with
+    NVMe-resting parameters: every gather in flight holds a slot, so the slot pool is sized by
+    prefetch and groups per unit. Oracle: a plain model with torch AdamW, two steps."""
+    import copy
+
+    import torch
+
+    import zero_strategy as zs
+    from _models import TinyLM, batch, loss_fn, param_groups
+
+    torch.manual_seed(0)
+    plain = TinyLM(layers=3)
+    for block in plain.layers:
+        block.norm.weight.requires_grad_(False)
+    model = copy.deepcopy(plain)
+    nvme = {"device": "nvme", "path": str(tmp_path), "buffer_size": 4096 * 4}
+    model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)),
+                           zs.ZeroConfig(stage=3, param_persistence_threshold=0, prefetch=prefetch,
+                                         offload_optimizer=nvme, offload_params=nvme))
+    assert max(len(u.sharded_groups) for u in zs.engine_of(model).units) == 3
+    popt = torch.optim.AdamW(param_groups(plain))
+    for step in range(2):
+        tokens, targets = batch(0, step, 0)
+        for m, opt in ((plain, popt), (model, zopt)):
+            loss_fn(m(tokens), targets).backward()
+            opt.step()
+            opt.zero_grad()
+    full = zs.full_state_dict(model)
+    for key, ref in plain.state_dict().items():
+        torch.testing.assert_close(full[key], ref, rtol=1e-5, atol=1e-7, msg=key)

@@ -213,7 +213,16 @@ class SlotPool:
     def __init__(self, count: int, pin: bool):
         self._pin = pin
         self._free: list[torch.Tensor | None] = [None] * count
+        self.count = count
         self._cv = threading.Condition()
+
+    def grow_to(self, count: int) -> None:
+        """At least ``count`` slots (buffers are allocated on first use)."""
+        with self._cv:
+            if count > self.count:
+                self._free.extend([None] * (count - self.count))
+                self.count = count
+                self._cv.notify_all()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._cv:

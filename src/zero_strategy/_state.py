@@ -130,6 +130,12 @@ class ZeroEngine:
         )
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
+        if self.swap is not None:
+            # every unit whose gather is in flight (this one, ``prefetch`` ahead, the root) holds a
+            # slot per NVMe group until its upload, beside the step's read-ahead and write-backs:
+            # fewer slots than that and the gathering thread waits on itself
+            per_unit = max((len(u.sharded_groups) for u in self.units), default=0)
+            self.swap.pool.grow_to((config.prefetch + 2) * per_unit + self.swap.policy.read_ahead + 4)
         self.trainable_groups = [g for g in self.groups if g.trainable]
         self._slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {
             id(s.param): (g, s) for g in self.groups for s in g.slots
