@@ -353,15 +353,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
                 nxt.masters.prefetch()
             g.masters.begin_step()
-            grad = g.master_grad()  # waits for this group's download only
-            if factor != 1.0:
-                grad.mul_(factor)
-            g.master.grad = grad
             try:
-                self._unhooked_step(self.optimizer)
-            finally:
-                g.master.grad = None
-            uploaded = g.stage_master_upload()
+                grad = g.master_grad()  # waits for this group's download only
+                if factor != 1.0:
+                    grad.mul_(factor)
+                g.master.grad = grad
+                try:
+                    self._unhooked_step(self.optimizer)
+                finally:
+                    g.master.grad = None
+                uploaded = g.stage_master_upload()
+            except BaseException:
+                g.masters.abort_step()  # hand the slot back unwritten, or the next step waits forever
+                raise
             g.masters.end_step(self.optimizer.state.get(g.master, {}))
             return uploaded
 
@@ -382,11 +386,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------- state dict
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state (resharding checkpoints: zero_strategy checkpoint API)."""
+        inner = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for pg in self.optimizer.param_groups for p in pg["params"])}
+        for g in self.groups:  # state swapped out to NVMe is evicted here: copy it while resident
+            if g.swap is not None and g.master in self.optimizer.state:
+                with g.resident(write_back=False):
+                    inner["state"][index[id(g.master)]] = {
+                        k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in self.optimizer.state[g.master].items()}
         return {
             "format": "zero_strategy.local_shard",
             "rank": self.engine.comm.rank,
             "world_size": self.engine.comm.world_size,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": inner,
             "loss_scaler": self.scaler.state_dict(),
         }
 
@@ -399,6 +411,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"but this is rank {self.engine.comm.rank} of {self.engine.comm.world_size}; use the "
                 "zero_strategy checkpoint API to resume on another world size")
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
+            g.masters.track_optimizer_state(self.optimizer.state.get(g.master, {}), replace=True)
         self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 

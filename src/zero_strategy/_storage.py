@@ -142,6 +142,9 @@ class DeviceMaster:
     def end_step(self, optimizer_state: dict) -> None:
         """The step is done: keep (or swap out) master and the state the optimizer built."""
 
+    def abort_step(self) -> None:
+        """The step raised: release what ``begin_step`` took, writing nothing back."""
+
     def track_optimizer_state(self, optimizer_state: dict, replace: bool = False) -> None:
         """The optimizer built (``replace``: rebuilt, e.g. by a checkpoint load) its state for
         this master; it rests where the master does."""
@@ -209,6 +212,9 @@ class NVMeMaster(HostMaster):
 
     def begin_step(self) -> None:
         self.swap.swap_in(self.owner, "opt")
+
+    def abort_step(self) -> None:
+        self.swap.swap_out(self.owner, "opt", write=False)
 
     def end_step(self, optimizer_state: dict) -> None:
         self.track_optimizer_state(optimizer_state)  # first step: the state was just created
