@@ -75,34 +75,29 @@ def model_zero_grad_keep_tensors(side: Side, steps: int) -> list[float]:
     return out
 
 
-def submodule_zero_grad(side: Side, steps: int) -> list[float]:
-    """Two micro-batches accumulate, but block 0's gradients of the first are cleared in between."""
+def _clear_between_micro_batches(side: Side, steps: int, clear) -> list[float]:
+    """Two micro-batches accumulate; ``clear`` runs between them, then step and zero the model."""
     out = []
     for step in range(steps):
         first = side.loss(step, 0)
         first.backward()
-        side.model.layers[0].zero_grad()
+        clear(side.model)
         second = side.loss(step, 1)
         second.backward()
         side.optimizer.step()
         side.model.zero_grad()
         out.append(first.item() + second.item())
     return out
+
+
+def submodule_zero_grad(side: Side, steps: int) -> list[float]:
+    """Block 0's gradients of the first micro-batch are cleared: whole flat groups."""
+    return _clear_between_micro_batches(side, steps, lambda model: model.layers[0].zero_grad())
 
 
 def part_of_a_block_zero_grad(side: Side, steps: int) -> list[float]:
-    """As above, but only one layer inside block 0 is cleared: part of a flat group."""
-    out = []
-    for step in range(steps):
-        first = side.loss(step, 0)
-        first.backward()
-        side.model.layers[0].fc1.zero_grad()
-        second = side.loss(step, 1)
-        second.backward()
-        side.optimizer.step()
-        side.model.zero_grad()
-        out.append(first.item() + second.item())
-    return out
+    """Only one layer inside block 0 is cleared: part of a flat group."""
+    return _clear_between_micro_batches(side, steps, lambda model: model.layers[0].fc1.zero_grad())
 
 
 def grad_set_to_none_by_hand(side: Side, steps: int) -> list[float]:
@@ -118,33 +113,29 @@ def grad_set_to_none_by_hand(side: Side, steps: int) -> list[float]:
     return out
 
 
-def zero_grad_between_backward_and_step(side: Side, steps: int) -> list[float]:
-    """A step after ``model.zero_grad()`` has no gradients: torch skips every parameter."""
+def _clear_between_backward_and_step(side: Side, steps: int, clear) -> list[float]:
+    """At step 1 ``clear`` runs after backward and before ``optimizer.step()``."""
     out = []
     for step in range(steps):
         loss = side.loss(step, 0)
         loss.backward()
         if step == 1:
-            side.model.zero_grad()
+            clear(side.model)
         side.optimizer.step()
         side.optimizer.zero_grad()
         out.append(loss.item())
     return out
+
+
+def zero_grad_between_backward_and_step(side: Side, steps: int) -> list[float]:
+    """A step after ``model.zero_grad()`` has no gradients: torch skips every parameter."""
+    return _clear_between_backward_and_step(side, steps, lambda model: model.zero_grad())
 
 
 def zeroed_in_place_between_backward_and_step(side: Side, steps: int) -> list[float]:
     """``zero_grad(set_to_none=False)`` before step: torch steps with zero gradients (AdamW's
     moments and weight decay still move the weights)."""
-    out = []
-    for step in range(steps):
-        loss = side.loss(step, 0)
-        loss.backward()
-        if step == 1:
-            side.model.zero_grad(set_to_none=False)
-        side.optimizer.step()
-        side.optimizer.zero_grad()
-        out.append(loss.item())
-    return out
+    return _clear_between_backward_and_step(side, steps, lambda model: model.zero_grad(set_to_none=False))
 
 
 def _retry_loop(side: Side, steps: int, clear) -> list[float]:
