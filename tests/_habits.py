@@ -1,10 +1,15 @@
-"""Shared by the seam tests that run users' own loops (tests/workers/habits.py) on 2 ranks."""
+"""Shared by the seam tests: users' own loops on 2 ranks (tests/workers/habits.py), and the
+one-process comparison of a set-up model with a plain one."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+import torch
+
+import zero_strategy as zs
+from _models import batch, loss_fn
 
 from _launch import launch
 
@@ -30,3 +35,19 @@ def results_of(reports: list[dict], scenario: str):
             assert res["losses_zero"] == pytest.approx(res["losses_ref"], rel=1e-5), res["case"]
             yield rank, res
     assert found, f"no result for {scenario}"
+
+
+def train(model, optimizer, steps) -> None:
+    """The plain loop on this process's batches: forward, backward, step, zero_grad."""
+    for step in steps:
+        tokens, targets = batch(0, step, 0)
+        loss_fn(model(tokens), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def assert_same_weights(model, plain, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    """The set-up ``model``'s full weights equal the plain reference's, tensor by tensor."""
+    full = zs.full_state_dict(model)
+    for key, ref in plain.state_dict().items():
+        torch.testing.assert_close(full[key], ref, rtol=rtol, atol=atol, msg=key)

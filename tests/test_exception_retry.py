@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from _habits import habit_reports, results_of
+from _habits import assert_same_weights, habit_reports, results_of, train
 from _models import TinyLM, batch, loss_fn, param_groups
 
 SCENARIOS = ("retry_after_forward_error", "retry_after_backward_error",
@@ -83,10 +83,6 @@ def test_a_keyboard_interrupt_in_forward_is_recovered_by_zero_grad(stage):
     engine = zs.engine_of(model)
     assert engine.training_state.value == "idle"
     assert all(u.state.value == "sharded" for u in engine.units if u.sharded_groups)
-    for m, opt in ((plain, popt), (model, zopt)):
-        loss_fn(m(tokens), targets).backward()
-        opt.step()
-        opt.zero_grad()
-    full = zs.full_state_dict(model)
-    for key, ref in plain.state_dict().items():
-        torch.testing.assert_close(full[key], ref, rtol=1e-5, atol=1e-7, msg=key)
+    train(plain, popt, range(1))
+    train(model, zopt, range(1))
+    assert_same_weights(model, plain)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
+from _habits import assert_same_weights
 from _models import TinyLM, batch, loss_fn, param_groups
 
 CONFIGS = {"zero1": dict(stage=1), "zero2": dict(stage=2), "zero3": dict(stage=3),
@@ -74,6 +75,4 @@ def test_old_style_manual_zeroing_matches_torch(name):
             for p in m.parameters():  # the pre-zero_grad() idiom: zero in place through .data
                 if p.grad is not None:
                     p.grad.data.zero_()
-    full = zs.full_state_dict(model)
-    for key, ref in plain.state_dict().items():
-        torch.testing.assert_close(full[key], ref, rtol=1e-5, atol=1e-7, msg=key)
+    assert_same_weights(model, plain)

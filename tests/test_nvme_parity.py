@@ -58,7 +58,8 @@ def test_units_with_many_groups_and_deep_prefetch_do_not_wait_on_their_own_slots
     import torch
 
     import zero_strategy as zs
-    from _models import TinyLM, batch, loss_fn, param_groups
+    from _habits import assert_same_weights, train
+    from _models import TinyLM, param_groups
 
     torch.manual_seed(0)
     plain = TinyLM(layers=3)
@@ -70,16 +71,9 @@ def test_units_with_many_groups_and_deep_prefetch_do_not_wait_on_their_own_slots
                            zs.ZeroConfig(stage=3, param_persistence_threshold=0, prefetch=prefetch,
                                          offload_optimizer=nvme, offload_params=nvme))
     assert max(len(u.sharded_groups) for u in zs.engine_of(model).units) == 3
-    popt = torch.optim.AdamW(param_groups(plain))
-    for step in range(2):
-        tokens, targets = batch(0, step, 0)
-        for m, opt in ((plain, popt), (model, zopt)):
-            loss_fn(m(tokens), targets).backward()
-            opt.step()
-            opt.zero_grad()
-    full = zs.full_state_dict(model)
-    for key, ref in plain.state_dict().items():
-        torch.testing.assert_close(full[key], ref, rtol=1e-5, atol=1e-7, msg=key)
+    train(plain, torch.optim.AdamW(param_groups(plain)), range(2))
+    train(model, zopt, range(2))
+    assert_same_weights(model, plain)
 
 
 @pytest.mark.timeout(120, method="thread")
@@ -90,7 +84,8 @@ def test_optimizer_state_dict_round_trip_with_nvme_state(tmp_path):
     import torch
 
     import zero_strategy as zs
-    from _models import TinyLM, batch, loss_fn, param_groups
+    from _habits import train
+    from _models import TinyLM, param_groups
 
     def run(offload):
         torch.manual_seed(0)
@@ -99,13 +94,6 @@ def test_optimizer_state_dict_round_trip_with_nvme_state(tmp_path):
                                zs.ZeroConfig(stage=3, param_persistence_threshold=0,
                                              offload_optimizer=offload, offload_params=offload))
         return model, zopt
-
-    def train(model, zopt, steps):
-        for step in steps:
-            tokens, targets = batch(0, step, 0)
-            loss_fn(model(tokens), targets).backward()
-            zopt.step()
-            zopt.zero_grad()
 
     nvme = {"device": "nvme", "path": str(tmp_path), "buffer_size": 4096 * 4}
     host, host_opt = run("cpu")
