@@ -36,10 +36,26 @@ the ``src`` of a broadcast, is translated in :meth:`Collectives.global_rank`; ev
 call passes ``group=self.group``. A rank outside the group it passes gets a
 ``ValueError`` at construction, before any communication, so the members are not
 left waiting in a collective (tests/test_subgroup_process_group.py).
+
+[Note: bounded waits]
+At stage 3 every forward, ``state_dict()`` and ``gathered_parameters`` all-gathers, so
+a call made on some ranks only (``if rank == 0: model.generate(...)``, a rank-0-only
+``save_pretrained``) leaves the ranks that made it waiting for the process group's
+timeout: 30 minutes by default, with no word of why. ``Collectives(wait_timeout=s)``
+bounds every wait on a gather or reduce-scatter handle: ``work.wait(timeout)`` raises
+after ``s`` seconds (gloo abandons the operation; the group should not be used
+again), and :class:`CollectiveTimeout` goes up to the layer that knows what the
+collective was for. To say *which* ranks did not come, each rank counts the calls
+that make it gather (:class:`EntryLedger`) in the c10d store the process group was
+rendezvoused through: the store answers without the other ranks' help, so a rank
+stuck in a collective can read how far the others got. A rank whose count is below
+ours never began the call we are stuck in. Counting costs one store round trip per
+call (not per collective), only at stage 3 with more than one rank.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,20 +106,103 @@ class CommStats:
         return out
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective this rank waited on did not complete within the engine's bound.
+
+    Raised by :meth:`Handle.wait`; the layer that knows what the collective was for
+    (units, the engine) catches it and raises an error that names the unit and the
+    ranks that did not come (see [Note: bounded waits]).
+    """
+
+
 class Handle:
     """An in-flight collective. ``wait()`` is idempotent and keeps tensors alive until then."""
 
-    __slots__ = ("_work", "_keep")
+    __slots__ = ("_work", "_keep", "_timeout")
 
-    def __init__(self, work=None, keep: tuple = ()):
+    def __init__(self, work=None, keep: tuple = (), timeout: float | None = None):
         self._work = work
         self._keep = keep
+        self._timeout = timeout
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the collective; after ``timeout`` seconds (default: the bound it was started
+        with) raise :class:`CollectiveTimeout` (see [Note: bounded waits])."""
+        timeout = timeout if timeout is not None else self._timeout
         if self._work is not None:
-            self._work.wait()
+            if timeout is None:
+                self._work.wait()
+            else:
+                try:
+                    self._work.wait(datetime.timedelta(seconds=timeout))
+                except RuntimeError as e:
+                    if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                        raise
+                    self._work = None  # gloo abandons a timed-out operation; never wait on it again
+                    self._keep = ()
+                    raise CollectiveTimeout(str(e)) from e
             self._work = None
         self._keep = ()
+
+
+class EntryLedger:
+    """How many gathering calls (forwards, ``state_dict`` calls, ...) each rank of a group has
+    begun, kept in the c10d store; see [Note: bounded waits]."""
+
+    _namespaces: dict[tuple[int, ...], int] = {}  # group's global ranks -> engines set up over it
+
+    def __init__(self, group_ranks: tuple[int, ...], rank: int):
+        self.rank = rank
+        self.world_size = len(group_ranks)
+        self.count = 0
+        self.last_kind = ""
+        seq = EntryLedger._namespaces.get(group_ranks, 0)
+        EntryLedger._namespaces[group_ranks] = seq + 1  # every rank sets engines up in the same order
+        self._prefix = f"zero_strategy/entries/{'-'.join(map(str, group_ranks))}/{seq}/"
+        self._store = _default_store()
+
+    def enter(self, kind: str) -> None:
+        """This rank begins a call that gathers (``kind``: "forward", "state_dict", ...)."""
+        self.count += 1
+        self.last_kind = kind
+        if self._store is not None:
+            self._store.add(self._prefix + str(self.rank), 1)
+
+    def counts(self) -> list[int] | None:
+        """Every rank's count now (``add(key, 0)`` reads without waiting); None without a store."""
+        if self._store is None:
+            return None
+        try:
+            return [int(self._store.add(self._prefix + str(r), 0)) for r in range(self.world_size)]
+        except Exception:  # noqa: BLE001 - the store's host may be the rank that died
+            return None
+
+    def describe(self) -> str:
+        """Which ranks did not begin the call this rank is in, for an error message."""
+        counts = self.counts()
+        here = f"this rank (group rank {self.rank}) is in its call #{self.count} ({self.last_kind or 'gather'})"
+        if counts is None:
+            return here + "; how far the other ranks got is unknown (no c10d store)"
+        behind = [r for r, c in enumerate(counts) if c < self.count]
+        ahead = [r for r, c in enumerate(counts) if c > self.count]
+        parts = [here]
+        if behind:
+            parts.append("group ranks " + ", ".join(f"{r} (at call #{counts[r]})" for r in behind)
+                         + " never began it")
+        if ahead:
+            parts.append("group ranks " + ", ".join(f"{r} (at call #{counts[r]})" for r in ahead)
+                         + " are already past it")
+        if not behind and not ahead:
+            parts.append("every rank began it, so a rank is stuck or slow inside it")
+        return "; ".join(parts)
+
+
+def _default_store():
+    """The store the default process group rendezvoused through (None if unavailable)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private accessor: degrade to messages without rank names
+        return None
 
 
 class Collectives:
@@ -111,20 +210,35 @@ class Collectives:
 
     ``small_tensor_ops`` (scalars for overflow checks and norms) go through
     ``all_reduce``; they are counted too so the volume test sees everything.
+    ``wait_timeout``: seconds a wait on a gather or reduce-scatter may take before
+    :class:`CollectiveTimeout` (None: the process group's own timeout).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, wait_timeout: float | None = None):
         if dist.is_available() and dist.is_initialized():
             _check_member(group)
             self.group = group
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.backend = str(dist.get_backend(group))
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(dist.get_world_size()))
         else:
             if group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialized")
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
+            ranks = (0,)
+        self.wait_timeout = wait_timeout
+        self.ledger = EntryLedger(ranks, self.rank) if self.world_size > 1 else None
         self.stats = CommStats()
+
+    def enter(self, kind: str) -> None:
+        """A call that gathers begins on this rank (counted for error messages; see the Note)."""
+        if self.ledger is not None:
+            self.ledger.enter(kind)
+
+    def who_is_missing(self) -> str:
+        return self.ledger.describe() if self.ledger is not None else "single rank"
 
     # ------------------------------------------------------------------ helpers
     def _count(self, counter: OpCounter, t: torch.Tensor, numel: int, ring_factor: float) -> None:
@@ -144,7 +258,7 @@ class Collectives:
             return Handle()
         self._count(self.stats.all_gather, output, output.numel(), (n - 1) / n)
         work = _all_gather_single(output, shard, group=self.group, async_op=async_op)
-        return Handle(work, (output, shard)) if async_op else Handle()
+        return Handle(work, (output, shard), self.wait_timeout) if async_op else Handle()
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Handle:
         """shard[S] <- sum over ranks of this rank's slot of full[N*S] (callers pre-divide to average)."""
@@ -158,7 +272,7 @@ class Collectives:
             work = dist.reduce_scatter(shard, list(full.chunk(n)), group=self.group, async_op=async_op)
         else:
             work = _reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
-        return Handle(work, (shard, full)) if async_op else Handle()
+        return Handle(work, (shard, full), self.wait_timeout) if async_op else Handle()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         """In-place all-reduce; ``op`` is "sum" or "max"."""

@@ -196,6 +196,30 @@ class FlatGroup:
         for s, v in zip(self.slots, self._views):
             s.param.data = v
 
+    def adopt_replaced_data(self) -> None:
+        """Take back parameters whose ``.data`` was replaced while gathered.
+
+        ``p.data = new_tensor`` (PEFT's ``merge(safe_merge=True)``, custom weight surgery) leaves
+        the parameter outside the flat buffer, so a write-back would keep the old values and the
+        next gather would silently undo the change. The new values are copied into the buffer
+        and the parameter views it again. A changed shape cannot fit the layout fixed at setup.
+        """
+        if self.state is not ShardState.GATHERED:
+            return
+        with torch.no_grad():
+            for s, v in zip(self.slots, self._views):
+                data = s.param.data
+                if data.data_ptr() == v.data_ptr() and data.shape == v.shape and data.stride() == v.stride():
+                    continue
+                if data.shape != v.shape:
+                    raise ValueError(
+                        f"zero_strategy: parameter {s.fqn!r} changed shape after setup, from {tuple(v.shape)} "
+                        f"to {tuple(data.shape)}; its flat buffer, shards, master and optimizer state were "
+                        "laid out at setup. Change shapes (resize_token_embeddings, pruning) before "
+                        "zero_strategy.setup / accelerator.prepare / Trainer(...), or teardown and set up again.")
+                v.copy_(data)
+                s.param.data = v
+
     def begin_gather(self, comm: Collectives) -> Handle | None:
         """Start materializing ``full`` from the shards; ``finish_gather`` after the handle."""
         if self.state is ShardState.GATHERED:

@@ -140,6 +140,7 @@ class ModuleStateHooks:
             if call is not None:  # the last call died half way: its entries are gone with it
                 self._release(call, call.releasing_at(call.owner))
             call = self._save = _Call(module)
+            self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _collectives.py
         self._gather_for(call, module)
 
     def after_save(self, module: nn.Module, destination: dict, prefix: str) -> None:
@@ -190,6 +191,8 @@ class ModuleStateHooks:
                 self._release(call, call.releasing_at(call.owner))
             _refuse_replacing_parameters(module, local_metadata)
             call = self._load = _Call(module)
+            if self._sharded_unit_of:
+                self.engine.comm.enter("load_state_dict")
         self._gather_for(call, module)
         for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
             key = prefix + name

@@ -49,7 +49,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .config import NVMeOffload
 
-from ._collectives import Collectives, Handle
+from ._collectives import CollectiveTimeout, Collectives, Handle
 from ._flat import FlatGroup, ParamSlot, ShardState
 from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
@@ -57,7 +57,7 @@ from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan, plan_for
 from ._placement import single_device, swap_bytes
 from ._tree import map_tensors, tensors_in
-from ._units import Unit, build_units
+from ._units import Unit, build_units, missing_ranks_message
 
 #: reduce-scatters allowed in flight during backward before the oldest is waited on
 _MAX_REDUCES_IN_FLIGHT = 4
@@ -154,6 +154,7 @@ class ZeroEngine:
         self._last_position: dict[int, int] = {}  # id(unit) -> its place in _last_forward_order
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
+        self.undo_on_teardown: list = []  # what setup adjusted on library models (_model_integrations.py)
         self._register_hooks()
 
     def __repr__(self) -> str:
@@ -279,6 +280,8 @@ class ZeroEngine:
             self._recover_if_abandoned()
             self._assert_state(TrainingState.IDLE)
             self.training_state = TrainingState.FORWARD
+            if self.plan.shards_parameters:
+                self.comm.enter("forward")
             self._forward_order = []
             self._forward_seen: set[int] = set()
         self._root_forward_depth += 1
@@ -405,7 +408,11 @@ class ZeroEngine:
     def _finish_one_reduce(self, stepping_allowed: bool = True) -> None:
         group, handle, out = self._pending_reduces.popleft()
         with torch.profiler.record_function(f"zero::reduce_wait::{group.name}"):
-            handle.wait()
+            try:
+                handle.wait()
+            except CollectiveTimeout as e:
+                raise CollectiveTimeout(missing_ranks_message(
+                    self.comm, f"the gradient reduce-scatter of {group.name!r} in backward", e)) from e
         group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
         if stepping_allowed and self._overlapping() and _in_backward():
             for zopt in self.optimizers():  # See [Note: overlap_step] in _optimizer.py

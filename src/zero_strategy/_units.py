@@ -42,7 +42,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ._collectives import Collectives, Handle
+from ._collectives import CollectiveTimeout, Collectives, Handle
 from ._flat import FlatGroup, ShardState
 from ._materialize import materialize_unit
 from ._materialize import unit_modules as unit_scope
@@ -145,6 +145,18 @@ def _unit_class_hint(root: nn.Module) -> str:
             f"{shown}.")
 
 
+def missing_ranks_message(comm: Collectives, what: str, error: Exception) -> str:
+    """The error for a bounded wait that ran out (see [Note: bounded waits] in _collectives.py)."""
+    return (f"zero_strategy: rank {comm.rank} waited {comm.wait_timeout:g} s for {what}: "
+            f"{comm.who_is_missing()}. At stage 3 every forward (each generate() step too), "
+            "state_dict() / save_pretrained() and gathered_parameters() all-gathers parameters, so "
+            "every rank of the group must make the same calls in the same order: run them on all "
+            "ranks (save_pretrained writes on one rank when given is_main_process=...), not under "
+            "`if rank == 0:`. If a rank is only slow to get there, raise "
+            "ZeroConfig(collective_timeout=...). The process group should not be used after this. "
+            f"({error})")
+
+
 class Unit:
     """A module subtree sharded together: its flat groups and its gather state."""
 
@@ -155,6 +167,7 @@ class Unit:
         self.is_root = is_root
         self.sharded_groups = [g for g in groups if g.shard_params]
         self._gather_handles: list[tuple[FlatGroup, Handle | None]] | None = None
+        self._comm: Collectives | None = None  # of the gather in flight, for its error message
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, groups={len(self.groups)}, state={self.state.value})"
@@ -173,6 +186,7 @@ class Unit:
         """Start all-gathers of this unit's sharded groups (prefetch); no-op if gathered or started."""
         if self._gather_handles is not None or self.state is ShardState.GATHERED:
             return
+        self._comm = comm
         with torch.profiler.record_function(f"zero::gather::{self.name}"):
             self._gather_handles = [(g, g.begin_gather(comm)) for g in self.sharded_groups]
 
@@ -181,7 +195,12 @@ class Unit:
             return
         for group, handle in self._gather_handles:
             if handle is not None:
-                handle.wait()
+                try:
+                    handle.wait()
+                except CollectiveTimeout as e:
+                    self._gather_handles = None
+                    raise CollectiveTimeout(missing_ranks_message(
+                        self._comm, f"the all-gather of unit {self.name!r}", e)) from e
             group.finish_gather()
         self._gather_handles = None
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _model_integrations as model_integrations
 from ._collectives import Collectives
 from ._memory import MemoryReport, measure
 from ._optimizer import ZeroOptimizer, check_elementwise
@@ -72,10 +73,11 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
                          "(call zero_strategy.teardown(model) first to start over)")
     for opt in optimizers:
         check_elementwise(opt)
-    comm = Collectives(process_group)
+    comm = Collectives(process_group, wait_timeout=cfg.collective_timeout)
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn)
+    engine.undo_on_teardown = model_integrations.install(model, engine)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
@@ -137,6 +139,8 @@ def teardown(model: nn.Module, keep_weights: bool = True) -> None:
     engine = engine_of(model)
     full = full_state_dict(model) if keep_weights else {}
     engine.remove_hooks()
+    for undo in engine.undo_on_teardown:
+        undo()
     _ENGINES.pop(id(model), None)
     for zopt in engine.optimizers():
         zopt.optimizer.state.clear()
@@ -248,6 +252,8 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
     groups = engine.groups if params is None else _groups_holding(engine, params)
     units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
     was_sharded = {id(u): u.state.value == "sharded" for u in units}
+    if any(u.sharded_groups for u in units):
+        engine.comm.enter("gathered_parameters")
     for u in units:
         u.gather(engine.comm)
     try:
@@ -256,8 +262,36 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
         if modifier_rank is not None:
             with torch.no_grad():
                 for g in groups:
+                    g.adopt_replaced_data()
                     engine.comm.broadcast(g.full, src_rank=modifier_rank)
                     g.write_back_gathered()
+        for u in units:
+            if was_sharded[id(u)]:
+                u.release()
+
+
+@contextlib.contextmanager
+def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:
+    """Like ``gathered_parameters(modifier_rank=...)`` for a change every rank makes identically
+    (a deterministic merge of adapters): each rank writes its own slice back, nothing is broadcast.
+
+    Front ends use it around library calls that rewrite weights in place (PEFT's merges).
+    """
+    engine = engine_of(model)
+    groups = engine.groups if params is None else _groups_holding(engine, params)
+    units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
+    was_sharded = {id(u): u.state.value == "sharded" for u in units}
+    if any(u.sharded_groups for u in units):
+        engine.comm.enter("modify")
+    for u in units:
+        u.gather(engine.comm)
+    try:
+        yield
+        with torch.no_grad():
+            for g in groups:
+                g.adopt_replaced_data()
+                g.write_back_gathered()
+    finally:
         for u in units:
             if was_sharded[id(u)]:
                 u.release()

@@ -248,6 +248,13 @@ class ZeroConfig:
             that every backward outside ``no_sync()`` ends an accumulation and is followed
             by ``optimizer.step()``; it cannot combine with clipping or fp16, which need
             every gradient before the first update.
+        collective_timeout: seconds a rank waits on a parameter all-gather or gradient
+            reduce-scatter before it raises :class:`~zero_strategy.CollectiveTimeout`
+            naming the unit and the ranks that never began the call (a forward,
+            ``generate()`` or ``state_dict()`` run on some ranks only); ``None`` leaves it
+            to the process group's timeout (30 minutes by default). Raise it when a rank is
+            legitimately that much slower than the others to reach a forward (a long
+            rank-0-only evaluation or save between steps).
     """
 
     stage: int = 3
@@ -262,6 +269,7 @@ class ZeroConfig:
     prefetch: int = 1
     cast_forward_inputs: bool = True
     overlap_step: bool = False
+    collective_timeout: float | None = 300.0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -302,6 +310,12 @@ class ZeroConfig:
                 raise ZeroConfigError("overlap_step", "cannot combine with gradient_clipping or fp16: both "
                                       "need every gradient before the first group may step",
                                       "Drop overlap_step, or use bf16/fp32 without clipping.")
+        if self.collective_timeout is not None:
+            timeout = _as_float("collective_timeout", self.collective_timeout)
+            if not timeout > 0 or timeout == float("inf"):
+                raise ZeroConfigError("collective_timeout", f"must be a positive number of seconds, got {timeout}",
+                                      "Use e.g. 300, or null to rely on the process group's own timeout.")
+            set_("collective_timeout", timeout)
 
     # -- derived values --------------------------------------------------------
 
@@ -337,6 +351,7 @@ class ZeroConfig:
             "prefetch": self.prefetch,
             "cast_forward_inputs": self.cast_forward_inputs,
             "overlap_step": self.overlap_step,
+            "collective_timeout": self.collective_timeout,
         }
 
     @classmethod

@@ -1,0 +1,119 @@
+"""What ``setup`` adjusts on Hugging Face transformers and PEFT models, and why.
+
+The engine never imports these libraries: a model of theirs exists only if the user
+imported them, so they are looked up in ``sys.modules``. Each adjustment is an
+instance attribute that wraps the library's own method (the class is untouched, other
+models are unaffected) and is removed by ``teardown``.
+
+[Note: generate() under stage 3]
+``generate()`` runs one forward per new token until every sequence of *this rank* is
+done, so ranks whose prompts end (EOS, a shorter ``max_new_tokens``) at different
+steps run different numbers of forwards. At stage 3 each forward all-gathers, so the
+rank that finishes first leaves the others blocked in a gather until the process
+group's timeout. transformers has the cure, ``synced_gpus=True`` (a finished rank
+keeps running dummy forwards until all are done; each step costs one scalar
+all-reduce), and turns it on by itself only for DeepSpeed ZeRO-3 and FSDP. We make it
+the default of every ``GenerationMixin`` module in a set-up model whose parameters
+are sharded over more than one rank; an explicit ``synced_gpus=False`` is kept (and
+a mismatch then ends in :class:`~zero_strategy.CollectiveTimeout`, not a hang).
+
+[Note: PEFT merges under stage 3]
+``merge_and_unload()``, ``merge_adapter()`` and ``unmerge_adapter()`` rewrite base
+weights in place from the adapter weights. At rest a stage-3 parameter is a
+placeholder that refuses writes, so they are run with the units they touch gathered
+and every rank writes its own slice back (the merge is deterministic, so every rank
+computed the same values: nothing is broadcast). ``safe_merge=True`` replaces
+``weight.data`` instead of writing into it; that is taken back into the flat buffer.
+The merged model stays set up: save it with ``save_pretrained`` on every rank.
+
+[Note: resize_token_embeddings after setup]
+Resizing replaces the embedding's data by a tensor of another shape, while its flat
+buffer, shards, fp32 master and optimizer state were sized at setup (and at stage 3
+the old rows are not even on this rank). Rather than let the next gather undo the
+resize, or train a tensor the optimizer does not hold, a set-up model refuses it with
+the fix: resize before ``setup`` / ``accelerator.prepare`` / ``Trainer(...)``, as
+DeepSpeed-ZeRO-3 and FSDP users do.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING, Callable
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from ._state import ZeroEngine
+
+_PEFT_MERGES = ("merge_and_unload", "merge_adapter", "unmerge_adapter")
+
+
+def install(model: nn.Module, engine: "ZeroEngine") -> list[Callable[[], None]]:
+    """Adjust the transformers / PEFT modules inside ``model``; returns the undo callbacks."""
+    transformers = sys.modules.get("transformers")
+    peft_tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if transformers is None and peft_tuners is None:
+        return []
+    generation_mixin = getattr(transformers, "GenerationMixin", None) if transformers else None
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    base_tuner = getattr(peft_tuners, "BaseTuner", None) if peft_tuners else None
+    sharded = engine.plan.shards_parameters and engine.comm.world_size > 1
+    undo: list[Callable[[], None]] = []
+    for module in model.modules():
+        if sharded and generation_mixin is not None and isinstance(module, generation_mixin):
+            undo.append(_wrap(module, "generate", _synced_generate))
+        if pretrained is not None and isinstance(module, pretrained):
+            undo.append(_wrap(module, "resize_token_embeddings", _refuse_resize))
+        if base_tuner is not None and isinstance(module, base_tuner):
+            for name in _PEFT_MERGES:
+                if hasattr(module, name):
+                    undo.append(_wrap(module, name, functools.partial(_merge_gathered, model)))
+    return undo
+
+
+def _wrap(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
+    """Shadow ``module.<name>`` by ``make(original)``; the returned callback removes it."""
+    original = getattr(module, name)
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    module.__dict__[name] = wrapper
+
+    def remove() -> None:
+        if module.__dict__.get(name) is wrapper:
+            del module.__dict__[name]
+    return remove
+
+
+def _synced_generate(original: Callable) -> Callable:
+    """See [Note: generate() under stage 3]."""
+    def generate(*args, **kwargs):
+        if kwargs.get("synced_gpus") is None:
+            kwargs["synced_gpus"] = True
+        return original(*args, **kwargs)
+    return generate
+
+
+def _merge_gathered(root: nn.Module, original: Callable) -> Callable:
+    """See [Note: PEFT merges under stage 3]."""
+    def merge(*args, **kwargs):
+        from .api import modified_on_every_rank
+
+        with modified_on_every_rank(root):
+            return original(*args, **kwargs)
+    return merge
+
+
+def _refuse_resize(original: Callable) -> Callable:
+    """See [Note: resize_token_embeddings after setup]."""
+    def resize_token_embeddings(new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return original(new_num_tokens, pad_to_multiple_of, *args, **kwargs)  # only returns the module
+        raise RuntimeError(
+            "zero_strategy: resize_token_embeddings() on a model that is already set up: the embedding's "
+            "flat buffer, shards, fp32 master and optimizer state were sized at setup, so a resize cannot "
+            "be kept. Resize first, then set up: call model.resize_token_embeddings(len(tokenizer)) "
+            "before zero_strategy.setup(...), accelerator.prepare(...), the Trainer(...) or "
+            "trainer.fit(...) (in a LightningModule: in __init__ or configure_model); for PEFT, before "
+            "get_peft_model. To resize a set-up model, zero_strategy.teardown(model) it first.")
+    return resize_token_embeddings
