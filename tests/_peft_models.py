@@ -28,3 +28,53 @@ def batch(step: int, rank: int, vocab: int = VOCAB, rows: int = 2) -> torch.Tens
     """Rank ``rank``'s micro-batch of step ``step`` (every rank can make every rank's)."""
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randint(0, vocab, (rows, 12), generator=g)
+
+
+def reference(steps: int, world: int, lr: float = 1e-2):
+    """A plain PEFT model trained on each step's whole global batch (what DDP averages over)."""
+    ref = lora(tiny_llama())
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=lr)
+    for step in range(steps):
+        every = torch.cat([batch(step, r) for r in range(world)])
+        ref(input_ids=every, labels=every).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+PROBE = torch.arange(10).view(1, 10) % VOCAB
+
+
+def after_training(model, ref, out, name: str, rank: int, save, merge: bool = True) -> dict:
+    """The PEFT calls users make after training, on the set-up ``model`` and on ``ref``.
+
+    ``save(peft_model, directory)``: how the front end's users save (every rank calls
+    it; one writes). Reports the directories for the test to reload, the largest
+    differences from ``ref``, and generate() tokens with a different length per rank.
+    """
+    from peft import get_peft_model_state_dict
+
+    got, want = get_peft_model_state_dict(model), get_peft_model_state_dict(ref)
+    untrained = get_peft_model_state_dict(lora(tiny_llama()))
+    res = dict(adapter_state_diff=max((got[k] - want[k]).abs().max().item() for k in want),
+               adapter_state_keys=sorted(got) == sorted(want),
+               trained_distance=max((untrained[k] - want[k]).abs().max().item() for k in want))
+    adapter_dir, ref_dir = out / f"adapter-{name}", out / f"ref-adapter-{name}"
+    save(model, adapter_dir)
+    if rank == 0:
+        ref.save_pretrained(ref_dir)
+    prompt = torch.tensor([[1, 5, 9, 3 + rank]])
+    new_tokens = 3 + 5 * rank  # ranks stop at different steps: stage 3 must keep them in step
+    with torch.no_grad():
+        res["generated"] = model.generate(input_ids=prompt, max_new_tokens=new_tokens, do_sample=False).tolist()
+        res["generated_ref"] = ref.generate(input_ids=prompt, max_new_tokens=new_tokens, do_sample=False).tolist()
+    res.update(adapter_dir=str(adapter_dir), ref_adapter_dir=str(ref_dir))
+    if not merge:
+        return res
+    merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
+    merged_dir, ref_merged_dir = out / f"merged-{name}", out / f"ref-merged-{name}"
+    save(merged, merged_dir)
+    if rank == 0:
+        ref_merged.save_pretrained(ref_merged_dir)
+    res.update(merged_dir=str(merged_dir), ref_merged_dir=str(ref_merged_dir))
+    return res

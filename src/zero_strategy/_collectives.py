@@ -166,7 +166,10 @@ class EntryLedger:
         self.count += 1
         self.last_kind = kind
         if self._store is not None:
-            self._store.add(self._prefix + str(self.rank), 1)
+            try:
+                self._store.add(self._prefix + str(self.rank), 1)
+            except Exception:  # noqa: BLE001 - its host (rank 0) is gone; the collective will say so
+                self._store = None
 
     def counts(self) -> list[int] | None:
         """Every rank's count now (``add(key, 0)`` reads without waiting); None without a store."""
