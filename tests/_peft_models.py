@@ -68,6 +68,11 @@ def after_training(model, ref, out, name: str, rank: int, save, merge: bool = Tr
     with torch.no_grad():
         res["generated"] = model.generate(input_ids=prompt, max_new_tokens=new_tokens, do_sample=False).tolist()
         res["generated_ref"] = ref.generate(input_ids=prompt, max_new_tokens=new_tokens, do_sample=False).tolist()
+        # early EOS on rank 0: its own second new token ends its sequence; rank 1 runs on to 8 tokens
+        free = ref.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+        eos = dict(eos_token_id=int(free[0, prompt.shape[1] + 1])) if rank == 0 else {}
+        res["generated_eos"] = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, **eos).tolist()
+        res["generated_eos_ref"] = ref.generate(input_ids=prompt, max_new_tokens=8, do_sample=False, **eos).tolist()
     res.update(adapter_dir=str(adapter_dir), ref_adapter_dir=str(ref_dir))
     if not merge:
         return res

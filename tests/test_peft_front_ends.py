@@ -108,11 +108,13 @@ def test_adapter_state_and_saved_adapter_equal_the_reference(request, front_end,
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
-def test_generate_with_a_different_length_per_rank_equals_the_reference(request, front_end, stage):
+def test_generate_with_different_lengths_and_early_eos_per_rank_equals_the_reference(request, front_end, stage):
     per_rank = runs(request, front_end, stage)
     for res in per_rank:
         assert res["generated"] == res["generated_ref"]
+        assert res["generated_eos"] == res["generated_eos_ref"]
     assert len(per_rank[0]["generated"][0]) != len(per_rank[1]["generated"][0])
+    assert len(per_rank[0]["generated_eos"][0]) < len(per_rank[1]["generated_eos"][0])  # rank 0 hit its EOS
 
 
 @pytest.mark.multiprocess
