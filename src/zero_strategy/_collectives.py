@@ -56,6 +56,7 @@ call (not per collective), only at stage 3 with more than one rank.
 from __future__ import annotations
 
 import datetime
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,16 +150,13 @@ class EntryLedger:
     """How many gathering calls (forwards, ``state_dict`` calls, ...) each rank of a group has
     begun, kept in the c10d store; see [Note: bounded waits]."""
 
-    _namespaces: dict[tuple[int, ...], int] = {}  # group's global ranks -> engines set up over it
-
-    def __init__(self, group_ranks: tuple[int, ...], rank: int):
+    def __init__(self, group_ranks: tuple[int, ...], rank: int, namespace: str):
+        """``namespace``: the same on every rank of the group, and new for every engine."""
         self.rank = rank
         self.world_size = len(group_ranks)
         self.count = 0
         self.last_kind = ""
-        seq = EntryLedger._namespaces.get(group_ranks, 0)
-        EntryLedger._namespaces[group_ranks] = seq + 1  # every rank sets engines up in the same order
-        self._prefix = f"zero_strategy/entries/{'-'.join(map(str, group_ranks))}/{seq}/"
+        self._prefix = f"zero_strategy/entries/{'-'.join(map(str, group_ranks))}/{namespace}/"
         self._store = _default_store()
 
     def enter(self, kind: str) -> None:
@@ -232,8 +230,11 @@ class Collectives:
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
             ranks = (0,)
         self.wait_timeout = wait_timeout
-        self.ledger = EntryLedger(ranks, self.rank) if self.world_size > 1 else None
         self.stats = CommStats()
+        self.ledger = None
+        if self.world_size > 1:  # group rank 0's fresh token names this engine's counters everywhere
+            namespace = self.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None)
+            self.ledger = EntryLedger(ranks, self.rank, namespace)
 
     def enter(self, kind: str) -> None:
         """A call that gathers begins on this rank (counted for error messages; see the Note)."""
