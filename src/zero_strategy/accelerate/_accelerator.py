@@ -36,6 +36,7 @@ from accelerate.utils import DynamoBackend
 from torch import nn
 
 from .. import api
+from .._plan import plan_for
 from ..config import ZeroConfig
 from . import _checkpointing
 from ._config import apply_precision, choose_spec, describe, load_config
@@ -224,6 +225,31 @@ class ZeroAccelerator(Accelerator):
                 return model
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         return self.prepare(model, device_placement=[device_placement])
+
+    def prepare_frozen_model(self, model: nn.Module) -> nn.Module:
+        """Prepare a model that only runs forward (a DPO reference model, a distillation teacher).
+
+        At stage 3 it is sharded in place like a trained model (1/N of its parameters per
+        rank, gathered per unit in forward) with no gradients, masters or optimizer state,
+        which is what DeepSpeed does for such models under ZeRO-3 (TRL's ``prepare_deepspeed``).
+        At stages 1-2 sharding it would save nothing (it has no optimizer state or gradients),
+        so it stays replicated, as DeepSpeed runs it at stage 0. Every process calls it.
+        """
+        if self.is_zero_model(model):
+            return model
+        if model in self._pending:
+            raise ValueError("ZeroAccelerator.prepare_frozen_model: this model was prepared for training (it waits "
+                             "for its optimizer); a model is either trained or frozen")
+        if not plan_for(self._zero_config.stage).shards_parameters:
+            return super().prepare_model(model, evaluation_mode=True)
+        if not _has_meta_tensors(model):
+            model = model.to(self.device)
+        api.setup(model, None, self._zero_config, param_init_fn=self.param_init_fn)
+        self._zero_records.append(ZeroModelRecord(model))
+        if model not in self._models:
+            self._models.append(model)
+        model._is_accelerate_prepared = True
+        return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         return self.prepare(optimizer, device_placement=[device_placement])

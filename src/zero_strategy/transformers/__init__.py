@@ -2,11 +2,13 @@
 
 ::
 
-    from zero_strategy.transformers import ZeroTrainer   # import before building TrainingArguments
+    from zero_strategy.transformers import ZeroTrainer, zero_trainer  # before building TrainingArguments
 
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds, zero_config="zero3")
     trainer.train()                                    # checkpoint-N/ holds every rank's shard
     ZeroTrainer(...).train(resume_from_checkpoint=True)
+
+    trainer = zero_trainer(SFTTrainer)(model=model, args=SFTConfig(...), train_dataset=ds, zero_config="zero3")
 
 [Note: importing first]
 ``TrainingArguments(...)`` sets up Accelerate's process state as it is built. Under
@@ -20,6 +22,7 @@ from ..accelerate._launch import use_cpu_if_no_device as _use_cpu_if_no_device
 
 _use_cpu_if_no_device(False)
 
+from ._mixin import ZeroTrainerMixin, zero_trainer  # noqa: E402
 from ._trainer import ZERO_CHECKPOINT_DIR, ZeroTrainer  # noqa: E402
 
-__all__ = ["ZeroTrainer", "ZERO_CHECKPOINT_DIR"]
+__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "zero_trainer", "ZERO_CHECKPOINT_DIR"]

@@ -1,0 +1,223 @@
+"""``ZeroTrainerMixin`` and ``zero_trainer(cls)``: any Hugging Face ``Trainer`` subclass on ZeRO.
+
+::
+
+    from trl import DPOTrainer, SFTTrainer
+    from zero_strategy.transformers import zero_trainer
+
+    trainer = zero_trainer(SFTTrainer)(model=model, args=SFTConfig(...), train_dataset=ds, zero_config="zero3")
+
+TRL's trainers (``SFTTrainer``, ``DPOTrainer``, ...) and most user trainers are ``Trainer``
+subclasses that add a loss, a data collator or a reference model and leave the
+accelerator, checkpointing and saving to ``Trainer``. Those are exactly the places
+ZeRO changes, so one mixin placed first in the MRO serves all of them; ``zero_trainer``
+builds that subclass, once per class.
+
+[Note: what is overridden and why]
+* ``create_accelerator_and_postprocess``: the Trainer builds ``Accelerator(**kwargs)``
+  from its arguments (mixed precision from ``bf16``/``fp16``, data-loader settings,
+  accumulation handled by the Trainer itself). We let it do all of that and only
+  change the class it calls, for the duration of the call, to a ZeroAccelerator with
+  our ``zero_config``; afterwards we check that a ZeroAccelerator was really built,
+  so a change in transformers fails loudly instead of silently training with DDP.
+* ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: the stock
+  Trainer saves ``optimizer.state_dict()`` from the main process only, which for a
+  sharded optimizer is rank 0's shard. We save every rank's shard (and the fp32
+  masters) with :func:`zero_strategy.save_checkpoint` into ``checkpoint-N/zero_checkpoint``
+  and load it back re-sharded, so ``train(resume_from_checkpoint=...)`` continues the
+  same run, also on another number of processes or another stage.
+* ``save_model``: every rank takes part in consolidating the fp32 weights
+  (``full_state_dict(rank0_only=True)``); the main process writes them with
+  ``save_pretrained``, so ``from_pretrained(checkpoint-N)`` works, also under stage 3.
+* ``_load_best_model`` (``load_best_model_at_end``): from the best checkpoint's shards.
+* Gradients: the Trainer clears them with ``model.zero_grad()``, which cannot reach
+  gradient shards; a callback calls the optimizer's ``zero_grad()`` after each step.
+
+[Note: models that only run forward]
+Subclasses prepare their extra models in ``__init__`` with
+``accelerator.prepare_model(m, evaluation_mode=True)`` (TRL: DPO/KTO/GRPO/RLOO's
+``ref_model``, the distillation ``teacher_model``). Under DeepSpeed ZeRO-3 TRL shards
+them (``trl.models.prepare_deepspeed``); here, after the subclass's ``__init__``, every
+model the accelerator holds besides ``self.model`` goes through
+``ZeroAccelerator.prepare_frozen_model``, which shards it at stage 3 (parameters only:
+no gradients, masters or optimizer state) and leaves it replicated at stages 1-2.
+``sync_ref_model`` writes into the reference weights in place, which a sharded model
+refuses, so it is refused up front at stage 3 rather than failing mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers.trainer as hf_trainer
+from transformers import Trainer, TrainerCallback
+
+from .. import api
+from .._plan import plan_for
+from ..accelerate import ZeroAccelerator
+from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint
+
+ZERO_CHECKPOINT_DIR = "zero_checkpoint"
+SCHEDULER_NAME = "scheduler.pt"
+
+MIGRATION = ('move it to the trainer: zero_trainer(Trainer)(..., args=TrainingArguments(...), '
+             'zero_config="ds_config.json") (the ZeRO section of a DeepSpeed config is read as is)')
+
+
+class _ZeroGradAfterStep(TrainerCallback):
+    """The Trainer calls ``model.zero_grad()``; gradient shards are cleared by the optimizer."""
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None:
+            optimizer.zero_grad()
+
+
+class ZeroTrainerMixin:
+    """Put first in the bases of a ``transformers.Trainer`` subclass to train it with ZeRO.
+
+    Adds one keyword, ``zero_config``: preset name, YAML/JSON path (ours or a DeepSpeed
+    ``ds_config``), mapping or :class:`~zero_strategy.ZeroConfig`; default
+    ``$ZERO_STRATEGY_CONFIG``, else ``zero2``. Precision comes from
+    ``TrainingArguments(bf16=... / fp16=...)``; clipping from ``max_grad_norm`` (global norm
+    over all shards). One ``train()`` per trainer: to resume, build a new one and call
+    ``train(resume_from_checkpoint=...)``. Usually built with :func:`zero_trainer`.
+    """
+
+    def __init__(self, *args, zero_config=None, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(training_args, "deepspeed", None):
+            raise ValueError(f"{type(self).__name__}: TrainingArguments(deepspeed=...) starts DeepSpeed itself; "
+                             + MIGRATION)
+        self._zero_config_spec = zero_config
+        super().__init__(*args, **kwargs)
+        self.add_callback(_ZeroGradAfterStep())
+        self._prepare_frozen_models()
+
+    # ------------------------------------------------------------------ accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        spec = self._zero_config_spec
+        stock = hf_trainer.Accelerator
+
+        def build(**kwargs):
+            return ZeroAccelerator(zero_config=spec, **kwargs)
+
+        hf_trainer.Accelerator = build
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            hf_trainer.Accelerator = stock
+        if not isinstance(self.accelerator, ZeroAccelerator):
+            import transformers
+
+            raise RuntimeError(
+                f"{type(self).__name__}: transformers {transformers.__version__} no longer builds its Accelerator "
+                "through transformers.trainer.Accelerator; ZeroTrainerMixin needs updating for it")
+
+    def _prepare_frozen_models(self) -> None:
+        """See [Note: models that only run forward]."""
+        acc = self.accelerator
+        stage3 = plan_for(acc.zero_config.stage).shards_parameters
+        if stage3 and getattr(self.args, "sync_ref_model", False):
+            raise NotImplementedError(
+                f"{type(self).__name__}: sync_ref_model=True writes into the reference model's weights in place, "
+                "which are sharded at stage 3; use stage 1 or 2, or sync_ref_model=False")
+        for model in list(acc._models):
+            if model is self.model or acc.is_zero_model(model) or not isinstance(model, torch.nn.Module):
+                continue
+            frozen = acc.prepare_frozen_model(model)
+            assert frozen is model  # sharded in place: the subclass's attribute still names it
+
+    def _zero_record(self):
+        acc = getattr(self, "accelerator", None)
+        if not isinstance(acc, ZeroAccelerator):
+            return None
+        return next((r for r in acc.zero_models if r.model is self.model), None)
+
+    @staticmethod
+    def _optimizers(record):
+        opts = [o.zero_optimizer for o in record.optimizers]
+        return opts[0] if len(opts) == 1 else (opts or None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        record = self._zero_record()
+        if record is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR), record.model, self._optimizers(record))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        record = self._zero_record()
+        if record is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        ckpt = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
+        if not os.path.isdir(ckpt):
+            raise FileNotFoundError(
+                f"{type(self).__name__}: {checkpoint} has no {ZERO_CHECKPOINT_DIR}/ (it was not saved by a ZeRO "
+                "trainer, or with save_only_model=True); resume needs every rank's optimizer shard")
+        load_checkpoint(ckpt, record.model, self._optimizers(record))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler) and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Consolidated fp32 weights via ``save_pretrained`` on the main process; every rank must call it."""
+        if self._zero_record() is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = api.full_state_dict(self.model, rank0_only=True)
+        self._save(output_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_best_model(self) -> None:
+        record = self._zero_record()
+        if record is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        ckpt = os.path.join(best, ZERO_CHECKPOINT_DIR)
+        if os.path.isdir(ckpt):
+            load_checkpoint(ckpt, record.model)  # weights only: training is over
+            return
+        weights = [f for f in ("model.safetensors", "model.safetensors.index.json")
+                   if os.path.isfile(os.path.join(best, f))]
+        if not weights:
+            raise FileNotFoundError(f"{type(self).__name__}: load_best_model_at_end found neither {ckpt} nor "
+                                    f"safetensors weights in {best}")
+        # a weights-only checkpoint (save_only_model=True): each rank reads only its slices
+        load_sharded_weights(record.model, safetensors_reader(best))
+
+
+_ZERO_CLASSES: dict[type, type] = {}
+
+
+def zero_trainer(trainer_cls: type) -> type:
+    """The ZeRO version of a ``transformers.Trainer`` subclass: ``Zero<Name>(ZeroTrainerMixin, trainer_cls)``.
+
+    Takes every argument ``trainer_cls`` takes, plus ``zero_config``. The same class comes
+    back for the same ``trainer_cls`` (``zero_trainer(Trainer) is ZeroTrainer``), and a class
+    that already has the mixin comes back unchanged.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"zero_trainer: expected a transformers.Trainer subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, ZeroTrainerMixin):
+        return trainer_cls
+    made = _ZERO_CLASSES.get(trainer_cls)
+    if made is None:
+        name = f"Zero{trainer_cls.__name__}"
+        made = type(name, (ZeroTrainerMixin, trainer_cls), {
+            "__module__": __name__, "__qualname__": name,
+            "__doc__": f"``{trainer_cls.__qualname__}`` trained with ZeRO; see ``ZeroTrainerMixin``.\n\n"
+                       + (trainer_cls.__doc__ or "")})
+        _ZERO_CLASSES[trainer_cls] = made
+    return made
+
+
+def _register(trainer_cls: type, zero_cls: type) -> None:
+    """Make ``zero_trainer(trainer_cls)`` return a class written out by hand (``ZeroTrainer``)."""
+    _ZERO_CLASSES[trainer_cls] = zero_cls
