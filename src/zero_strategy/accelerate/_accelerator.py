@@ -51,6 +51,8 @@ class ZeroModelRecord:
     """One sharded model and the optimizers ``setup`` re-homed onto its shards."""
     model: nn.Module
     optimizers: list[ZeroAcceleratedOptimizer] = field(default_factory=list)
+    #: prepared with ``prepare_frozen_model``: kept across ``free_memory`` (see there)
+    frozen: bool = False
 
 
 class ZeroAccelerator(Accelerator):
@@ -245,7 +247,7 @@ class ZeroAccelerator(Accelerator):
         if not _has_meta_tensors(model):
             model = model.to(self.device)
         api.setup(model, None, self._zero_config, param_init_fn=self.param_init_fn)
-        self._zero_records.append(ZeroModelRecord(model))
+        self._zero_records.append(ZeroModelRecord(model, frozen=True))
         if model not in self._models:
             self._models.append(model)
         model._is_accelerate_prepared = True
@@ -351,19 +353,25 @@ class ZeroAccelerator(Accelerator):
         return _checkpointing.load_state(self, super().load_state, input_dir, load_kwargs, load_model_func_kwargs)
 
     # ------------------------------------------------------------------ lifetime
-    def _teardown_all(self) -> None:
+    def _teardown_all(self, keep_frozen: bool = False) -> None:
+        kept = [r for r in self._zero_records if keep_frozen and r.frozen and api.is_set_up(r.model)]
         for record in self._zero_records:
-            if api.is_set_up(record.model):  # else torn down by the user already
+            if record not in kept and api.is_set_up(record.model):  # else torn down by the user already
                 api.teardown(record.model)
-        self._zero_records.clear()
+        self._zero_records[:] = kept
         self._pending.clear()
 
     def free_memory(self, *objects):
         """Tear down the ZeRO engines (hooks, shards, optimizer state) and drop Accelerate's references.
 
         Every process must call it: the full weights are gathered back into each model.
+        Models from :meth:`prepare_frozen_model` stay sharded: the HF Trainer calls
+        ``free_memory`` as ``train()`` starts, after a DPO trainer prepared its reference
+        model, and gathering that model whole on every rank is what sharding it avoids
+        (DeepSpeed's reference engine survives ``free_memory`` too). ``end_training`` or
+        ``zero_strategy.teardown(model)`` releases them.
         """
-        self._teardown_all()
+        self._teardown_all(keep_frozen=True)
         return super().free_memory(*objects)
 
     def end_training(self):
