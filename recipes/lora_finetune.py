@@ -17,7 +17,7 @@ same preset, data, steps and schedule (``--full-lr``, default the 1e-4 of finetu
 and a table of trainable/total parameters, per-rank model-state memory (measured with
 ``zs.memory_report`` after an optimizer step, and the formula ``zs.estimate_memory``) and
 held-out accuracy. The last line says whether LoRA came within ``--margin`` of the full
-fine-tune's accuracy. The adapter is saved with ``PeftModel.save_pretrained`` and reloaded
+fine-tune's accuracy. The adapter is saved with ``PeftModel.save_pretrained`` on every rank and reloaded
 with peft alone (``PeftModel.from_pretrained`` on a fresh base model); its logits on the
 probe texts are compared with those of the trained, sharded model.
 
@@ -140,10 +140,10 @@ def save_and_reload_adapter(model, model_path, tokenizer, out: Path, device, mai
     from peft import PeftModel
 
     probe = data.probe_logits(model, tokenizer, device)  # every rank: stage-3 gathers are collective
-    full = zs.full_state_dict(model, rank0_only=True)  # the trained weights, consolidated on rank 0
+    # every rank (it reads the sharded adapters), rank 0 writes: the adapter and the classifier head only
+    model.save_pretrained(out / "adapter", is_main_process=main)
     if not main:
         return None
-    model.save_pretrained(out / "adapter", state_dict=full)  # adapter + classifier head only
     tokenizer.save_pretrained(out / "adapter")
     reloaded = PeftModel.from_pretrained(data.load_model(model_path), out / "adapter").eval()
     with torch.no_grad():
