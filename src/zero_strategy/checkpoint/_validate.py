@@ -223,6 +223,8 @@ def _check_params(w: _Where, meta: Metadata) -> None:
             raise w.fail(at, f"records fqn {p.fqn!r} under the key {fqn!r}")
         if not isinstance(p.names, list) or not p.names or not all(isinstance(n, str) and n for n in p.names):
             raise w.fail(f"{at}.names", f"expected a non-empty list of names, got {p.names!r}")
+        if fqn not in p.names:
+            raise w.fail(f"{at}.names", f"{p.names!r} does not include the parameter's own name {fqn!r}")
         for n in p.names:
             if n in seen:
                 raise w.fail(f"{at}.names", f"name {n!r} is also recorded for {seen[n]!r}; names must be unique")
