@@ -329,7 +329,7 @@ class NVMeStore:
             self._evict(s)
         for other in list(self._sets.values()):  # read ahead for a step that will not come: slots back
             if other.slot is not None and not other.resident:
-                self._evict(other)
+                self._evict(other, only_if_idle=True)
 
     def prefetch(self, group, kind: str) -> None:
         """Start reading the set into a slot (no-op if resident or already reading)."""
@@ -407,8 +407,10 @@ class NVMeStore:
         else:
             self._pending_out.append(self._finisher.submit(finish))
 
-    def _evict(self, s: _SwapSet) -> None:
+    def _evict(self, s: _SwapSet, only_if_idle: bool = False) -> None:
         with s.lock:
+            if only_if_idle and s.resident:  # made resident meanwhile: its user releases it
+                return
             for t in s.tensors.values():
                 t.data = torch.empty(0, dtype=t.dtype)
             s.in_slot.clear()
@@ -418,7 +420,9 @@ class NVMeStore:
             s.resident = False
 
     def wait_writes(self) -> None:
+        """Wait for every pending write-back, then raise the first failure (so none is still running)."""
         pending, self._pending_out = self._pending_out, []
+        concurrent.futures.wait(pending)
         for f in pending:
             f.result()
 
