@@ -3,13 +3,15 @@
 Each rank writes ``<out>/rank<r>.json``; success is judged by those reports, not
 only by exit codes, because ~30% of 2-rank CPU runs abort in interpreter teardown
 after finishing their work (see ../shared/ANCHORS.md). A run that does not finish
-within ``timeout`` is killed, so a hang fails the test instead of hanging CI.
+within ``timeout`` is killed, so a hang fails the test instead of hanging CI. The
+run's temporary directory is removed afterwards (the logs travel in the error message).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,6 +32,13 @@ def free_port() -> int:
 def launch(worker: str, world_size: int, args: dict, timeout: float = 240.0) -> list[dict]:
     """Run ``tests/workers/<worker>`` on ``world_size`` ranks; return each rank's JSON report."""
     out = Path(tempfile.mkdtemp(prefix="zs_test_"))
+    try:
+        return _run(worker, world_size, args, timeout, out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) -> list[dict]:
     (out / "args.json").write_text(json.dumps(args))
     port = free_port()
     procs = []

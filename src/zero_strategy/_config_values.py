@@ -93,8 +93,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _as_int(key: str, value: Any, minimum: int | None = None) -> int:
-    """An int (an integral float such as ``1e5`` from YAML/JSON is accepted)."""
+def _as_int(key: str, value: Any, minimum: int | None = None, maximum: int | None = None,
+            why: str = "") -> int:
+    """An int (an integral float such as ``1e5`` from YAML/JSON is accepted); ``why`` explains ``maximum``."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
@@ -102,11 +103,21 @@ def _as_int(key: str, value: Any, minimum: int | None = None) -> int:
                               "Write a whole number such as 4.")
     if minimum is not None and value < minimum:
         raise ZeroConfigError(key, f"must be >= {minimum}, got {value}", f"Use a value of at least {minimum}.")
+    if maximum is not None and value > maximum:
+        raise ZeroConfigError(key, f"must be <= {maximum}, got {value}{': ' + why if why else ''}",
+                              f"Use a value of at most {maximum}.")
     return value
 
 
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float range (10**400 in YAML/JSON)
+        return False
+
+
 def _as_float(key: str, value: Any) -> float:
-    if not _is_number(value) or not math.isfinite(float(value)):
+    if not _is_number(value) or not _finite(value):
         raise ZeroConfigError(key, f"expected a finite number, got {value!r}", "Write a number such as 1.0.")
     return float(value)
 
@@ -157,6 +168,9 @@ def read_mapping_file(path: Path) -> Mapping:
                               "Use a .yaml, .yml or .json file.")
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ZeroConfigError(None, f"config file {path} is not UTF-8 text (byte {err.start}: {err.reason})",
+                              "Save it as UTF-8.") from None
     except FileNotFoundError:
         raise ZeroConfigError(None, f"config file {path} does not exist",
                               "Check the path (relative paths are resolved from the working directory "
@@ -164,6 +178,19 @@ def read_mapping_file(path: Path) -> Mapping:
     except OSError as err:
         raise ZeroConfigError(None, f"cannot read config file {path}: {err.strerror or err}",
                               "Check that it is a readable file.") from None
+    try:
+        data = _parse(path, suffix, text)
+    except RecursionError:
+        raise ZeroConfigError(None, f"{path} is nested too deeply to be a config",
+                              "A ZeRO config is a mapping a few levels deep.") from None
+    if not isinstance(data, Mapping):
+        raise ZeroConfigError(None, f"the top level of {path} must be a mapping, got "
+                              f"{'an empty file' if data is None else type(data).__name__}",
+                              "Write key: value pairs such as 'stage: 3'.")
+    return data
+
+
+def _parse(path: Path, suffix: str, text: str) -> Any:
     if suffix == ".json":
         try:
             data = json.loads(text)
@@ -181,8 +208,4 @@ def read_mapping_file(path: Path) -> Mapping:
             problem = getattr(err, "problem", None) or str(err)
             raise ZeroConfigError(None, f"invalid YAML in {path}{where}: {problem}",
                                   "Fix the syntax there.") from None
-    if not isinstance(data, Mapping):
-        raise ZeroConfigError(None, f"the top level of {path} must be a mapping, got "
-                              f"{'an empty file' if data is None else type(data).__name__}",
-                              "Write key: value pairs such as 'stage: 3'.")
     return data

@@ -59,6 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._config_values import _finite
 from .config import CPUOffload, NVMeOffload, ZeroConfigError, _check_keys
 
 __all__ = ["DeepSpeedTranslation", "translate_deepspeed"]
@@ -188,7 +189,8 @@ def _offload(key: str, section: Any, allowed: tuple[str, ...], ignored: list[str
         kwargs["buffer_count"] = _no_auto(f"{key}.buffer_count", section["buffer_count"], "4")
     if "buffer_size" in section:
         elements = _no_auto(f"{key}.buffer_size", section["buffer_size"], "1e8")
-        if not isinstance(elements, (int, float)) or isinstance(elements, bool) or elements <= 0:
+        if not isinstance(elements, (int, float)) or isinstance(elements, bool) or not _finite(elements) \
+                or elements <= 0 or elements > 1 << 40:
             raise ZeroConfigError(f"{key}.buffer_size", f"expected a positive element count, got {elements!r}",
                                   "Write a number of elements such as 1e8.")
         kwargs["buffer_size"] = math.ceil(elements * DEEPSPEED_ELEMENT_BYTES / 4096) * 4096
@@ -207,10 +209,15 @@ def _zero_section(zero: Mapping, fields: dict, ignored: list[str]) -> None:
         if value is None or _is_auto(value):
             continue
         if name.startswith("zero_quantized"):
-            bad = value is True
+            if not isinstance(value, bool):  # "true" would be ignored: refuse what it asks for instead
+                raise ZeroConfigError(f"{where}.{name}", f"expected true or false, got {value!r}",
+                                      "Write false (no quotes): zero_strategy does not quantize.")
+            bad = value
         else:
-            bad = isinstance(value, (int, float)) and not isinstance(value, bool) and value > (
-                1 if name == "zero_hpz_partition_size" else 0)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ZeroConfigError(f"{where}.{name}", f"expected an integer, got {value!r}",
+                                      f"Write {1 if 'hpz' in name else 0} (no quotes) or remove it.")
+            bad = value > (1 if name == "zero_hpz_partition_size" else 0)
         if bad:
             raise ZeroConfigError(f"{where}.{name}", f"= {value!r} is not supported by zero_strategy "
                                   "(it changes the numerics or the sharding layout)",
@@ -259,6 +266,13 @@ def _precision_sections(data: Mapping, fields: dict, ignored: list[str]) -> None
     if fp16_on and bf16_on:
         raise ZeroConfigError(None, "fp16.enabled and bf16.enabled are both true",
                               "Enable one of them (bf16 on hardware that has it).")
+    for section, keys in ((bf16_name, ("bf16_master_weights_and_grads", "bf16_optimizer_states")),
+                          ("fp16", ("fp16_master_weights_and_grads",))):
+        for name in keys:
+            value = (bf16 if section == bf16_name else fp16).get(name, False)
+            if not isinstance(value, bool) and not _is_auto(value):
+                raise ZeroConfigError(f"{section}.{name}", f"expected true or false, got {value!r}",
+                                      "Write false (no quotes): master weights are always fp32 here.")
     for name in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
         if bf16.get(name) is True:
             raise ZeroConfigError(f"{bf16_name}.{name}", "is not supported: master weights and optimizer "
@@ -275,15 +289,16 @@ def _precision_sections(data: Mapping, fields: dict, ignored: list[str]) -> None
     fields["precision"] = "fp16"
     scale: dict[str, Any] = {"hysteresis": DEEPSPEED_FP16_HYSTERESIS_DEFAULT}
     static = _no_auto("fp16.loss_scale", fp16.get("loss_scale", 0), "0 (dynamic)")
-    if not isinstance(static, (int, float)) or isinstance(static, bool) or static < 0:
+    if not isinstance(static, (int, float)) or isinstance(static, bool) or not _finite(static) or static < 0:
         raise ZeroConfigError("fp16.loss_scale", f"expected 0 (dynamic) or a positive scale, got {static!r}",
                               "Write 0 for dynamic loss scaling or e.g. 1024 for a static scale.")
     if static > 0:
         scale.update(initial_scale=float(static), static=True, min_scale=min(1.0, float(static)))
     elif "initial_scale_power" in fp16:
         power = _no_auto("fp16.initial_scale_power", fp16["initial_scale_power"], "16")
-        if not isinstance(power, int) or isinstance(power, bool):
-            raise ZeroConfigError("fp16.initial_scale_power", f"expected an integer, got {power!r}", "Write e.g. 16.")
+        if not isinstance(power, int) or isinstance(power, bool) or not 0 <= power <= 127:
+            raise ZeroConfigError("fp16.initial_scale_power", f"expected an integer in [0, 127] (2**power must "
+                                  f"be a finite fp32 scale), got {power!r}", "Write e.g. 16.")
         scale["initial_scale"] = 2.0**power
     for ds_name, ours in (("loss_scale_window", "growth_interval"), ("hysteresis", "hysteresis"),
                           ("min_loss_scale", "min_scale")):

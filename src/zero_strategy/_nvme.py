@@ -20,11 +20,19 @@ served by ``io_threads`` threads with O_DIRECT (bypassing the page cache) where 
 filesystem allows it, buffered I/O where it does not (e.g. tmpfs).
 
 [Note: failures]
-The path is checked before training (created, writable, room for every swapped
-byte). An I/O error during training (a full disk, a vanished file) raises
-``NVMeError`` naming the file and the operation; state is never silently stale. Swap
-files are removed at teardown and at interpreter exit; files of a crashed run
-(whose process is gone) are detected by name and removed, never read.
+The path is checked before training (created, writable) and this rank's whole swap
+size is reserved there (see _nvme_files.py), so a disk too small fails at setup. An
+I/O error during training (a full disk on a filesystem that cannot reserve, a
+vanished file) raises ``NVMeError`` naming the file, the operation and the free
+space, on the rank that hit it, within seconds: the store is marked failed, the
+failing set's slot goes back to the pool, and every thread waiting for a slot or an
+I/O request wakes and raises too (each wait also has a timeout, ``SLOT_TIMEOUT_S`` /
+``IO_TIMEOUT_S``, as a last resort). State is never silently stale: a failed store
+refuses to read anything back. The other ranks then fail in their next collective
+when the failed process exits (gloo: the peer closed the connection; NCCL: the
+launcher stops the job). Swap directories are removed at teardown and at
+interpreter exit; those of a crashed run are removed, never read, by a later run
+that finds their lock free (see [Note: swap files nobody else can touch]).
 """
 
 from __future__ import annotations
@@ -33,82 +41,22 @@ import concurrent.futures
 import contextlib
 import errno
 import os
-import re
-import shutil
-import tempfile
 import threading
-import warnings
+import time
 import weakref
 from pathlib import Path
 
 import torch
 
-ALIGN = 4096
-_FILE_RE = re.compile(r"^zero_swap\.r(\d+)\.pid(\d+)\.bin$")
+from ._nvme_files import (ALIGN, JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs,
+                          reserve, resolve_nvme_path)
 
+__all__ = ["NVMeError", "NVMeStore", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
 
-class NVMeError(RuntimeError):
-    """An NVMe offload path that cannot be used, or an I/O error during training."""
-
-
-def resolve_nvme_path(policy) -> Path:
-    if policy is not None and policy.path:
-        return Path(policy.path)
-    env = os.environ.get("ZERO_STRATEGY_NVME_PATH")
-    if env:
-        return Path(env)
-    path = Path(tempfile.gettempdir()) / "zero_strategy_nvme"
-    warnings.warn(f"zero_strategy: NVMe offload without a path uses {path}; set nvme path in the config or "
-                  "ZERO_STRATEGY_NVME_PATH to a fast local disk (a temp dir may be RAM-backed)", stacklevel=4)
-    return path
-
-
-def check_nvme_path(path: Path, needed_bytes: int) -> None:
-    """Refuse, before training, a path that cannot hold the swap file."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise NVMeError(f"NVMe offload path {path} cannot be created: {e.strerror}; choose a directory "
-                        "on a local disk you can write to") from None
-    probe = path / f".zero_strategy_probe.{os.getpid()}"
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"\0" * ALIGN)
-    except OSError as e:
-        raise NVMeError(f"NVMe offload path {path} is not writable: {e.strerror}; choose a directory "
-                        "you can write to") from None
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    free = shutil.disk_usage(path).free
-    if free < needed_bytes:
-        raise NVMeError(f"NVMe offload path {path} has {free / 2**30:.2f} GiB free but this rank's swap "
-                        f"file needs {needed_bytes / 2**30:.2f} GiB; free space or choose another disk")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_swap_files(path: Path, rank: int) -> list[Path]:
-    """Swap files of this rank left by runs whose process is gone: removed, never read."""
-    removed = []
-    for f in path.glob("zero_swap.r*.pid*.bin"):
-        m = _FILE_RE.match(f.name)
-        if m and int(m.group(1)) == rank and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2))):
-            with contextlib.suppress(OSError):
-                f.unlink()
-                removed.append(f)
-    if removed:
-        warnings.warn(f"zero_strategy: removed stale NVMe swap files of a crashed run: "
-                      f"{[str(p) for p in removed]}", stacklevel=4)
-    return removed
+#: seconds a thread waits for a free staging slot before giving up (a failure wakes it at once)
+SLOT_TIMEOUT_S = 300.0
+#: seconds one I/O request may take before the store is declared failed
+IO_TIMEOUT_S = 300.0
 
 
 def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
@@ -124,20 +72,25 @@ def _round_up(n: int) -> int:
 
 
 class SwapFile:
-    """This rank's swap file: one aligned region per swapped tensor, chunked parallel I/O."""
+    """This rank's swap file: one aligned region per swapped tensor, chunked parallel I/O.
 
-    def __init__(self, directory: Path, rank: int, io_threads: int, chunk_bytes: int):
-        remove_stale_swap_files(directory, rank)
-        self.path = directory / f"zero_swap.r{rank}.pid{os.getpid()}.bin"
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        self.direct = hasattr(os, "O_DIRECT")
+    It lives alone in a private, locked directory (see [Note: swap files nobody else can
+    touch]); ``reserved`` bytes of it are allocated on disk up front.
+    """
+
+    def __init__(self, base: Path, rank: int, io_threads: int, chunk_bytes: int, reserve_bytes: int = 0):
+        remove_stale_job_dirs(base)
+        self.dir = JobDir(base, rank)
+        self.path = self.dir.path / "swap.bin"
         try:
-            self.fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise NVMeError(f"cannot create NVMe swap file {self.path}: {e.strerror}") from None
-            self.direct = False  # the filesystem refuses O_DIRECT (tmpfs): buffered I/O
-            self.fd = os.open(self.path, flags, 0o600)
+            self.fd, self.direct = self.dir.create_file("swap.bin", direct=hasattr(os, "O_DIRECT"))
+            self.reserved = _round_up(reserve_bytes)
+            reserve(self.fd, self.path, 0, self.reserved)
+        except BaseException:
+            if hasattr(self, "fd"):
+                os.close(self.fd)
+            self.dir.remove()
+            raise
         self.chunk = chunk_bytes
         self.regions: dict[str, tuple[int, int]] = {}
         self._end = 0
@@ -146,13 +99,17 @@ class SwapFile:
         self._lock = threading.Lock()
         # removed when this object is collected or at interpreter exit, whichever is first
         # (a plain atexit.register(self.close) would keep every swap file alive until exit)
-        self._finalizer = weakref.finalize(self, _remove_swap_file, self.fd, self.path, self._io)
+        self._finalizer = weakref.finalize(self, _remove_swap_file, self.fd, self.dir, self._io)
 
     def region(self, key: str, nbytes: int) -> tuple[int, int]:
         with self._lock:
             if key not in self.regions:
+                end = self._end + _round_up(nbytes)
+                if end > self.reserved:  # beyond the up-front estimate: reserve the growth now
+                    reserve(self.fd, self.path, self.reserved, end)
+                    self.reserved = end
                 self.regions[key] = (self._end, _round_up(nbytes))
-                self._end += _round_up(nbytes)
+                self._end = end
             return self.regions[key]
 
     @property
@@ -169,7 +126,7 @@ class SwapFile:
             except OSError as e:
                 what = "disk full" if e.errno == errno.ENOSPC else e.strerror
                 raise NVMeError(f"NVMe {'write to' if write else 'read from'} {self.path} at byte {offset + done} "
-                                f"failed: {what}") from None
+                                f"failed: {what} ({free_space(self.dir.path)} there)") from None
             if n <= 0:
                 raise NVMeError(f"NVMe {'write to' if write else 'read from'} {self.path} at byte "
                                 f"{offset + done} made no progress (file truncated?)")
@@ -194,17 +151,23 @@ class SwapFile:
         self._finalizer()
 
 
-def _remove_swap_file(fd: int, path: Path, io: concurrent.futures.ThreadPoolExecutor) -> None:
-    io.shutdown(wait=True)
+def _remove_swap_file(fd: int, directory: JobDir, io: concurrent.futures.ThreadPoolExecutor) -> None:
+    io.shutdown(wait=True, cancel_futures=True)
     with contextlib.suppress(OSError):
         os.close(fd)
-    with contextlib.suppress(OSError):
-        path.unlink()
+    directory.remove()
 
 
-def wait_all(futures) -> None:
+def wait_all(futures, path: Path | None = None) -> None:
+    """Wait for I/O requests; re-raises NVMeError from the I/O thread, or one for a request that hangs."""
+    deadline = time.monotonic() + IO_TIMEOUT_S
     for f in futures:
-        f.result()  # re-raises NVMeError from the I/O thread
+        try:
+            f.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise NVMeError(f"an NVMe request on {path or 'the swap file'} did not complete in {IO_TIMEOUT_S:.0f} s "
+                            f"({free_space(path.parent) if path else 'free space unknown'}); the disk or its "
+                            "filesystem is not responding") from None
 
 
 class SlotPool:
@@ -215,6 +178,13 @@ class SlotPool:
         self._free: list[torch.Tensor | None] = [None] * count
         self.count = count
         self._cv = threading.Condition()
+        self._failed: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """The store failed: wake every waiter, and refuse from now on."""
+        with self._cv:
+            self._failed = reason
+            self._cv.notify_all()
 
     def grow_to(self, count: int) -> None:
         """At least ``count`` slots (buffers are allocated on first use)."""
@@ -225,9 +195,16 @@ class SlotPool:
                 self._cv.notify_all()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
+        deadline = time.monotonic() + SLOT_TIMEOUT_S
         with self._cv:
-            while not self._free:
-                self._cv.wait()
+            while not self._free or self._failed:
+                if self._failed:
+                    raise NVMeError(f"NVMe offload stopped: {self._failed}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NVMeError(f"no NVMe staging buffer came free in {SLOT_TIMEOUT_S:.0f} s (all "
+                                    f"{self.count} held); a write-back or read did not finish")
+                self._cv.wait(left)
             buf = self._free.pop()
         if buf is None or buf.numel() < nbytes:
             buf = aligned_empty(nbytes, self._pin)  # grows to the largest swap set seen
@@ -261,11 +238,12 @@ class NVMeStore:
     """The swap file, the slot pool and the residency of every swapped group of one rank."""
 
     def __init__(self, policy, rank: int, pin: bool, needed_bytes: int):
-        directory = resolve_nvme_path(policy)
-        check_nvme_path(directory, needed_bytes)
+        directory, default = resolve_nvme_path(policy)
+        prepare_base(directory, default)
+        check_room(directory, needed_bytes)
         self.directory = directory
         self.policy = policy
-        self.file = SwapFile(directory, rank, policy.io_threads, policy.buffer_size)
+        self.file = SwapFile(directory, rank, policy.io_threads, policy.buffer_size, reserve_bytes=needed_bytes)
         # stepping + read-ahead + one write-back, plus (stage 3) this group's parameter shard and the
         # previous one's parameter write-back, must fit at once, or the pipeline waits on itself
         self.pool = SlotPool(max(policy.buffer_count, policy.read_ahead + 4), pin)
@@ -290,7 +268,14 @@ class NVMeStore:
         rebuilt by a checkpoint load); inside a residency its values go into the slot.
         """
         s = self._set(group, kind)
-        meta = self._meta[(id(group), kind)]
+        self._check_healthy(s)  # a set resident for a step that ran on: its slot goes back too
+        try:
+            self._adopt(s, self._meta[(id(group), kind)], tensors, replace)
+        except BaseException as e:
+            self._fail(e, s)
+            raise
+
+    def _adopt(self, s: _SwapSet, meta: dict, tensors: dict[str, torch.Tensor], replace: bool) -> None:
         staged = []
         for key, t in tensors.items():
             if key in s.tensors:
@@ -312,7 +297,7 @@ class NVMeStore:
             buf[:t.numel() * t.element_size()].copy_(t.detach().reshape(-1).view(torch.uint8))
             staged.append((buf, self.file.submit(True, fkey, buf)))
         for _, futures in staged:
-            wait_all(futures)
+            wait_all(futures, self.file.path)
         if s.slot is None:  # not inside a residency: evict now
             self._evict(s)
 
@@ -327,26 +312,47 @@ class NVMeStore:
     def _slot_bytes(self, key) -> int:
         return sum(_round_up(dt.itemsize * n) for dt, n in self._meta[key].values())
 
-    def _check_healthy(self) -> None:
+    def _check_healthy(self, s: _SwapSet | None = None) -> None:
         if self._failed is not None:
-            raise NVMeError(f"an earlier NVMe write to {self.file.path} failed ({self._failed}); the "
+            if s is not None:
+                self._evict(s)  # hand its slot back: nothing may wait on a failed store
+            raise NVMeError(f"an earlier NVMe operation on {self.file.path} failed ({self._failed}); the "
                             "swapped training state is incomplete, so it is not read back. Restart from "
                             "the last checkpoint after fixing the disk")
 
+    def _fail(self, err: BaseException, s: _SwapSet | None = None) -> None:
+        """Mark the store failed, return ``s``'s slot and wake every slot waiter. See [Note: failures]."""
+        if self._failed is None:
+            self._failed = err
+        self.pool.fail(str(self._failed))
+        if s is not None:
+            self._evict(s)
+        for other in list(self._sets.values()):  # read ahead for a step that will not come: slots back
+            if other.slot is not None and not other.resident:
+                self._evict(other, only_if_idle=True)
+
     def prefetch(self, group, kind: str) -> None:
         """Start reading the set into a slot (no-op if resident or already reading)."""
-        self._check_healthy()
         s = self._sets[(id(group), kind)]
+        self._check_healthy(s)
         with s.lock:
             if s.slot is not None:
                 return
             meta = self._meta[(id(group), kind)]
             s.slot = self.pool.acquire(self._slot_bytes((id(group), kind)))
             offset, s.reads = 0, []
-            for key, (dt, n) in meta.items():
-                size = _round_up(dt.itemsize * n)
-                s.reads.extend(self.file.submit(False, f"{s.name}:{key}", s.slot[offset:offset + size]))
-                offset += size
+            try:
+                if self._failed is not None:  # failed while we waited: _fail's sweep may have missed us
+                    raise NVMeError(f"NVMe offload stopped: {self._failed}")
+                for key, (dt, n) in meta.items():
+                    size = _round_up(dt.itemsize * n)
+                    s.reads.extend(self.file.submit(False, f"{s.name}:{key}", s.slot[offset:offset + size]))
+                    offset += size
+            except BaseException as e:  # e.g. the I/O pool is shut down
+                self.pool.release(s.slot)
+                s.slot, s.reads = None, []
+                self._fail(e)
+                raise
 
     def swap_in(self, group, kind: str) -> None:
         """Make the set resident (waiting for its read) with tensors viewing the slot."""
@@ -355,15 +361,23 @@ class NVMeStore:
         with s.lock:
             if s.resident:
                 return
-            wait_all(s.reads)
-            s.reads = []
-            offset = 0
-            for key, (dt, n) in self._meta[(id(group), kind)].items():
-                nbytes = dt.itemsize * n
-                s.tensors[key].data = s.slot[offset:offset + nbytes].view(dt)
-                s.in_slot.add(key)
-                offset += _round_up(nbytes)
-            s.resident = True
+            reads, s.reads = s.reads, []
+            try:
+                wait_all(reads, self.file.path)
+            except BaseException as e:
+                error = e
+            else:
+                error = None
+                offset = 0
+                for key, (dt, n) in self._meta[(id(group), kind)].items():
+                    nbytes = dt.itemsize * n
+                    s.tensors[key].data = s.slot[offset:offset + nbytes].view(dt)
+                    s.in_slot.add(key)
+                    offset += _round_up(nbytes)
+                s.resident = True
+        if error is not None:
+            self._fail(error, s)  # returns the slot; see [Note: failures]
+            raise error
 
     def swap_out(self, group, kind: str, write: bool, wait: bool = True) -> None:
         """Write the set back (if changed) and evict it, freeing its slot."""
@@ -381,9 +395,9 @@ class NVMeStore:
 
         def finish():
             try:
-                wait_all(futures)
+                wait_all(futures, self.file.path)
             except BaseException as e:
-                self._failed = e  # the file no longer holds this state: refuse to read it back
+                self._fail(e)  # the file no longer holds this state: refuse to read it back
                 raise
             finally:
                 self._evict(s)  # frees the slot even on failure, so nothing waits on it forever
@@ -393,8 +407,10 @@ class NVMeStore:
         else:
             self._pending_out.append(self._finisher.submit(finish))
 
-    def _evict(self, s: _SwapSet) -> None:
+    def _evict(self, s: _SwapSet, only_if_idle: bool = False) -> None:
         with s.lock:
+            if only_if_idle and s.resident:  # made resident meanwhile: its user releases it
+                return
             for t in s.tensors.values():
                 t.data = torch.empty(0, dtype=t.dtype)
             s.in_slot.clear()
@@ -404,7 +420,9 @@ class NVMeStore:
             s.resident = False
 
     def wait_writes(self) -> None:
+        """Wait for every pending write-back, then raise the first failure (so none is still running)."""
         pending, self._pending_out = self._pending_out, []
+        concurrent.futures.wait(pending)
         for f in pending:
             f.result()
 

@@ -153,8 +153,19 @@ def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
+    """One line on stderr and status 2 for any failure: the checkpoint's or the disk's, never a traceback.
+
+    SIGTERM (a scheduler's kill) becomes SystemExit, so the temporary output directory is
+    removed on the way out as for any other failure (SIGKILL: by the next run to that OUT).
+    """
+    import signal
+
     from .checkpoint import CheckpointError, consolidate
 
+    def terminated(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         out = consolidate(args.ckpt_dir, args.out, dtype=args.dtype, format=args.format,
                           max_shard_size=args.max_shard_size, include_optimizer=args.optimizer,
@@ -162,6 +173,16 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     except CheckpointError as err:
         print(f"zero-strategy consolidate: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        print(f"zero-strategy consolidate: error: {err.strerror or err}"
+              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - a checkpoint check we lack: still one line, named
+        print(f"zero-strategy consolidate: error: {type(err).__name__}: {err} (the checkpoint is not one this "
+              "zero_strategy can read; please report it)", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote {out}")
     return 0
 

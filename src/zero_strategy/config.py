@@ -77,6 +77,11 @@ class CPUOffload:
     device = "cpu"
 
 
+#: bounds of NVMeOffload.buffer_count / buffer_size (see the messages in __post_init__)
+MAX_BUFFER_COUNT = 1024
+MAX_BUFFER_SIZE = 1 << 30
+
+
 @dataclass(frozen=True)
 class NVMeOffload:
     """Offloaded state lives in files under ``path``, streamed through pinned buffers.
@@ -101,15 +106,23 @@ class NVMeOffload:
                 raise ZeroConfigError("path", f"expected a directory path or null, got {self.path!r}",
                                       "Give a directory on a fast local disk, or null to use "
                                       "$ZERO_STRATEGY_NVME_PATH or a temp dir.")
-        object.__setattr__(self, "buffer_count", _as_int("buffer_count", self.buffer_count, 2))
-        size = _as_int("buffer_size", self.buffer_size, 1)
+        object.__setattr__(self, "buffer_count", _as_int(
+            "buffer_count", self.buffer_count, 2, MAX_BUFFER_COUNT,
+            "each buffer is a host staging slot as large as one group's swapped state, and the pipeline "
+            "never has more than read_ahead + 4 (plus stage 3's prefetch) in use, so more only hold memory"))
+        size = _as_int("buffer_size", self.buffer_size, 1, MAX_BUFFER_SIZE,
+                       "it is the size of one read or write request, and Linux moves at most 2 GiB - 4 KiB "
+                       "per request")
         if size % 4096:
             up = -(-size // 4096) * 4096
             raise ZeroConfigError("buffer_size", f"must be a multiple of 4096 bytes, got {size}",
                                   f"Use {up} (the next multiple of 4096).")
         object.__setattr__(self, "buffer_size", size)
-        object.__setattr__(self, "io_threads", _as_int("io_threads", self.io_threads, 1))
-        object.__setattr__(self, "read_ahead", _as_int("read_ahead", self.read_ahead, 0))
+        object.__setattr__(self, "io_threads", _as_int("io_threads", self.io_threads, 1, 256,
+                                                       "more threads than that only queue on the disk"))
+        object.__setattr__(self, "read_ahead", _as_int(
+            "read_ahead", self.read_ahead, 0, MAX_BUFFER_COUNT - 4,
+            "every group read ahead holds one staging buffer (see buffer_count)"))
         _as_bool("pin_memory", self.pin_memory)
 
     device = "nvme"

@@ -15,7 +15,17 @@ included), or ``model-0000i-of-0000N.safetensors`` plus
 ``max_shard_size`` is given, or ``pytorch_model.bin``. With ``hf_config`` the
 Hugging Face ``config.json`` (and tokenizer files beside it) are copied so
 ``from_pretrained(out)`` works. It is built in a temporary directory renamed
-into place, so an interrupted run leaves no partial ``out``.
+into place, so an interrupted run leaves no partial ``out``; the temporary directory
+is removed on any error or interrupt, and one left by a killed run is removed by the
+next run to the same ``out`` (see [Note: what a save may delete] in _owned.py).
+
+[Note: a lying checkpoint cannot grow memory]
+Before anything is written, the metadata is validated (_validate.py) and every file's
+sha256 and safetensors header are checked against it, so every element count the
+metadata claims is backed by bytes on disk. The streamed formats then hold at most
+a few ``CHUNK_BYTES`` pieces; ``torch`` needs the whole output in memory, which is
+computed from the validated layout and refused up front when it exceeds the memory
+available (``MemAvailable``).
 """
 
 from __future__ import annotations
@@ -23,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 
@@ -31,7 +40,9 @@ import torch
 
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata
 from ._load import resolve_checkpoint_dir
+from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamReader, StreamWriter, verify_file
+from ._validate import check_buffers_file, check_rank_file
 
 CHUNK_BYTES = 16 << 20
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -128,6 +139,10 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
     meta = read_metadata(ckpt)
     for rec in meta.files:  # every file, before any output is written
         verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
+        if rec.rank is not None:
+            check_rank_file(ckpt / rec.name, meta)
+        elif rec.name == BUFFERS_FILE:
+            check_buffers_file(ckpt / rec.name, meta)
     if include_optimizer and meta.optimizer is None:
         raise CheckpointError(f"{ckpt} was saved without optimizer state; drop include_optimizer/--optimizer")
 
@@ -138,12 +153,15 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
             readers[name] = StreamReader(ckpt / name)
         return readers[name]
 
-    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(6)}"
+    sources = [_Source(key, kind, name, meta, reader, lambda g: g.weight_tensor)
+               for key, kind, name in meta.state_dict_keys]
+    if format == "torch":
+        _check_memory(sources, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
+    remove_leftovers(out.parent, f".{out.name}", ("tmp",))  # of a killed run to the same out
+    owned = OwnedDir.create(out.parent, f".{out.name}", "tmp")
+    tmp = owned.path
     try:
-        sources = [_Source(key, kind, name, meta, reader, lambda g: g.weight_tensor)
-                   for key, kind, name in meta.state_dict_keys]
         if format == "torch":
             _write_torch(tmp, sources, dtype)
         else:
@@ -153,13 +171,34 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
         for f in hf_files:
             shutil.copy2(f, tmp / f.name)
         os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        owned.moved(out)
+        owned.unmark()
     finally:
+        owned.remove()  # every failure path, interrupts included; a no-op once renamed into place
         for r in readers.values():
             r.close()
     return out
+
+
+def _memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _check_memory(sources: list[_Source], dtype) -> None:
+    """See [Note: a lying checkpoint cannot grow memory]."""
+    seen, need = set(), 0
+    for src in sources:
+        if (src.kind, src.name) not in seen:
+            seen.add((src.kind, src.name))
+            need += src.numel * torch.empty((), dtype=_out_dtype(src, dtype)).element_size()
+    available = _memory_available()
+    if available is not None and need > available:
+        raise CheckpointError(f"format 'torch' needs the whole model in memory ({need / 2**30:.2f} GiB) but "
+                              f"{available / 2**30:.2f} GiB are available; use the streamed safetensors format")
 
 
 def _hf_files(hf_config) -> list[Path]:

@@ -135,24 +135,39 @@ class Metadata:
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     zero_strategy_version: str = ""
+    #: sha256 of the canonical JSON of every other key. See [Note: the metadata is input, not truth]
+    checksum: str = ""
 
     # ------------------------------------------------------------ (de)serialize
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=False)
+        from ._validate import digest
+
+        d = asdict(self)
+        d["checksum"] = digest(d)
+        return json.dumps(d, indent=1, sort_keys=False)
 
     @classmethod
-    def from_dict(cls, d: dict, where: str) -> "Metadata":
+    def from_dict(cls, d: dict, where: str, path: Path | None = None) -> "Metadata":
+        """Parse and validate (``path``: the metadata file, named in errors)."""
+        from ._validate import check_metadata, check_raw
+
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where} is not a zero_strategy checkpoint (its metadata is not a mapping)")
         if d.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{where} is not a zero_strategy checkpoint (format {d.get('format')!r})")
         if d.get("version") != FORMAT_VERSION:
             raise CheckpointError(
                 f"{where}: unknown checkpoint format version {d.get('version')!r}; this zero_strategy "
                 f"reads version {FORMAT_VERSION} (upgrade zero_strategy to read newer checkpoints)")
+        path = path if path is not None else Path(where) / METADATA_FILE
+        check_raw(d, path)
         d = dict(d)
         d["groups"] = [GroupLayout(**g) for g in d["groups"]]
         d["params"] = {k: ParamLayout(**p) for k, p in d["params"].items()}
         d["files"] = [FileRecord(**f) for f in d["files"]]
-        return cls(**d)
+        meta = cls(**d)
+        check_metadata(meta, path)
+        return meta
 
     # ----------------------------------------------------------------- queries
     def file(self, name: str) -> FileRecord:
@@ -190,16 +205,20 @@ def read_metadata(ckpt_dir: Path) -> Metadata:
         raise CheckpointError(f"{ckpt_dir} is not a zero_strategy checkpoint: it has no {METADATA_FILE} "
                               "(an interrupted save never leaves one)")
     try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8
         raise CheckpointError(f"{path} is unreadable or corrupted: {err}") from None
-    return Metadata.from_dict(d, str(ckpt_dir))
+    if isinstance(d, dict) and d.get("format") == FORMAT_NAME and d.get("version") == FORMAT_VERSION:
+        from ._validate import check_checksum
+
+        check_checksum(d, path)
+    return Metadata.from_dict(d, str(ckpt_dir), path)
 
 
 def is_checkpoint_dir(path: Path) -> bool:
     try:
-        d = json.loads((path / METADATA_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        d = json.loads((path / METADATA_FILE).read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(d, dict) and d.get("format") == FORMAT_NAME
 

@@ -20,6 +20,8 @@ agreed on across ranks, so a bad file raises on every rank instead of hanging so
 from __future__ import annotations
 
 import json
+import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from ._layout import (BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, 
                       resolve_zero_optimizers)
 from ._safetensors_stream import verify_file
 from ._sync import agree, describe
+from ._validate import check_buffers_file, check_rank_file
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
@@ -40,13 +43,23 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         if not path.is_dir():
             raise CheckpointError(f"{path} is a file, not a zero_strategy checkpoint directory")
         return path
-    olds = [p for p in path.parent.glob(f"{path.name}.old-*") if (p / "metadata.json").is_file()]
+    olds = [p for p in old_checkpoints(path) if (p / "metadata.json").is_file()]
     if not olds:
         raise CheckpointError(f"no checkpoint at {path}")
     newest = max(olds, key=lambda p: (p / "metadata.json").stat().st_mtime)
     warnings.warn(f"{path} is missing but {newest.name} beside it is a complete checkpoint left by an "
                   "interrupted save; loading that one", stacklevel=3)
     return newest
+
+
+def old_checkpoints(path: Path) -> list[Path]:
+    """``<path>.old-<token>`` directories beside ``path`` (exact names, never a pattern over user names)."""
+    pattern = re.compile(re.escape(path.name) + r"\.old-[0-9a-f]{12}")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return []
+    return [p for p in entries if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
 
 
 class _Reader:
@@ -62,6 +75,10 @@ class _Reader:
 
             rec = self.meta.file(name)
             verify_file(self.dir / name, rec.sha256, rec.bytes)
+            if name == BUFFERS_FILE:
+                check_buffers_file(self.dir / name, self.meta)
+            else:
+                check_rank_file(self.dir / name, self.meta)
             try:
                 self._open[name] = safe_open(str(self.dir / name), framework="pt")
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
@@ -91,12 +108,14 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     engine = engine_of(model)
     comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
-    error, meta, extra, reader = None, None, None, None
+    error, meta, extra, reader, hyper = None, None, None, None, []
     try:
         ckpt_dir = resolve_checkpoint_dir(path)
         meta = read_metadata(ckpt_dir)
         names, buffers = _model_names(model, engine)
         _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
+        hyper = [_hyperparameter_updates(saved, zopt, ckpt_dir, i)
+                 for i, (zopt, saved) in enumerate(zip(zopts, _saved_optimizers(meta)))]
         reader = _Reader(ckpt_dir, meta)
         _load_shards(reader, names, engine, zopts)
         _load_buffers(reader, model, buffers)
@@ -108,8 +127,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
             reader.close()
     agree(comm, error)
     _publish(engine)
-    for zopt, saved, scaler in zip(zopts, _saved_optimizers(meta), _saved_scalers(meta)):
-        _load_hyperparameters(saved, zopt)
+    for zopt, updates, scaler in zip(zopts, hyper, _saved_scalers(meta)):
+        _apply_hyperparameters(updates)
         if scaler is not None and zopt.scaler.enabled:
             zopt.scaler.load_state_dict(scaler)
     return extra
@@ -284,18 +303,57 @@ def _publish(engine) -> None:
             h.wait()
 
 
-def _load_hyperparameters(saved_optimizer: dict, zopt) -> None:
-    for pg, saved in zip(zopt.optimizer.param_groups, saved_optimizer["param_groups"]):
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _hyperparameter_updates(saved_optimizer: dict, zopt, ckpt_dir: Path, index: int) -> list:
+    """(param group, key, value) to restore: only fields the running optimizer has, with their types.
+
+    Checked before anything is loaded, so a bad value refuses the whole load on every rank. A saved
+    field the optimizer does not have is skipped with a warning; ``params`` is never restored.
+    """
+    updates, unknown = [], set()
+    for j, (pg, saved) in enumerate(zip(zopt.optimizer.param_groups, saved_optimizer["param_groups"])):
         for key, value in saved.items():
-            current = pg.get(key)
+            if key == "params" or key not in pg:
+                unknown.add(key)
+                continue
+            current, at = pg[key], f"optimizers[{index}].param_groups[{j}].{key}"
             if isinstance(current, torch.Tensor):
-                current.fill_(value)
-            elif isinstance(current, tuple) and isinstance(value, list):
-                pg[key] = tuple(value)
+                ok = _number(value) or isinstance(value, bool) and current.dtype == torch.bool
+            elif isinstance(current, bool):
+                ok = isinstance(value, bool)
+            elif _number(current):
+                ok = _number(value)
+            elif isinstance(current, (tuple, list)):
+                ok = (isinstance(value, list) and len(value) == len(current)
+                      and all(_number(v) == _number(c) for v, c in zip(value, current)))
+                value = tuple(value) if isinstance(current, tuple) and ok else value
+            elif current is None:
+                ok = value is None or isinstance(value, bool)
             else:
-                pg[key] = value
+                ok = type(value) is type(current)
+            if not ok:
+                raise CheckpointError(f"{ckpt_dir / 'metadata.json'}: {at}: saved value {value!r} does not fit "
+                                      f"the optimizer's {current!r} (a finite value of the same type is needed)")
+            updates.append((pg, key, value))
+    if unknown:
+        warnings.warn(f"{ckpt_dir}: optimizer fields {sorted(unknown)} are not fields of the running "
+                      f"{type(zopt.optimizer).__name__}; not restored", stacklevel=4)
+    return updates
+
+
+def _apply_hyperparameters(updates: list) -> None:
+    for pg, key, value in updates:
+        if isinstance(pg[key], torch.Tensor):
+            pg[key].fill_(value)
+        else:
+            pg[key] = value
 
 
 def load_metadata(path: str | Path) -> dict:
-    """The metadata of a checkpoint as a plain dict (for tools and inspection)."""
-    return json.loads((resolve_checkpoint_dir(path) / "metadata.json").read_text())
+    """The metadata of a checkpoint as a plain dict (for tools and inspection), validated first."""
+    ckpt_dir = resolve_checkpoint_dir(path)
+    read_metadata(ckpt_dir)
+    return json.loads((ckpt_dir / "metadata.json").read_text())

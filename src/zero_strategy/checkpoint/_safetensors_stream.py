@@ -7,6 +7,16 @@ way, so a writer holds at most the piece it is given. The reader reads a range o
 one tensor's elements with ``readinto`` into a fresh buffer, without a memory map
 (whose touched pages would stay resident for as long as the file is open).
 
+[Note: who parses the header]
+The header of a file we read is parsed and validated by the ``safetensors`` library
+first (``_validate.header``: it refuses negative, overlapping or out-of-file offsets
+and byte lengths that differ from shape x dtype); ``StreamReader`` then takes the
+offsets from the same bytes and checks them again against the library's dtypes and
+shapes. It does not read through the library because of a measured cost: streaming a
+335 MB file in 16 MB pieces raised peak RSS by 325 MB with ``safe_open(...).get_slice``
+(the memory map's touched pages stay resident) and by 20 MB with ``readinto``
+(5 x 67 MB fp32 tensors, VmHWM after ``clear_refs``, torch 2.13, safetensors 0.8).
+
 Format (https://github.com/huggingface/safetensors): 8-byte little-endian header
 length, a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
 "__metadata__": {str: str}}`` padded with spaces to a multiple of 8, then the data.
@@ -128,7 +138,10 @@ class StreamReader:
     """Element ranges of the tensors of one safetensors file, read with plain file I/O."""
 
     def __init__(self, path: Path):
+        from ._validate import header as library_header
+
         self.path = Path(path)
+        checked = library_header(self.path)  # See [Note: who parses the header]
         try:
             self._file: BinaryIO = open(self.path, "rb")
             (n,) = struct.unpack("<Q", self._file.read(8))
@@ -138,6 +151,20 @@ class StreamReader:
         self.metadata: dict = header.pop("__metadata__", {}) or {}
         self.tensors: dict = header
         self._data_start = 8 + n
+        self._check_offsets(checked, os.fstat(self._file.fileno()).st_size - self._data_start)
+
+    def _check_offsets(self, checked: dict, data_bytes: int) -> None:
+        """Our reading of the offsets agrees with the library's dtypes and shapes, inside the file."""
+        if set(checked) != set(self.tensors):
+            raise CheckpointError(f"{self.path}: its header lists different tensors than safetensors reads")
+        for name, entry in self.tensors.items():
+            begin, end = entry["data_offsets"]
+            dtype = _TORCH_DTYPES.get(entry["dtype"])
+            if (dtype is None or not all(isinstance(x, int) for x in (begin, end))
+                    or not 0 <= begin <= end <= data_bytes or list(entry["shape"]) != checked[name][1]
+                    or end - begin != _numel(entry["shape"]) * _element_size(dtype)):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has offsets {entry['data_offsets']} that do "
+                                      f"not fit its dtype, shape or the file")
 
     def dtype(self, name: str) -> torch.dtype:
         return _TORCH_DTYPES[self._entry(name)["dtype"]]
@@ -187,6 +214,9 @@ def sha256_file(path: Path, chunk: int = HASH_CHUNK) -> str:
 
 def verify_file(path: Path, sha256: str, nbytes: int) -> None:
     """Refuse a missing, truncated or corrupted file, naming it."""
+    if path.is_symlink():
+        raise CheckpointError(f"checkpoint file {path} is a symbolic link; checkpoint files are plain files "
+                              "inside the checkpoint directory, refusing to follow it")
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing")
     size = path.stat().st_size

@@ -1,18 +1,21 @@
 """Sharded, atomic save: every rank writes its own shards; rank 0 writes metadata and swaps.
 
 [Note: atomic replacement]
-1. rank 0 checks the target and broadcasts a random token; every rank writes its
-   file into ``<path>.tmp-<token>``, hashing it on the way, and fsyncs it;
+1. rank 0 checks the target, creates ``<path>.tmp-<token>`` (a random token of this
+   save, see [Note: what a save may delete] in _owned.py) and broadcasts the token;
+   every rank writes its file there, hashing it on the way, and fsyncs it;
 2. ranks all-gather (file, sha256, size) or their error: any error aborts on all
    ranks and removes the temporary directory;
 3. rank 0 writes ``metadata.json`` last and fsyncs the directory, then renames an
    existing ``path`` to ``<path>.old-<token>``, the temporary directory to ``path``,
-   fsyncs the parent and deletes the old one; the result is broadcast, so no rank
+   fsyncs the parent and deletes the old one; the result is agreed on, so no rank
    returns before the checkpoint is in place.
 A save killed before step 3's first rename leaves ``path`` untouched (and a
 ``.tmp-`` directory without metadata, removed by the next save). Killed between the
 two renames, ``path`` is missing and the previous checkpoint sits complete at
 ``<path>.old-<token>``: ``load_checkpoint(path)`` finds and loads it (with a warning).
+Any error in step 3 (a full disk while writing the metadata) puts the previous
+checkpoint back and removes the temporary directory, so a retry starts clean.
 All ranks must see the same filesystem (as with any multi-node checkpoint).
 """
 
@@ -20,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
                       GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,
                       jsonable, rank_file_name, resolve_zero_optimizers)
+from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamWriter, sha256_file
 from ._sync import agree, all_gather_object, broadcast_object, describe
 
@@ -53,15 +55,24 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     zopts = resolve_zero_optimizers(engine, optimizer)
     path = Path(path).absolute()
     decision: tuple[str, str] | None = None
+    owned: OwnedDir | None = None
     if comm.rank == 0:
         try:
             _check_target(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            token = secrets.token_hex(6)
-            (path.parent / f"{path.name}.tmp-{token}").mkdir()
-            decision = ("ok", token)
+            owned = OwnedDir.create(path.parent, path.name, "tmp")
+            decision = ("ok", owned.token)
         except (OSError, CheckpointError) as err:
             decision = ("error", describe(err))
+    try:
+        _save(path, model, engine, zopts, extra_state, decision, owned)
+    finally:
+        if owned is not None:
+            owned.remove()  # a no-op once the directory became the checkpoint; else every failure path
+
+
+def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedDir | None) -> None:
+    comm = engine.comm
     kind, value = broadcast_object(comm, decision)
     if kind == "error":
         raise CheckpointError(value)
@@ -70,7 +81,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
 
     groups = describe_groups(engine)
     records: list[FileRecord] = []
-    error = None
+    error = extra_meta = None
     try:
         records.append(_write_rank_file(tmp, engine, zopts, groups))
         if comm.rank == 0:
@@ -83,9 +94,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     gathered = all_gather_object(comm, (records, error))
     errors = [e for _, e in gathered if e]
     if errors:
-        if comm.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError("; ".join(errors))
+        raise CheckpointError("; ".join(errors))  # rank 0 removes the directory on the way out
 
     error = None
     if comm.rank == 0:
@@ -93,7 +102,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
             files = [r for recs, _ in gathered for r in recs]
             meta = _metadata(model, engine, zopts, groups, files, extra_meta)
             _write_metadata(tmp, meta)
-            _swap_into_place(tmp, path, token)
+            _swap_into_place(owned, path)
         except Exception as err:  # noqa: BLE001
             error = f"rank 0 could not finish the checkpoint at {path}: {describe(err)}"
     agree(comm, error if comm.rank == 0 else None)
@@ -117,20 +126,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _swap_into_place(tmp: Path, path: Path, token: str) -> None:
+def _swap_into_place(owned: OwnedDir, path: Path) -> None:
+    """Rename the finished temporary directory to ``path``; see [Note: atomic replacement].
+
+    On an error before the checkpoint is in place, the previous one is moved back.
+    """
+    tmp = owned.path
     _fsync_dir(tmp)
     old = None
     if path.exists():
-        old = path.parent / f"{path.name}.old-{token}"
-        _rename(path, old)
-    _rename(tmp, path)
+        old = OwnedDir.claim(path, owned.token)
+        _rename(path, path.parent / f"{path.name}.old-{owned.token}")
+        old.moved(path.parent / f"{path.name}.old-{owned.token}")
+    try:
+        _rename(tmp, path)
+    except BaseException:
+        if old is not None and not path.exists():
+            _rename(old.path, path)
+            old.moved(path)
+            old.unmark()
+        raise
+    owned.moved(path)
+    owned.unmark()
     _fsync_dir(path.parent)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in path.parent.glob(f"{path.name}.tmp-*"):  # left by killed saves
-        shutil.rmtree(stale, ignore_errors=True)
-    for stale in path.parent.glob(f"{path.name}.old-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        old.remove()
+    remove_leftovers(path.parent, path.name, ("tmp", "old"))  # of killed saves; see _owned.py
 
 
 # ------------------------------------------------------------------ files

@@ -38,13 +38,20 @@ def pack(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def unpack(extra: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """Lightning's dict from the blob; never a full unpickle unless ``weights_only=False`` is asked for.
+
+    ``None`` means ``True`` here on every torch we support: torch 2.4-2.5 read ``None`` as a
+    full pickle (2.6 changed the default), and a checkpoint directory is exactly the kind of
+    file that arrives from elsewhere. Lightning's checkpoint dict is plain data (its
+    ``hyper_parameters`` are saved as a ``dict``), so it needs no extra safe globals.
+    """
     from lightning.fabric.utilities.cloud_io import _load
 
     if not isinstance(extra, dict) or extra.get("format") != FORMAT:
         raise ValueError("this zero_strategy checkpoint was not written by the Lightning front end "
                          "(no Lightning state in its extra_state); load it with zero_strategy.load_checkpoint")
     blob = extra["lightning"].numpy().tobytes()
-    return _load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
+    return _load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only is not False)
 
 
 def save(path, model, zero_optimizers: list, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,152 @@
+"""Saves and consolidation remove only directories they created (see [Note: what a save may
+delete] in checkpoint/_owned.py), and leave nothing behind when they fail or are killed.
+
+Before, a save deleted every ``<name>.old-*`` and ``<name>.tmp-*`` beside its target by
+an unescaped glob: a user's ``ckpt.old-manual-backup/`` went with its contents, and a
+save to ``run[1]`` deleted another job's in-progress ``run1.tmp-.../``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from zero_strategy.checkpoint._owned import MARKER
+from _models import TinyLM, param_groups
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+TOKEN = "0123456789ab"
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    return zs.setup(model, torch.optim.AdamW(param_groups(model)), zs.ZeroConfig(stage=2))
+
+
+def _user_dir(path: Path, marker: str | None = None) -> Path:
+    path.mkdir()
+    (path / "notes.txt").write_text("keep me")
+    if marker is not None:
+        (path / MARKER).write_text(marker)
+    return path
+
+
+def _save_twice(path):
+    model, opt = _tiny()
+    zs.save_checkpoint(path, model, opt)
+    zs.save_checkpoint(path, model, opt)  # the second replaces the first: the old/tmp clean-up runs
+
+
+def test_users_backup_directories_survive(tmp_path):
+    kept = [_user_dir(tmp_path / "ckpt.old-manual-backup"), _user_dir(tmp_path / "ckpt.tmp-notes"),
+            _user_dir(tmp_path / f"ckpt.tmp-{TOKEN}"),  # our pattern, but no marker: not made by a save
+            _user_dir(tmp_path / f"ckpt.old-{TOKEN}", marker="ffffffffffff")]  # marker of another token
+    _save_twice(tmp_path / "ckpt")
+    for d in kept:
+        assert (d / "notes.txt").read_text() == "keep me", d
+
+
+def test_a_name_with_glob_characters_matches_only_itself(tmp_path):
+    other = _user_dir(tmp_path / f"run1.tmp-{TOKEN}", marker=TOKEN)  # looks like a leftover of "run1"
+    _save_twice(tmp_path / "run[1]")
+    assert (other / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["run[1]", other.name])
+
+
+def test_planted_symlink_with_a_leftover_name_is_not_followed(tmp_path):
+    victim = _user_dir(tmp_path / "victim", marker=TOKEN)
+    (tmp_path / f"ckpt.tmp-{TOKEN}").symlink_to(victim)
+    _save_twice(tmp_path / "ckpt")
+    assert (victim / "notes.txt").read_text() == "keep me"
+    assert (tmp_path / f"ckpt.tmp-{TOKEN}").is_symlink()
+
+
+HOLD = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_leftover_of_a_killed_save_is_removed_unless_its_save_is_alive(tmp_path):
+    """Both carry a marker with their token; only the one whose lock is free is a leftover."""
+    live = _user_dir(tmp_path / f"ckpt.tmp-{TOKEN}", marker=TOKEN)
+    dead = _user_dir(tmp_path / "ckpt.tmp-ba9876543210", marker="ba9876543210")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(live / MARKER)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        _save_twice(tmp_path / "ckpt")
+        assert (live / "notes.txt").exists(), "the directory of a save that is still running was removed"
+        assert not dead.exists(), "the leftover of a killed save was kept"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+KILLED_CONSOLIDATE = textwrap.dedent("""
+    import os, signal, sys
+    from zero_strategy.checkpoint import _safetensors_stream
+    from zero_strategy.cli import main
+    original = _safetensors_stream.StreamWriter.write
+    def write(self, name, piece):
+        original(self, name, piece)
+        os.kill(os.getpid(), getattr(signal, sys.argv[3]))
+    _safetensors_stream.StreamWriter.write = write
+    sys.exit(main(["consolidate", sys.argv[1], sys.argv[2]]))
+""")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "ckpt"
+    model, opt = _tiny()
+    zs.save_checkpoint(path, model, opt)
+    return path
+
+
+def _consolidate_killed(ckpt, out, sig):
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    return subprocess.run([sys.executable, "-c", KILLED_CONSOLIDATE, str(ckpt), str(out), sig], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_consolidate_terminated_removes_its_temporary_directory(ckpt, tmp_path):
+    done = _consolidate_killed(ckpt, tmp_path / "out", "SIGTERM")
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_consolidate_killed_leaves_a_leftover_the_next_run_removes(ckpt, tmp_path):
+    done = _consolidate_killed(ckpt, tmp_path / "out", "SIGKILL")
+    assert done.returncode == -signal.SIGKILL
+    (leftover,) = tmp_path.iterdir()
+    assert leftover.name.startswith(".out.tmp-")
+    zs.checkpoint.consolidate(ckpt, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+
+
+def test_consolidate_cli_reports_a_damaged_checkpoint_in_one_line(ckpt, tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ckpt, damaged)
+    (damaged / "metadata.json").write_text('{"format": "zero_strategy.checkpoint", "version": 1, "x": [')
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    done = subprocess.run([sys.executable, "-m", "zero_strategy.cli", "consolidate", str(damaged),
+                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "metadata.json is unreadable or corrupted" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"]

@@ -1,0 +1,183 @@
+"""Swap files belong to one run: a private locked directory, exclusive 0600 files, no symlink
+followed, liveness by lock (never by pid), a per-user default location.
+
+Before, files were named ``zero_swap.r<rank>.pid<pid>.bin`` and opened with O_TRUNC:
+two containers whose processes are both pid 1 shared one file and one of them
+finished with wrong weights and no error; a dead-looking pid (another pid namespace)
+got a live file deleted; a symlink planted at the probe's name was truncated.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_strategy as zs
+import zero_strategy._nvme_files as nvme_files
+from _models import TinyLM, batch, loss_fn, param_groups
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def config(path, nvme=True):
+    nv = {"device": "nvme", "path": None if path is None else str(path), "buffer_size": 16384} if nvme else "cpu"
+    return zs.ZeroConfig(stage=3, param_persistence_threshold=0, offload_optimizer=nv, offload_params=nv)
+
+
+def make(path, seed=0, nvme=True):
+    torch.manual_seed(seed)
+    model = TinyLM(layers=2)
+    return zs.setup(model, torch.optim.AdamW(param_groups(model)), config(path, nvme))
+
+
+def train_step(model, zopt, step):
+    tokens, targets = batch(0, step, 0)
+    loss_fn(model(tokens), targets).backward()
+    zopt.step()
+    zopt.zero_grad()
+
+
+def job_dirs(base):
+    return sorted(p for p in Path(base).iterdir() if p.name.startswith("zero_swap-"))
+
+
+def test_swap_directory_is_private_and_its_file_exclusive(tmp_path):
+    model, zopt = make(tmp_path)
+    (d,) = job_dirs(tmp_path)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert [p.name for p in d.iterdir()] == ["swap.bin"]
+    assert stat.S_IMODE((d / "swap.bin").stat().st_mode) == 0o600
+    owner = zs.api.engine_of(model).swap.file.dir
+    with pytest.raises(nvme_files.NVMeError, match=r"cannot create NVMe swap file .*swap\.bin: File exists"):
+        owner.create_file("swap.bin", direct=False)  # O_EXCL: never reopened, never truncated
+    zs.teardown(model, keep_weights=False)
+
+
+def test_two_runs_with_the_same_pid_sharing_a_directory_keep_their_own_state(tmp_path):
+    """Same process = same pid for both runs: the old naming gave them one file."""
+    a, opt_a = make(tmp_path, seed=1)
+    b, opt_b = make(tmp_path, seed=2)
+    ref_a, ropt_a = make(None, seed=1, nvme=False)
+    ref_b, ropt_b = make(None, seed=2, nvme=False)
+    assert len(job_dirs(tmp_path)) == 2
+    for step in range(3):  # interleaved, as two jobs on one node would be
+        for model, opt in ((a, opt_a), (b, opt_b), (ref_a, ropt_a), (ref_b, ropt_b)):
+            train_step(model, opt, step)
+    for got, want in ((a, ref_a), (b, ref_b)):
+        full, ref = zs.full_state_dict(got), zs.full_state_dict(want)
+        for k in ref:
+            torch.testing.assert_close(full[k], ref[k], rtol=1e-6, atol=1e-7)
+    for m in (a, b, ref_a, ref_b):
+        zs.teardown(m, keep_weights=False)
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from zero_strategy._nvme_files import JobDir
+    d = JobDir(Path(sys.argv[1]), rank=0)
+    (d.path / "swap.bin").write_bytes(b"live state of another job")
+    print(d.path, flush=True)
+    if sys.argv[2] == "hold":
+        time.sleep(120)
+""")
+
+
+def _holder(base, mode):
+    """A process of another job that creates a swap directory (and holds it, or exits at once)."""
+    cmd = [sys.executable, "-c", HOLDER, str(base), mode]
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0:
+        cmd = ["unshare", "--pid", "--fork", "--kill-child", *cmd]  # its own pid namespace, as in a container: pid 1
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    path = Path(proc.stdout.readline().strip())
+    assert path.is_dir(), path
+    return proc, path
+
+
+def test_a_live_directory_of_another_job_is_kept_a_dead_ones_removed(tmp_path):
+    proc, live = _holder(tmp_path, "hold")
+    try:
+        model, zopt = make(tmp_path)
+        train_step(model, zopt, 0)
+        assert (live / "swap.bin").read_bytes() == b"live state of another job"
+        zs.teardown(model, keep_weights=False)
+    finally:
+        proc.kill()
+        proc.wait()
+    time.sleep(0.1)
+    with pytest.warns(UserWarning, match=r"removed stale NVMe swap directories .*" + live.name):
+        model, zopt = make(tmp_path)
+    assert not live.exists()
+    zs.teardown(model, keep_weights=False)
+
+
+def test_stale_directory_of_a_dead_run_is_removed_not_read(tmp_path):
+    proc, dead = _holder(tmp_path, "exit")
+    proc.wait()
+    with pytest.warns(UserWarning, match="removed stale NVMe swap directories"):
+        model, zopt = make(tmp_path)
+    assert not dead.exists()
+    train_step(model, zopt, 0)  # its own fresh state
+    zs.teardown(model, keep_weights=False)
+
+
+def test_planted_symlinks_are_never_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data").write_bytes(b"precious")
+    base = tmp_path / "swap"
+    base.mkdir()
+    # named like a stale swap directory, and like the old path probe of this process
+    (base / "zero_swap-local-r0-0123456789abcdef").symlink_to(victim)
+    (base / f".zero_strategy_probe.{os.getpid()}").symlink_to(victim / "data")
+    model, zopt = make(base)
+    train_step(model, zopt, 0)
+    zs.teardown(model, keep_weights=False)
+    assert (victim / "data").read_bytes() == b"precious"
+    assert (base / "zero_swap-local-r0-0123456789abcdef").is_symlink()
+
+
+@pytest.fixture
+def default_tmp(tmp_path, monkeypatch):
+    """The default location under a fresh temp dir, with no path configured anywhere."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("ZERO_STRATEGY_NVME_PATH", raising=False)
+    return tmp_path / f"zero_strategy_nvme-{os.geteuid()}"
+
+
+def test_default_location_is_per_user_and_per_job(default_tmp, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with pytest.warns(UserWarning, match=f"NVMe offload without a path uses {default_tmp}"):
+        model, zopt = make(None)
+    assert stat.S_IMODE(default_tmp.stat().st_mode) == 0o700
+    (d,) = job_dirs(default_tmp)
+    assert d.name.startswith("zero_swap-4242-r0-")
+    zs.teardown(model, keep_weights=False)
+
+
+def test_default_location_planted_as_a_symlink_is_refused(default_tmp, tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    default_tmp.symlink_to(victim)
+    with pytest.warns(UserWarning, match="without a path"), \
+            pytest.raises(nvme_files.NVMeError, match=r"is not a private directory of this user \(a symlink"):
+        make(None)
+    assert list(victim.iterdir()) == []
+
+
+def test_default_location_writable_by_others_is_refused(default_tmp):
+    default_tmp.mkdir()
+    default_tmp.chmod(0o777)
+    with pytest.warns(UserWarning, match="without a path"), \
+            pytest.raises(nvme_files.NVMeError, match="writable by others"):
+        make(None)
