@@ -302,8 +302,10 @@ class ZeroEngine:
         if self._forward_order:
             self._last_forward_order = self._forward_order
             self._last_position = {id(u): i for i, u in enumerate(self._forward_order)}
-        backward_expected = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
-        if self.plan.shards_parameters and not backward_expected:
+        outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if outputs:  # See [Note: end of backward in the outermost graph task]
+            register_multi_grad_hook(outputs, lambda grads: self._ensure_end_of_backward_callback(), mode="any")
+        elif self.plan.shards_parameters:
             self.release_all()  # eval / no_grad / generate step: nothing will come back for them
         return None
 
@@ -358,7 +360,21 @@ class ZeroEngine:
     # ----------------------------------------------------------------- backward
     def _ensure_end_of_backward_callback(self) -> None:
         """Queue the end-of-backward callback at the first hook of a backward. ``PRE_BACKWARD``
-        means it is queued: the inner backward of reentrant checkpointing shares the outer's."""
+        means it is queued: the inner backward of reentrant checkpointing shares the outer's.
+
+        [Note: end of backward in the outermost graph task]
+        ``queue_callback`` queues on the graph task running *now*. Reentrant checkpointing
+        (``checkpoint(..., use_reentrant=True)``, HF ``gradient_checkpointing_enable``'s old
+        default) runs each checkpointed block's backward as a nested graph task; a callback
+        queued there runs when that block is done, releases every unit and reduces groups
+        whose gradients have not arrived yet. So the first hook of a backward must be one
+        the outer task runs: the hook the root's post-forward puts on the model's outputs,
+        whose gradients are the first thing any backward through the model computes. The
+        gradient and pre-backward hooks still queue it for a backward that starts elsewhere
+        (a unit's outputs used directly). Without this, a frozen root (LoRA) or a model
+        called twice per iteration (so the root's gradients arrive only after a block's
+        nested backward) released the root mid-backward: stage 3 read an empty parameter.
+        """
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
