@@ -147,6 +147,7 @@ class ZeroEngine:
         # See [Note: training state]: every "where are we in the iteration" fact lives here,
         # and reset_iter_state() puts each back.
         self.training_state = TrainingState.IDLE
+        self._backward_task = -1  # graph task the end-of-backward callback is queued on
         self._root_forward_depth = 0
         self._forward_order: list[Unit] = []
         self._forward_seen: set[int] = set()  # ids in _forward_order (a unit is recorded once)
@@ -210,6 +211,7 @@ class ZeroEngine:
             self.release_all()
         self._root_forward_depth = 0
         self._forward_order, self._forward_seen = [], set()
+        self._backward_task = -1
         self.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------- registration
@@ -379,6 +381,7 @@ class ZeroEngine:
             return
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         self.training_state = TrainingState.PRE_BACKWARD
+        self._backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -401,6 +404,10 @@ class ZeroEngine:
                 "zero_strategy: overlap_step=True already stepped these parameters during the last "
                 "backward; call optimizer.step() after every backward outside no_sync() (accumulate "
                 "micro-batches inside no_sync), or drop overlap_step")
+        if group.grads.reduced_this_backward and self._in_nested_backward():
+            # See [Note: reentrant checkpointing and units called twice]
+            self.wait_reduces()  # the first round's reduce-scatter still reads full_grad
+            group.grads.start_another_round()
         if group.grads.reduced_this_backward:
             raise RuntimeError(
                 f"zero_strategy: gradient of {slot.fqn} arrived after its group {group.name} was "
@@ -408,6 +415,23 @@ class ZeroEngine:
         group.grads.accumulate(slot)
         if self.plan.reduces_in_backward and self._sync_gradients and group.grads.complete:
             self._launch_reduce(group)
+
+    def _in_nested_backward(self) -> bool:
+        """Inside a graph task other than the one the end-of-backward callback waits on: the
+        nested backward reentrant checkpointing runs for one checkpointed call.
+
+        [Note: reentrant checkpointing and units called twice]
+        Autograd accumulates a parameter's gradient once per graph task, after summing every
+        use in it, so one backward brings each gradient once and a group is reduced when all
+        have come. Reentrant checkpointing runs a nested graph task per checkpointed call: a
+        unit called twice in one iteration (two forwards before one backward, a block
+        reused) brings its gradients once per call. The second round is accumulated and
+        reduced again onto the shard (``GradBuffer.start_another_round``), as a second
+        backward before the step would be: exact, one extra reduce-scatter of the group per
+        extra call. DDP refuses this case ("mark a variable ready only once") unless
+        ``static_graph=True``; non-reentrant checkpointing needs no extra reduce.
+        """
+        return torch._C._current_graph_task_id() != self._backward_task
 
     def _launch_reduce(self, group: FlatGroup) -> None:
         with torch.profiler.record_function(f"zero::reduce::{group.name}"):
@@ -446,6 +470,7 @@ class ZeroEngine:
             g.grads.end_backward()
         if self.plan.shards_parameters:
             self.release_all()
+        self._backward_task = -1
         self.training_state = TrainingState.IDLE
 
     # --------------------------------------------------------------- utilities
