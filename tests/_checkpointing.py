@@ -1,11 +1,16 @@
-"""One launch of workers/grad_checkpointing.py on 2 ranks, shared by the parity and the
-communication tests of gradient checkpointing."""
+"""Gradient checkpointing tests' shared parts: the cases, one launch of
+workers/grad_checkpointing.py on 2 ranks (read by the parity and the communication
+tests), and the plain model that calls ``torch.utils.checkpoint`` around its blocks."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
+from torch.utils.checkpoint import checkpoint
+
 from _launch import launch
+from _models import TinyLM
 
 CKPTS = (None, "non_reentrant", "reentrant")
 CASES = (
@@ -16,6 +21,25 @@ CASES = (
     + [dict(model="llama", base=b, stage=s, ckpt=c, calls=1) for b in ("full", "lora") for s in (1, 2, 3) for c in CKPTS]
     + [dict(model="llama", base=b, stage=3, ckpt=c, calls=2) for b in ("full", "lora") for c in CKPTS]
 )
+
+
+class CheckpointedLM(TinyLM):
+    """TinyLM whose blocks run under ``torch.utils.checkpoint`` (``reentrant`` None: not at all)."""
+
+    def __init__(self, reentrant: bool | None):
+        super().__init__(layers=3)
+        self.reentrant = reentrant
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + h @ self.frozen_mix
+        if torch.is_grad_enabled() and not h.requires_grad:
+            # what HF's enable_input_require_grads does: reentrant checkpointing only
+            # back-propagates through regions whose inputs require grad
+            h.requires_grad_()
+        for block in self.layers:
+            h = block(h) if self.reentrant is None else checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.head(self.final_norm(h))
 
 
 def key(case: dict) -> tuple:

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from _checkpointing import CASES, case_id, results_of  # noqa: E402
+from _checkpointing import CASES, CheckpointedLM, case_id, results_of  # noqa: E402
 
 
 
@@ -43,3 +43,23 @@ def test_stage3_units_released_after_backward(case):
     """The recompute's gathers are released with the unit's backward: nothing stays gathered."""
     for res in results_of(case):
         assert res["gathered_after_backward"] == []
+
+
+def test_overlap_step_refuses_a_second_round_of_reentrant_gradients():
+    """overlap_step steps a group on the CPU as soon as it is reduced; a unit called twice
+    under reentrant checkpointing brings its gradients once per call, after that step.
+    That cannot be exact, so it raises and names the fix (one process, the same code path)."""
+    import torch
+
+    import zero_strategy as zs
+    from _models import batch, loss_fn
+
+    torch.manual_seed(0)
+    model = CheckpointedLM(reentrant=True)
+    model, zopt = zs.setup(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                           zs.ZeroConfig(stage=2, offload_optimizer="cpu", overlap_step=True))
+    tokens, targets = batch(0, 0, 0)
+    loss = loss_fn(model(tokens), targets) + loss_fn(model(tokens), targets)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        loss.backward()
+    zs.reset_iter_state(model)

@@ -400,6 +400,12 @@ class ZeroEngine:
         self._ensure_end_of_backward_callback()
         group, slot = self._slot_of[id(param)]
         if self.config.overlap_step and any(z.stepped_early(group) for z in self.optimizers()):
+            if group.grads.reduced_this_backward and self._in_nested_backward():
+                raise RuntimeError(
+                    f"zero_strategy: overlap_step=True already stepped {group.name} in this backward when "
+                    "reentrant checkpointing brought its gradients again (a unit called more than once per "
+                    "iteration: one nested backward per call). Use checkpoint(..., use_reentrant=False) "
+                    "(HF: gradient_checkpointing_kwargs={'use_reentrant': False}), or drop overlap_step")
             raise RuntimeError(
                 "zero_strategy: overlap_step=True already stepped these parameters during the last "
                 "backward; call optimizer.step() after every backward outside no_sync() (accumulate "

@@ -30,34 +30,15 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
 from _worker import finish, run_cases, start, worst_rel_diff
-from _models import TinyLM, batch, loss_fn, tiny_llama_config
+from _checkpointing import CheckpointedLM
+from _models import batch, loss_fn, tiny_llama_config
 
 import zero_strategy as zs
 
 STEPS = 3
 warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*deprecated")
-
-
-class CheckpointedLM(TinyLM):
-    """TinyLM whose blocks run under ``torch.utils.checkpoint`` (``reentrant`` None: not at all)."""
-
-    def __init__(self, reentrant: bool | None):
-        super().__init__(layers=3)
-        self.reentrant = reentrant
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        h = h + h @ self.frozen_mix
-        if torch.is_grad_enabled() and not h.requires_grad:
-            # what HF's enable_input_require_grads does: reentrant checkpointing only
-            # back-propagates through regions whose inputs require grad
-            h.requires_grad_()
-        for block in self.layers:
-            h = block(h) if self.reentrant is None else checkpoint(block, h, use_reentrant=self.reentrant)
-        return self.head(self.final_norm(h))
 
 
 def _reentrant(case: dict) -> bool | None:
