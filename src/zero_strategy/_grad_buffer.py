@@ -313,6 +313,15 @@ class GradBuffer:
         self.version += 1
         self.state = GradState.REDUCED
 
+    def start_another_round(self) -> None:
+        """Gradients arrive again after this backward reduced the group (reentrant checkpointing
+        of a unit called twice; see [Note: reentrant checkpointing and units called twice] in
+        _state.py): count arrivals afresh and reduce again, adding onto ``grad_shard``. The
+        caller has finished the first round's reduce-scatter."""
+        assert self.state is not GradState.REDUCING, self.state
+        self.arrived = 0
+        self.reduced_this_backward = False
+
     # ------------------------------------------------------------------ reset
     def clear_arrivals(self) -> None:
         """The next backward counts arriving gradients (and may reduce) afresh."""

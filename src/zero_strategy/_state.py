@@ -147,6 +147,7 @@ class ZeroEngine:
         # See [Note: training state]: every "where are we in the iteration" fact lives here,
         # and reset_iter_state() puts each back.
         self.training_state = TrainingState.IDLE
+        self._backward_task = -1  # graph task the end-of-backward callback is queued on
         self._root_forward_depth = 0
         self._forward_order: list[Unit] = []
         self._forward_seen: set[int] = set()  # ids in _forward_order (a unit is recorded once)
@@ -211,6 +212,7 @@ class ZeroEngine:
             self.release_all()
         self._root_forward_depth = 0
         self._forward_order, self._forward_seen = [], set()
+        self._backward_task = -1
         self.training_state = TrainingState.IDLE
 
     # ------------------------------------------------------------- registration
@@ -305,8 +307,10 @@ class ZeroEngine:
         if self._forward_order:
             self._last_forward_order = self._forward_order
             self._last_position = {id(u): i for i, u in enumerate(self._forward_order)}
-        backward_expected = torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output))
-        if self.plan.shards_parameters and not backward_expected:
+        outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if outputs:  # See [Note: end of backward in the outermost graph task]
+            register_multi_grad_hook(outputs, lambda grads: self._ensure_end_of_backward_callback(), mode="any")
+        elif self.plan.shards_parameters:
             self.release_all()  # eval / no_grad / generate step: nothing will come back for them
         return None
 
@@ -361,11 +365,26 @@ class ZeroEngine:
     # ----------------------------------------------------------------- backward
     def _ensure_end_of_backward_callback(self) -> None:
         """Queue the end-of-backward callback at the first hook of a backward. ``PRE_BACKWARD``
-        means it is queued: the inner backward of reentrant checkpointing shares the outer's."""
+        means it is queued: the inner backward of reentrant checkpointing shares the outer's.
+
+        [Note: end of backward in the outermost graph task]
+        ``queue_callback`` queues on the graph task running *now*. Reentrant checkpointing
+        (``checkpoint(..., use_reentrant=True)``, HF ``gradient_checkpointing_enable``'s old
+        default) runs each checkpointed block's backward as a nested graph task; a callback
+        queued there runs when that block is done, releases every unit and reduces groups
+        whose gradients have not arrived yet. So the first hook of a backward must be one
+        the outer task runs: the hook the root's post-forward puts on the model's outputs,
+        whose gradients are the first thing any backward through the model computes. The
+        gradient and pre-backward hooks still queue it for a backward that starts elsewhere
+        (a unit's outputs used directly). Without this, a frozen root (LoRA) or a model
+        called twice per iteration (so the root's gradients arrive only after a block's
+        nested backward) released the root mid-backward: stage 3 read an empty parameter.
+        """
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         self.training_state = TrainingState.PRE_BACKWARD
+        self._backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -384,10 +403,20 @@ class ZeroEngine:
         self._ensure_end_of_backward_callback()
         group, slot = self._slot_of[id(param)]
         if self.config.overlap_step and any(z.stepped_early(group) for z in self.optimizers()):
+            if group.grads.reduced_this_backward and self._in_nested_backward():
+                raise RuntimeError(
+                    f"zero_strategy: overlap_step=True already stepped {group.name} in this backward when "
+                    "reentrant checkpointing brought its gradients again (a unit called more than once per "
+                    "iteration: one nested backward per call). Use checkpoint(..., use_reentrant=False) "
+                    "(HF: gradient_checkpointing_kwargs={'use_reentrant': False}), or drop overlap_step")
             raise RuntimeError(
                 "zero_strategy: overlap_step=True already stepped these parameters during the last "
                 "backward; call optimizer.step() after every backward outside no_sync() (accumulate "
                 "micro-batches inside no_sync), or drop overlap_step")
+        if group.grads.reduced_this_backward and self._in_nested_backward():
+            # See [Note: reentrant checkpointing and units called twice]
+            self.wait_reduces()  # the first round's reduce-scatter still reads full_grad
+            group.grads.start_another_round()
         if group.grads.reduced_this_backward:
             raise RuntimeError(
                 f"zero_strategy: gradient of {slot.fqn} arrived after its group {group.name} was "
@@ -395,6 +424,23 @@ class ZeroEngine:
         group.grads.accumulate(slot)
         if self.plan.reduces_in_backward and self._sync_gradients and group.grads.complete:
             self._launch_reduce(group)
+
+    def _in_nested_backward(self) -> bool:
+        """Inside a graph task other than the one the end-of-backward callback waits on: the
+        nested backward reentrant checkpointing runs for one checkpointed call.
+
+        [Note: reentrant checkpointing and units called twice]
+        Autograd accumulates a parameter's gradient once per graph task, after summing every
+        use in it, so one backward brings each gradient once and a group is reduced when all
+        have come. Reentrant checkpointing runs a nested graph task per checkpointed call: a
+        unit called twice in one iteration (two forwards before one backward, a block
+        reused) brings its gradients once per call. The second round is accumulated and
+        reduced again onto the shard (``GradBuffer.start_another_round``), as a second
+        backward before the step would be: exact, one extra reduce-scatter of the group per
+        extra call. DDP refuses this case ("mark a variable ready only once") unless
+        ``static_graph=True``; non-reentrant checkpointing needs no extra reduce.
+        """
+        return torch._C._current_graph_task_id() != self._backward_task
 
     def _launch_reduce(self, group: FlatGroup) -> None:
         with torch.profiler.record_function(f"zero::reduce::{group.name}"):
@@ -437,6 +483,7 @@ class ZeroEngine:
             g.grads.end_backward()
         if self.plan.shards_parameters:
             self.release_all()
+        self._backward_task = -1
         self.training_state = TrainingState.IDLE
 
     # --------------------------------------------------------------- utilities
