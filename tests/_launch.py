@@ -29,8 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker: str, world_size: int, args: dict, timeout: float = 240.0) -> list[dict]:
-    """Run ``tests/workers/<worker>`` on ``world_size`` ranks; return each rank's JSON report."""
+def launch(worker: str, world_size: int, args: dict, timeout: float = 240.0, out: Path | None = None) -> list[dict]:
+    """Run ``tests/workers/<worker>`` on ``world_size`` ranks; return each rank's JSON report.
+
+    ``out``: a directory the caller owns (pytest's ``tmp_path``) when the test reads files the
+    workers wrote there; it is kept. Without it a temporary directory is made and removed.
+    """
+    if out is not None:
+        return _run(worker, world_size, args, timeout, Path(out))
     out = Path(tempfile.mkdtemp(prefix="zs_test_"))
     try:
         return _run(worker, world_size, args, timeout, out)

@@ -37,8 +37,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def lightning_run():
-    return launch("peft_lightning.py", 2, {"always_init": False}, timeout=300)
+def lightning_run(tmp_path_factory):
+    return launch("peft_lightning.py", 2, {"always_init": False}, timeout=300,
+                  out=tmp_path_factory.mktemp("peft_lightning"))
 
 
 @pytest.fixture(scope="module")

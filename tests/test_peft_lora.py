@@ -32,8 +32,8 @@ TOL = 1e-5  # fp32; weights and logits of magnitude ~1
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return launch("peft_lora.py", 2, {"cases": CASES}, timeout=300)
+def reports(tmp_path_factory):
+    return launch("peft_lora.py", 2, {"cases": CASES}, timeout=300, out=tmp_path_factory.mktemp("peft_lora"))
 
 
 def result(reports, rank: int, index: int) -> dict:
