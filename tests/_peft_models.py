@@ -83,3 +83,26 @@ def after_training(model, ref, out, name: str, rank: int, save, merge: bool = Tr
         ref_merged.save_pretrained(ref_merged_dir)
     res.update(merged_dir=str(merged_dir), ref_merged_dir=str(ref_merged_dir))
     return res
+
+
+def saved_tensors(directory) -> dict:
+    """Every tensor in the safetensors files of a ``save_pretrained`` directory."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    found = sorted(Path(directory).glob("*.safetensors"))
+    assert found, f"no safetensors file in {directory}"
+    out = {}
+    for f in found:
+        out.update(load_file(f))
+    return out
+
+
+def assert_same_files(got_dir, want_dir, tol: float = 1e-5) -> None:
+    """The two directories hold the same tensors: names, shapes (none empty) and values."""
+    got, want = saved_tensors(got_dir), saved_tensors(want_dir)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    for k in want:
+        assert got[k].shape == want[k].shape and got[k].numel() > 0, (k, got[k].shape, want[k].shape)
+        assert torch.allclose(got[k].float(), want[k].float(), atol=tol, rtol=0), k

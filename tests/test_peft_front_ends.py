@@ -18,7 +18,6 @@ same data (ZeroTrainer). Files are reloaded here, in a plain process, with peft 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -29,7 +28,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 from _launch import launch  # noqa: E402
-from _peft_models import PROBE, tiny_llama  # noqa: E402
+from _peft_models import PROBE, assert_same_files, tiny_llama  # noqa: E402
 from test_accelerate_zero import HERE, _reports, accelerate_launch  # noqa: E402
 
 STAGES = ["stage1", "stage2", "stage3"]
@@ -62,25 +61,6 @@ def runs(request, front_end: str, stage: str) -> list[dict]:
     return [r[stage] for r in reports]
 
 
-def files(directory) -> dict:
-    from safetensors.torch import load_file
-
-    found = sorted(Path(directory).glob("*.safetensors"))
-    assert found, f"no safetensors file in {directory}"
-    out = {}
-    for f in found:
-        out.update(load_file(f))
-    return out
-
-
-def same_files(got_dir, want_dir) -> None:
-    got, want = files(got_dir), files(want_dir)
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for k in want:
-        assert got[k].shape == want[k].shape and got[k].numel() > 0, (k, got[k].shape)
-        assert torch.allclose(got[k].float(), want[k].float(), atol=TOL, rtol=0), k
-
-
 def logits_of_reloaded(adapter_dir) -> torch.Tensor:
     from peft import PeftModel
 
@@ -101,7 +81,7 @@ def test_adapter_state_and_saved_adapter_equal_the_reference(request, front_end,
         assert res["adapter_state_keys"] and res["adapter_state_diff"] < TOL
         assert res["trained_distance"] > 1e-3  # the reference really moved away from the init
     saved = per_rank[0]
-    same_files(saved["adapter_dir"], saved["ref_adapter_dir"])
+    assert_same_files(saved["adapter_dir"], saved["ref_adapter_dir"])
     assert torch.allclose(logits_of_reloaded(saved["adapter_dir"]), logits_of_reloaded(saved["ref_adapter_dir"]),
                           atol=TOL, rtol=0)
 
@@ -123,7 +103,7 @@ def test_generate_with_different_lengths_and_early_eos_per_rank_equals_the_refer
 @pytest.mark.parametrize("front_end", ["accelerate", "trainer"])
 def test_merged_model_saved_while_sharded_equals_the_reference(request, front_end, stage):
     saved = runs(request, front_end, stage)[0]
-    same_files(saved["merged_dir"], saved["ref_merged_dir"])
+    assert_same_files(saved["merged_dir"], saved["ref_merged_dir"])
 
 
 @pytest.mark.multiprocess
@@ -133,8 +113,8 @@ def test_lightning_rank_zero_save_after_fit_equals_the_reference(lightning_run, 
     assert report["batches_as_planned"] == [True, True, True]
     after = report["after_fit"]
     assert after["adapter_state_diff"] < TOL
-    same_files(after["adapter_dir"], after["ref_adapter_dir"])
-    same_files(after["merged_dir"], after["ref_merged_dir"])
+    assert_same_files(after["adapter_dir"], after["ref_adapter_dir"])
+    assert_same_files(after["merged_dir"], after["ref_merged_dir"])
 
 
 @pytest.mark.multiprocess

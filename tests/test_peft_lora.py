@@ -14,7 +14,6 @@ optimizer state: the memory report equals the ZeRO formula with the frozen count
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +23,7 @@ import torch  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
 from _launch import launch  # noqa: E402
-from _peft_models import VOCAB, tiny_llama  # noqa: E402
+from _peft_models import VOCAB, assert_same_files, tiny_llama  # noqa: E402
 
 CASES = [{"stage": 1}, {"stage": 2}, {"stage": 3}, {"stage": 3, "resize_before": 72}]
 IDS = ["stage1", "stage2", "stage3", "stage3-resized-before-setup"]
@@ -40,24 +39,6 @@ def result(reports, rank: int, index: int) -> dict:
     res = reports[rank]["results"][index]
     assert "error" not in res, res["error"]
     return res
-
-
-def files(directory) -> dict:
-    from safetensors.torch import load_file
-
-    found = sorted(Path(directory).glob("*.safetensors"))
-    assert found, f"no safetensors file in {directory}"
-    out = {}
-    for f in found:
-        out.update(load_file(f))
-    return out
-
-
-def same_tensors(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    for k in want:
-        assert got[k].shape == want[k].shape and got[k].numel() > 0, (k, got[k].shape, want[k].shape)
-        assert torch.allclose(got[k].float(), want[k].float(), atol=TOL, rtol=0), k
 
 
 @pytest.mark.multiprocess
@@ -78,7 +59,7 @@ def test_saved_adapter_equals_the_reference_and_reloads_with_peft_alone(reports,
     from peft import PeftModel
 
     res = result(reports, 0, index)
-    same_tensors(files(res["adapter_dir"]), files(res["ref_adapter_dir"]))
+    assert_same_files(res["adapter_dir"], res["ref_adapter_dir"])
     base = tiny_llama()
     if res["case"].get("resize_before"):
         torch.manual_seed(11)
@@ -105,7 +86,7 @@ def test_generate_with_a_different_length_per_rank_equals_the_reference(reports,
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_merge_and_unload_then_save_equals_the_reference(reports, index):
     res = result(reports, 0, index)
-    same_tensors(files(res["merged_dir"]), files(res["ref_merged_dir"]))
+    assert_same_files(res["merged_dir"], res["ref_merged_dir"])
     for rank in range(2):
         assert result(reports, rank, index)["merged_logits_diff"] < TOL
 

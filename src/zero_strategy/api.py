@@ -248,26 +248,16 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
     ranks and written into the fp32 masters on exit; otherwise changes are discarded
     (stage 3) and must not be made. Every rank must enter the context.
     """
-    engine = engine_of(model)
-    groups = engine.groups if params is None else _groups_holding(engine, params)
-    units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
-    was_sharded = {id(u): u.state.value == "sharded" for u in units}
-    if any(u.sharded_groups for u in units):
-        engine.comm.enter("gathered_parameters")
-    for u in units:
-        u.gather(engine.comm)
-    try:
-        yield
-    finally:
-        if modifier_rank is not None:
-            with torch.no_grad():
-                for g in groups:
-                    g.adopt_replaced_data()
-                    engine.comm.broadcast(g.full, src_rank=modifier_rank)
-                    g.write_back_gathered()
-        for u in units:
-            if was_sharded[id(u)]:
-                u.release()
+    with _gathered(model, params, "gathered_parameters") as (engine, groups):
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for g in groups:
+                        g.adopt_replaced_data()
+                        engine.comm.broadcast(g.full, src_rank=modifier_rank)
+                        g.write_back_gathered()
 
 
 @contextlib.contextmanager
@@ -277,20 +267,27 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 
     Front ends use it around library calls that rewrite weights in place (PEFT's merges).
     """
-    engine = engine_of(model)
-    groups = engine.groups if params is None else _groups_holding(engine, params)
-    units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
-    was_sharded = {id(u): u.state.value == "sharded" for u in units}
-    if any(u.sharded_groups for u in units):
-        engine.comm.enter("modify")
-    for u in units:
-        u.gather(engine.comm)
-    try:
+    with _gathered(model, params, "modify") as (_, groups):
         yield
         with torch.no_grad():
             for g in groups:
                 g.adopt_replaced_data()
                 g.write_back_gathered()
+
+
+@contextlib.contextmanager
+def _gathered(model: nn.Module, params: Iterable[nn.Parameter] | None, kind: str):
+    """Gather the units holding ``params`` (all: None) for the block; release those that were sharded."""
+    engine = engine_of(model)
+    groups = engine.groups if params is None else _groups_holding(engine, params)
+    units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
+    was_sharded = {id(u): u.state.value == "sharded" for u in units}
+    if any(u.sharded_groups for u in units):
+        engine.comm.enter(kind)  # see [Note: bounded waits] in _collectives.py
+    for u in units:
+        u.gather(engine.comm)
+    try:
+        yield engine, groups
     finally:
         for u in units:
             if was_sharded[id(u)]:
