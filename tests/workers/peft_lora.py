@@ -16,19 +16,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-from peft import get_peft_model_state_dict
-
-from _peft_models import VOCAB, batch, lora, tiny_llama
+from _peft_models import VOCAB, after_training, batch, lora, tiny_llama
 from _worker import finish, run_cases, start
 
 import zero_strategy as zs
 
 STEPS = 3
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(set(a) ^ set(b)))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def run(case: dict, out, rank: int, world: int) -> dict:
@@ -41,8 +34,6 @@ def run(case: dict, out, rank: int, world: int) -> dict:
             torch.manual_seed(11)
             m.resize_token_embeddings(resize)
     model, ref = lora(base), lora(ref_base)
-    counts = dict(trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                  total=sum(p.numel() for p in model.parameters()))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=stage, param_persistence_threshold=0))
@@ -59,42 +50,23 @@ def run(case: dict, out, rank: int, world: int) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append((loss.item(), ref_loss.item()))
-    report = zs.memory_report(model)
-    res = dict(case=case, counts=counts, losses=losses,
-               memory={k: v for k, v in report.by_category.items()},
-               adapter_state_diff=max_diff(get_peft_model_state_dict(model), get_peft_model_state_dict(ref)))
     name = f"s{stage}" + (f"-resized{resize}" if resize else "")
-    adapter_dir, ref_dir = out / f"adapter-{name}", out / f"ref-adapter-{name}"
-    model.save_pretrained(adapter_dir, is_main_process=rank == 0)
-    if rank == 0:
-        ref.save_pretrained(ref_dir)
-    res.update(adapter_dir=str(adapter_dir), ref_adapter_dir=str(ref_dir))
-
-    prompt = torch.tensor([[1, 5, 9, 3 + rank]])
-    new_tokens = 3 + 5 * rank  # ranks stop at different steps: stage 3 must keep them in step
+    probe = torch.arange(10).view(1, 10) % vocab
+    res = dict(case=case, losses=losses)
     with torch.no_grad():
-        res["generated"] = model.generate(input_ids=prompt, max_new_tokens=new_tokens, do_sample=False).tolist()
-        res["generated_ref"] = ref.generate(input_ids=prompt, max_new_tokens=new_tokens, do_sample=False).tolist()
-        probe = torch.arange(10).view(1, 10) % vocab
         res["logits_diff"] = (model(input_ids=probe).logits - ref(input_ids=probe).logits).abs().max().item()
         res["ref_logits"] = ref(input_ids=probe).logits.tolist()
-
     try:
         model.resize_token_embeddings(vocab + 8)
         res["resize_after_setup"] = "no error"
     except RuntimeError as e:
         res["resize_after_setup"] = str(e)
-
-    merged, ref_merged = model.merge_and_unload(), ref.merge_and_unload()
-    merged_dir, ref_merged_dir = out / f"merged-{name}", out / f"ref-merged-{name}"
-    merged.save_pretrained(merged_dir, is_main_process=rank == 0)
-    if rank == 0:
-        ref_merged.save_pretrained(ref_merged_dir)
+    # state dict, save_pretrained, generate per-rank lengths, merge_and_unload + save (the merged
+    # base models stay inside ``model`` and ``ref``)
+    res.update(after_training(model, ref, out, name, rank,
+                              lambda m, d: m.save_pretrained(d, is_main_process=rank == 0)))
     with torch.no_grad():
-        probe = torch.arange(10).view(1, 10) % vocab
-        res["merged_logits_diff"] = (model(input_ids=probe).logits - ref_merged(input_ids=probe).logits
-                                     ).abs().max().item()
-    res.update(merged_dir=str(merged_dir), ref_merged_dir=str(ref_merged_dir))
+        res["merged_logits_diff"] = (model(input_ids=probe).logits - ref(input_ids=probe).logits).abs().max().item()
     zs.teardown(model)
     return res
 
