@@ -121,21 +121,20 @@ class Handle:
 
     __slots__ = ("_work", "_keep", "_timeout")
 
-    def __init__(self, work=None, keep: tuple = (), timeout: float | None = None):
+    def __init__(self, work=None, keep: tuple = (), timeout: datetime.timedelta | None = None):
         self._work = work
         self._keep = keep
         self._timeout = timeout
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for the collective; after ``timeout`` seconds (default: the bound it was started
-        with) raise :class:`CollectiveTimeout` (see [Note: bounded waits])."""
-        timeout = timeout if timeout is not None else self._timeout
+    def wait(self) -> None:
+        """Wait for the collective; past the bound it was started with, raise
+        :class:`CollectiveTimeout` (see [Note: bounded waits])."""
         if self._work is not None:
-            if timeout is None:
+            if self._timeout is None:
                 self._work.wait()
             else:
                 try:
-                    self._work.wait(datetime.timedelta(seconds=timeout))
+                    self._work.wait(self._timeout)
                 except RuntimeError as e:
                     if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
                         raise
@@ -230,6 +229,8 @@ class Collectives:
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
             ranks = (0,)
         self.wait_timeout = wait_timeout
+        #: the bound every async handle waits with, converted once (handles are made per collective)
+        self._handle_timeout = None if wait_timeout is None else datetime.timedelta(seconds=wait_timeout)
         self.stats = CommStats()
         self.ledger = None
         if self.world_size > 1:  # group rank 0's fresh token names this engine's counters everywhere
@@ -262,7 +263,7 @@ class Collectives:
             return Handle()
         self._count(self.stats.all_gather, output, output.numel(), (n - 1) / n)
         work = _all_gather_single(output, shard, group=self.group, async_op=async_op)
-        return Handle(work, (output, shard), self.wait_timeout) if async_op else Handle()
+        return Handle(work, (output, shard), self._handle_timeout) if async_op else Handle()
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Handle:
         """shard[S] <- sum over ranks of this rank's slot of full[N*S] (callers pre-divide to average)."""
@@ -276,7 +277,7 @@ class Collectives:
             work = dist.reduce_scatter(shard, list(full.chunk(n)), group=self.group, async_op=async_op)
         else:
             work = _reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
-        return Handle(work, (shard, full), self.wait_timeout) if async_op else Handle()
+        return Handle(work, (shard, full), self._handle_timeout) if async_op else Handle()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         """In-place all-reduce; ``op`` is "sum" or "max"."""
