@@ -78,6 +78,7 @@ def test_generate_with_a_different_length_per_rank_equals_the_reference(reports,
     for rank in range(2):
         res = result(reports, rank, index)
         assert res["generated"] == res["generated_ref"]
+        assert res["generated_eos"] == res["generated_eos_ref"]  # rank 0 stops at its own EOS
         lengths.append(len(res["generated"][0]))
     assert lengths[0] != lengths[1]  # the ranks really stopped at different steps
 
