@@ -1,9 +1,11 @@
 """With CPU offload the memory report shows optimizer state off the compute device,
 and both sides stay at the formula.
 
-Reference: ``estimate_memory(..., offload_optimizer="cpu"[, offload_params="cpu"])``:
-host holds the fp32 master + optimizer state (K Psi/N) and an fp32 gradient shard for
-the CPU step (4 Psi/N), plus the parameter shard with parameter offload; the device
+Reference: ``estimate_memory(..., offload_optimizer="cpu"[, offload_params="cpu"],
+device="cpu")``: host holds the fp32 master + optimizer state (K Psi/N) and an fp32
+gradient shard for the CPU step (4 Psi/N), plus the parameter shard with parameter
+offload; on this CUDA-less machine an fp32 master is the parameter shard and fp32
+gradient shards are stepped in place, so neither copy exists; the device
 keeps the parameters (stages 1-2 whole, stage 3 nothing at rest with parameter
 offload) and the reduced gradient shard. Staging buffers for uploads are bounded:
 two slots of the largest shard, whatever the model size.
@@ -25,7 +27,8 @@ def test_offloaded_state_is_on_the_host_and_matches_the_formula(world_size, case
         n = res["counts"]
         est = zs.estimate_memory(n["trainable"], frozen_params=n["frozen"], world_size=world_size,
                                  stage=case["stage"], precision=case["precision"], optimizer="adamw",
-                                 offload_optimizer="cpu", offload_params=case.get("offload_params"))
+                                 offload_optimizer="cpu", offload_params=case.get("offload_params"),
+                                 device="cpu")
         device, host = res["placement"]["device"], res["placement"]["host"]
         # nothing of the optimizer on the device
         assert device["master"] == 0 and device["optimizer_state"] == 0, device

@@ -17,11 +17,19 @@ policies become classes.
 
 [Note: the master aliases the parameters]
 With an fp32 compute dtype the master *is* the resting parameter shard whenever
-both rest in the same place by design (device step on a device shard, or a host
-step on a host shard), so fp32 training holds no second copy and a step needs no
-copy back. It never aliases across policies, not even on a CUDA-less machine where
-"device" and "host" are both the CPU, so offloading takes the same path there as on
-a GPU; NVMe swaps the two apart.
+both rest in the same memory (device step on a device shard, a host step on a host
+shard, or any step on a CUDA-less machine, where "device" and "host" are both the
+CPU's memory), so fp32 training holds no second copy and a step needs no copy back.
+NVMe swaps the two apart. On a CUDA-less machine the offloaded path stays the one
+a GPU takes (worker thread, pipelined per group, staging and casts where the dtypes
+differ); only copies between two places of the same memory are skipped: they cost
+a third of an fp32 AdamW step's memory traffic and moved nothing anywhere.
+
+[Note: host gradients in place]
+A ``HostMaster`` steps on an fp32 host copy of the reduced gradient shard,
+downloaded while backward goes on. When the shard already is fp32 in host memory
+(a CUDA-less machine, fp32 gradients) the copy would be byte for byte the shard:
+the step reads the shard itself, as ``DeviceMaster`` does.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._offload import Transfers
+from ._offload import HOST, Transfers
 
 
 # ------------------------------------------------------------------ parameter shard
@@ -111,6 +119,8 @@ class DeviceMaster:
     """fp32 master shard next to the gradients; the optimizer steps it on the device."""
 
     steps_on_host = False
+    #: the step may run in one optimizer call with other groups' (see [Note: step batches])
+    steps_together = True
 
     def __init__(self, master: nn.Parameter, aliases_params: bool):
         self.master = master
@@ -170,7 +180,13 @@ class HostMaster(DeviceMaster):
         self._download = None
         self._downloaded_version = -1
 
+    def _reads_in_place(self, grad_shard: torch.Tensor) -> bool:
+        """See [Note: host gradients in place]."""
+        return grad_shard.device.type == HOST.type and grad_shard.dtype == self.master.dtype
+
     def on_grad_reduced(self, grad_shard: torch.Tensor, version: int) -> None:
+        if self._reads_in_place(grad_shard):
+            return
         if self.host_grad is None:
             self.host_grad = self.transfers.host_empty(grad_shard.numel(), self.master.dtype)
         self._download = self.transfers.download(self.host_grad, grad_shard)
@@ -179,6 +195,8 @@ class HostMaster(DeviceMaster):
     def grad_for_step(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
         if grad_shard is None:
             return None
+        if self._reads_in_place(grad_shard):  # See [Note: host gradients in place]
+            return grad_shard
         if self._downloaded_version != version:  # changed since the last download (or never downloaded)
             self.on_grad_reduced(grad_shard, version)
         self._download.synchronize()
@@ -201,6 +219,8 @@ class HostMaster(DeviceMaster):
 
 class NVMeMaster(HostMaster):
     """Master and optimizer state rest in the swap file and visit a host slot for each step."""
+
+    steps_together = False  # a few host slots: groups step one at a time, reading ahead
 
     def __init__(self, master: nn.Parameter, transfers: Transfers, swap, owner):
         super().__init__(master, aliases_params=False, transfers=transfers)
@@ -246,7 +266,8 @@ def make_storage(owner, *, own_slice: torch.Tensor, shard_params: bool, trainabl
     if not trainable:
         return params, None
     # See [Note: the master aliases the parameters]
-    alias = (params.tensor.dtype == torch.float32 and params.on_host == offload.optimizer
+    same_memory = params.on_host == offload.optimizer or params.tensor.device.type == HOST.type
+    alias = (params.tensor.dtype == torch.float32 and same_memory
              and not (offload.nvme_params or offload.nvme_optimizer))
     if alias:
         master = params.tensor

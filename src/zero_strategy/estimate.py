@@ -26,7 +26,9 @@ gradient shard on the host for the CPU step. An offloaded fp32 master cannot sha
 storage with parameters on the device, so there M = 4 even for fp32 compute (only
 fp32 stage 3 with both offloaded to host memory keeps M = 0: master and parameter
 shard are then the same host tensor); offloading parameters (stage 3) moves
-the (PΨ + PΨf)/N parameter shard. Activations, temporary buffers, gathered stage-3
+the (PΨ + PΨf)/N parameter shard. On a CUDA-less machine (``device="cpu"``) device
+and host are one memory: an fp32 master is the parameter shard (M = 0) and fp32
+gradients are stepped in place (no host gradient shard). Activations, temporary buffers, gathered stage-3
 units and allocator fragmentation are *not* model states and are not counted.
 """
 
@@ -172,7 +174,8 @@ def _staging(policy: CPUOffload | NVMeOffload | None) -> int:
 
 
 def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, precision: str,
-         opt: CPUOffload | NVMeOffload | None, par: CPUOffload | NVMeOffload | None) -> MemoryEstimate:
+         opt: CPUOffload | NVMeOffload | None, par: CPUOffload | NVMeOffload | None,
+         one_memory: bool = False) -> MemoryEstimate:
     """Apply the table in the module docstring to one (stage, offload) setup."""
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731  (bytes of a 1/N share)
     if stage == 3:
@@ -183,11 +186,11 @@ def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, preci
     optim = shard(k * psi) if stage >= 1 else k * psi
     est = dict(device_params=params, device_grads=grads, device_optimizer=optim)
     if opt is not None:
-        shares_host_params = isinstance(opt, CPUOffload) and isinstance(par, CPUOffload)
-        if p == 4 and not shares_host_params:
+        shares_params = isinstance(opt, CPUOffload) and (isinstance(par, CPUOffload) or one_memory)
+        if p == 4 and not shares_params:
             optim = shard((k + 4) * psi)  # the host master is a copy of the device parameters
         est["device_optimizer"] = 0
-        est["host_grads"] = shard(4 * psi)
+        est["host_grads"] = 0 if (one_memory and g == 4) else shard(4 * psi)
         if isinstance(opt, NVMeOffload):
             est["nvme_bytes"] = optim
             est["host_staging"] = _staging(opt)
@@ -221,6 +224,7 @@ def estimate_memory(
     offload_params: Any = None,
     frozen_params: int | float = 0,
     config: ZeroConfig | None = None,
+    device: str = "cuda",
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Estimate per-rank model-state bytes (see the module docstring for the formulas).
 
@@ -238,7 +242,14 @@ def estimate_memory(
             or a :class:`CPUOffload` / :class:`NVMeOffload`.
         config: take stage, precision, reduce_dtype and offload from a ZeroConfig
             (then do not pass those arguments too).
+        device: ``"cuda"`` (a GPU beside host memory, the default) or ``"cpu"`` (a
+            CUDA-less machine: device and host share one memory, so fp32 offload keeps
+            no second master or gradient copy).
     """
+    if device not in ("cuda", "cpu"):
+        raise ZeroConfigError("device", f"must be 'cuda' or 'cpu', got {device!r}",
+                              "Pass device='cpu' for a CUDA-less machine, else leave it out.")
+    one_memory = device == "cpu"
     if config is not None:
         if not isinstance(config, ZeroConfig):
             raise ZeroConfigError("config", f"expected a ZeroConfig, got {type(config).__name__}",
@@ -272,7 +283,7 @@ def estimate_memory(
             setups = [(s, _as_offload("offload_optimizer", o), _as_offload("offload_params", q)) for s, o, q in _SWEEP]
         else:
             setups = [(0, None, None)] + [(s, opt, par) for s in (1, 2, 3) if par is None or s == 3]
-        return [_one(psi, psi_f, world_size, s, p, g, k, precision, o, q) for s, o, q in setups]
+        return [_one(psi, psi_f, world_size, s, p, g, k, precision, o, q, one_memory) for s, o, q in setups]
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ZeroConfigError("stage", f"must be 0 (DDP), 1, 2 or 3, got {stage!r}",
                               "Pass a stage, or stage=None for all of them.")
@@ -282,4 +293,4 @@ def estimate_memory(
     if opt is not None and stage == 0:
         raise ZeroConfigError("offload_optimizer", "needs a ZeRO stage (1, 2 or 3), got stage 0 (DDP)",
                               "Pass stage=1, 2 or 3, or drop offload_optimizer.")
-    return _one(psi, psi_f, world_size, stage, p, g, k, precision, opt, par)
+    return _one(psi, psi_f, world_size, stage, p, g, k, precision, opt, par, one_memory)
