@@ -20,7 +20,12 @@ default runs 50M, then 1M):
   engine's overhead only;
 * ``ds``: DeepSpeed ``DeepSpeedCPUAdam(adamw_mode=True)`` when ``import deepspeed``
   works (its C++ op is JIT-built with g++ on first use, ~36 s on the 2-core
-  machine; reported as ``ds_build_s``, outside every timing).
+  machine; reported as ``ds_build_s``, outside every timing);
+* ``ds_bf16``: DeepSpeed's offloaded bf16 step as its ZeRO-1/2 engine runs it
+  (``runtime/zero/stage_1_and_2.py``, ``cpu_offload``): ``DeepSpeedCPUAdam.step()``,
+  then per tensor the fp32 partition cast into the bf16 staging buffer and that copied
+  into the bf16 partition (on a CPU-only machine both copies are host copies). It is
+  ``ours``'s like-for-like peer: both produce the compute-dtype parameters.
 
 All use lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01. ``--warmup``
 steps (the first allocates the optimizer state), then ``--repeats`` rounds in
@@ -53,7 +58,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-SYSTEMS = ("fused", "foreach", "forloop", "ours", "ours_fp32", "ds")
+SYSTEMS = ("fused", "foreach", "forloop", "ours", "ours_fp32", "ds", "ds_bf16")
 BYTES_PER_PARAM = 28
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -146,6 +151,19 @@ def build(name: str, d: int, layers: int, report: dict) -> Runner:
         ps = make_tensors(d, layers)
         opt = DeepSpeedCPUAdam(ps, **HYPER, adamw_mode=True)
         return Runner(name, opt.step, [ps, opt])
+    if name == "ds_bf16":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        ps = make_tensors(d, layers)
+        opt = DeepSpeedCPUAdam(ps, **HYPER, adamw_mode=True)
+        staging = [torch.empty_like(p, dtype=torch.bfloat16) for p in ps]
+        bf16 = [torch.empty_like(p, dtype=torch.bfloat16) for p in ps]
+
+        def step():
+            opt.step()
+            for p, buf, out in zip(ps, staging, bf16):
+                buf.copy_(p.data)
+                out.copy_(buf, non_blocking=True)
+        return Runner(name, step, [ps, opt, staging, bf16])
     raise ValueError(name)
 
 
@@ -234,7 +252,17 @@ def format_table(report: dict) -> str:
             break
     lines.append("fused/foreach/forloop: torch.optim.AdamW; ours: zopt.step() of ZeroConfig(stage=2, "
                  "offload_optimizer='cpu', precision='bf16') (fused AdamW + bf16 cast of the masters); ours_fp32: "
-                 "the same with fp32 params (masters alias them); ds: DeepSpeedCPUAdam(adamw_mode=True).")
+                 "the same with fp32 params (on a CUDA-less machine the masters are the parameters); "
+                 "ds: DeepSpeedCPUAdam(adamw_mode=True); ds_bf16: its step plus the bf16 copy-out its ZeRO "
+                 "engine does with cpu_offload (cast into a bf16 buffer, copied into the bf16 partition).")
+    for size in report["sizes"]:
+        sy = size["systems"]
+        pairs = [("ours_fp32", "ds"), ("ours", "ds"), ("ours", "ds_bf16")]
+        got = [f"{a} / {b} {sy[b]['step_s'] / sy[a]['step_s']:.2f}x" for a, b in pairs
+               if "step_s" in sy.get(a, {}) and "step_s" in sy.get(b, {})]
+        if got:
+            lines.append(f"rate of ours vs DeepSpeed @ {size['params'] / 1e6:.1f}M (>= 1 is at least as fast): "
+                         + "; ".join(got))
     if report.get("ds_build_s") is not None:
         lines.append(f"DeepSpeed CPUAdam op build/load: {report['ds_build_s']:.1f} s (not timed)")
     return "\n".join(lines)
@@ -253,10 +281,10 @@ def main(argv=None) -> int:
         "systems": a.systems, "sizes": [],
     }
     skipped = {}
-    if "ds" in a.systems:
+    if {"ds", "ds_bf16"} & set(a.systems):
         why = ds_available(report)
         if why:
-            skipped["ds"] = why
+            skipped["ds"] = skipped["ds_bf16"] = why
             print(f"[cpu_adam_bench] ds: {why}", flush=True)
     for n in a.sizes:
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""CPU benchmark: torch DDP vs zero_strategy ZeRO-1/2/3 (vs DeepSpeed ZeRO-1/2/3 if installed).
+"""CPU benchmark: torch DDP vs zero_strategy ZeRO-1/2/3 and the offload presets (vs DeepSpeed's same setups).
 
 2 ranks, gloo, one thread per rank, a GPT-2 style model from ``transformers``,
 micro-batch 4 x 128 tokens per rank, AdamW. Every system is built in the same
@@ -25,6 +25,8 @@ Usage (from the repository root)::
     python benchmarks/cpu_bench.py --steps 3 --rounds 1  # quick check
     python benchmarks/cpu_bench.py --layers 4 --embd 256 # the ANCHORS.md model (16M)
     python benchmarks/cpu_bench.py --precision bf16
+    python benchmarks/cpu_bench.py --offload             # DDP, zero2_offload, zero3_offload, zero3_offload_nvme
+                                                         # beside DeepSpeed's ZeRO-2/3 CPU offload and ZeRO-3 NVMe
     /path/to/venv-with-deepspeed/bin/python benchmarks/cpu_bench.py   # adds DeepSpeed
 
 It re-launches itself with ``python -m torch.distributed.run --nproc-per-node 2``;
@@ -48,7 +50,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, "out", "cpu_bench.json")
 TARGETS = {"zero1": 1.15, "zero2": 1.15, "zero3": 1.40}
-ALL_SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "ds1", "ds2", "ds3")
+#: system -> (stage, offload_optimizer, offload_params); ds* are DeepSpeed's ZeRO with the same placement
+SETUPS = {
+    "zero1": (1, None, None), "zero2": (2, None, None), "zero3": (3, None, None),
+    "zero2_offload": (2, "cpu", None), "zero3_offload": (3, "cpu", "cpu"),
+    "zero3_offload_nvme": (3, "nvme", "nvme"),
+    "ds1": (1, None, None), "ds2": (2, None, None), "ds3": (3, None, None),
+    "ds2_offload": (2, "cpu", None), "ds3_offload": (3, "cpu", "cpu"), "ds3_nvme": (3, "nvme", "nvme"),
+}
+#: each of our systems beside DeepSpeed's same setup (the "vs DS" column)
+PEERS = {"zero1": "ds1", "zero2": "ds2", "zero3": "ds3", "zero2_offload": "ds2_offload",
+         "zero3_offload": "ds3_offload", "zero3_offload_nvme": "ds3_nvme"}
+ALL_SYSTEMS = ("ddp", *SETUPS)
+DEFAULT_SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "ds1", "ds2", "ds3")
+OFFLOAD_SYSTEMS = ("ddp", "zero2_offload", "zero3_offload", "zero3_offload_nvme",
+                   "ds2_offload", "ds3_offload", "ds3_nvme")
 
 
 def parse_args(argv=None):
@@ -68,8 +84,13 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system before the rounds (at least 2)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="timed steps per system per round")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                   help="comma list of " + ",".join(ALL_SYSTEMS) + " (ds* skipped if deepspeed is missing)")
+    p.add_argument("--systems", default=None,
+                   help="comma list of " + ",".join(ALL_SYSTEMS) + " (ds* skipped if deepspeed is missing; "
+                   "default " + ",".join(DEFAULT_SYSTEMS) + ")")
+    p.add_argument("--offload", action="store_true",
+                   help="run " + ",".join(OFFLOAD_SYSTEMS) + " (instead of the default systems)")
+    p.add_argument("--nvme-path", default=None,
+                   help="directory for the NVMe swap files (default: a fresh directory under the temp dir)")
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--threshold", type=int, default=None,
                    help="stage-3 param_persistence_threshold (default: ZeroConfig's)")
@@ -77,7 +98,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--timeout", type=int, default=1800, help="seconds before the launcher gives up")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.systems is None:
+        a.systems = ",".join(OFFLOAD_SYSTEMS if a.offload else DEFAULT_SYSTEMS)
+    return a
 
 
 # --------------------------------------------------------------------------- launcher
@@ -211,14 +235,20 @@ class DDPSystem(System):
 
 
 class ZeroSystem(System):
-    def __init__(self, args, stage):
+    def __init__(self, args, name):
         import torch
         import zero_strategy as zs
-        super().__init__(f"zero{stage}")
+        super().__init__(name)
+        stage, off_opt, off_par = SETUPS[name]
         self.stage = stage
         model = _make_model(args)
         opt = _make_optimizer(model.parameters(), args)
         kw = {} if args.threshold is None else {"param_persistence_threshold": args.threshold}
+        if off_opt == "nvme":
+            kw.update(offload_optimizer=zs.NVMeOffload(path=_nvme_dir(args, name)),
+                      offload_params=zs.NVMeOffload(path=_nvme_dir(args, name)))
+        else:
+            kw.update(offload_optimizer=off_opt, offload_params=off_par)
         cfg = zs.ZeroConfig(stage=stage, precision=args.precision, **kw)
         self.threshold = cfg.param_persistence_threshold
         self.theory = comm_theory(model, stage, self.threshold)
@@ -244,16 +274,48 @@ class ZeroSystem(System):
                 "by_location": {k: dict(v) for k, v in rep.by_location.items()}}
 
 
+def _nvme_dir(args, name: str) -> str:
+    """A fresh per-system, per-rank swap directory (removed at exit) under --nvme-path or the temp dir."""
+    import atexit
+    import shutil
+    import tempfile
+    base = args.nvme_path or tempfile.gettempdir()
+    d = tempfile.mkdtemp(prefix=f"cpu_bench_{name}_r{os.environ.get('RANK', '0')}_", dir=base)
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d
+
+
+def _ds_zero_section(args, name: str) -> dict:
+    """DeepSpeed's zero_optimization for the same placement as our system of that setup."""
+    stage, off_opt, off_par = SETUPS[name]
+    zero: dict = {"stage": stage}
+    if off_opt == "nvme":
+        path = _nvme_dir(args, name)
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "pin_memory": False}
+        zero["offload_param"] = {"device": "nvme", "nvme_path": path, "pin_memory": False}
+    elif off_opt == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        if off_par:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return zero
+
+
 class DeepSpeedSystem(System):
-    def __init__(self, args, stage):
+    def __init__(self, args, name):
         import deepspeed
-        super().__init__(f"ds{stage}")
+        super().__init__(name)
         model = _make_model(args)
         opt = _make_optimizer(model.parameters(), args)
+        stage, off_opt, _ = SETUPS[name]
+        if off_opt is not None:
+            # an offloaded DeepSpeed step runs its own CPU optimizer (CPUAdam, C++); same
+            # hyperparameters as _make_optimizer
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            opt = DeepSpeedCPUAdam(model.parameters(), lr=args.lr, weight_decay=0.01, adamw_mode=True)
         conf = {
             "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at 1.0 by default: off, for parity
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": _ds_zero_section(args, name),
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": args.precision == "bf16"},
             "steps_per_print": 10**9, "wall_clock_breakdown": False,
@@ -301,8 +363,8 @@ def _build(name, args):
     if name == "ddp":
         return DDPSystem(args)
     if name.startswith("zero"):
-        return ZeroSystem(args, int(name[-1]))
-    return DeepSpeedSystem(args, int(name[-1]))
+        return ZeroSystem(args, name)
+    return DeepSpeedSystem(args, name)
 
 
 def worker(args) -> None:
@@ -430,16 +492,22 @@ def summarize(args, results, skipped, world, ds_version, tf_version, torch_versi
                "ratio_vs_ddp": paired_ratio(r, results["ddp"]) if "ddp" in results else None,
                "ratio_of_medians_vs_ddp": med / ddp_med if ddp_med else None,
                "torch_threads_at_end": r["threads"],
+               "peer": PEERS.get(name) if PEERS.get(name) in results else None,
+               "ratio_vs_peer": (paired_ratio(r, results[PEERS[name]]) if PEERS.get(name) in results
+                                 else None),
                "target_ratio": TARGETS.get(name), "final_loss": r["losses"][-1] if r["losses"] else None,
                "losses": r["losses"], "times_s": r["times_s"], "note": r["note"]}
         if ddp_losses and name != "ddp":
             n = min(len(ddp_losses), len(r["losses"]))
             row["max_abs_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(ddp_losses[:n], r["losses"][:n]))
-        stage = 0 if name == "ddp" else (int(name[-1]) if name.startswith("zero") else None)
+        stage = 0 if name == "ddp" else (SETUPS[name][0] if name.startswith("zero") else None)
         if stage is not None:
+            off_opt, off_par = (None, None) if name == "ddp" else SETUPS[name][1:]
             est = zs.estimate_memory(psi, world_size=world, stage=stage, precision=args.precision,
-                                     optimizer="adamw")
-            row["memory_formula_bytes"] = est.total_device
+                                     optimizer="adamw", offload_optimizer=off_opt, offload_params=off_par,
+                                     device="cpu")
+            # model states only: NVMe staging buffers are not model states (memory_report lists them apart)
+            row["memory_formula_bytes"] = est.total_device + est.total_host - est.host_staging
             if r["memory"]:
                 peak = max(r["memory"].values(), key=lambda m: m["total"])
                 bwd = r["memory"].get("after_backward", peak)
@@ -499,7 +567,7 @@ def format_table(rep: dict) -> str:
             f"micro-batch {rep['micro_batch'][0]}x{rep['micro_batch'][1]}/rank, {rep['precision']}, "
             f"AdamW({rep['adamw']}), median of {rep['rounds']}x{rep['steps_per_round']} timed steps "
             f"(round-robin, after {rep['warmup']} warm-up)")
-    cols = ["system", "ms/step", "med/med", "vs DDP", "target", "state MiB", "peak", "formula", "comm elem", "theory", "extra",
+    cols = ["system", "ms/step", "med/med", "vs DDP", "target", "vs DS", "state MiB", "peak", "formula", "comm elem", "theory", "extra",
             "sent MB", "final loss", "max|dloss|"]
     lines = []
     for r in rep["rows"]:
@@ -517,6 +585,7 @@ def format_table(rep: dict) -> str:
             r["system"], f"{r['median_step_s'] * 1e3:.0f}",
             "-" if r.get("ratio_of_medians_vs_ddp") is None else f"{r['ratio_of_medians_vs_ddp']:.3f}",
             "-" if ratio is None else f"{ratio:.3f}", tgt_s,
+            "-" if r.get("ratio_vs_peer") is None else f"{r['ratio_vs_peer']:.3f}",
             mib(r.get("memory_measured_bytes")), mib(r.get("memory_peak_bytes")), mib(r.get("memory_formula_bytes")), melem(ce), melem(th), extra,
             "-" if r.get("comm_sent_bytes") is None else f"{r['comm_sent_bytes'] / 1e6:.1f}",
             "-" if r.get("final_loss") is None else f"{r['final_loss']:.5f}",
@@ -532,7 +601,9 @@ def format_table(rep: dict) -> str:
         else:
             out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(l, widths))))
     out.append("vs DDP: median over rounds of the per-round ratio of median step times (drift-robust; "
-               "the targets apply to it); med/med: ratio of whole-run medians. "
+               "the targets apply to it); med/med: ratio of whole-run medians. vs DS: the same paired "
+               "ratio against DeepSpeed's same setup (zeroN vs dsN, zero2_offload vs ds2_offload, "
+               "zero3_offload vs ds3_offload, zero3_offload_nvme vs ds3_nvme); < 1 is faster. "
                "state MiB: per-rank model states measured after backward (peak: max of that and after "
                "optimizer.step, before zero_grad); "
                "formula: zero_strategy.estimate_memory. comm elem: zero_strategy.comm_stats volume_elements "
