@@ -87,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS))
     p.add_argument("--out", default=os.path.join(HERE, "out", "cpu_adam_bench.json"))
+    p.add_argument("--split", action="store_true",
+                   help="also time the parts of ours' step (after the table; see split_step)")
     a = p.parse_args(argv)
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -229,6 +231,58 @@ def run_size(n_target: int, a, report: dict, skipped: dict) -> dict:
     return out
 
 
+def split_step(n_target: int, layers: int, precision: str, repeats: int) -> dict:
+    """Where ``zopt.step()`` spends its time: ms per step in each part, timed by wrapping them.
+
+    Worker thread: ``master_grad`` (the gradient hand-over: a download or cast into the
+    host buffer, or nothing when the shard is used in place), ``optimizer`` (the user's
+    optimizer calls), ``upload`` (master -> compute-dtype parameters). Main thread:
+    ``gather`` (issuing the stage-1/2 all-gathers; nothing moves in a world of one).
+    ``other`` = the step minus the worker's parts (hand-offs, waits, bookkeeping).
+    """
+    from zero_strategy import _flat
+    d = max(1, round(math.sqrt(n_target / layers)))
+    spent: dict[str, float] = {}
+
+    def timed(obj, attr, key):
+        fn = getattr(obj, attr)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    originals = {a: getattr(_flat.FlatGroup, a) for a in ("master_grad", "stage_master_upload", "gather_replicated")}
+    try:
+        for attr, key in (("master_grad", "master_grad"), ("stage_master_upload", "upload"),
+                          ("gather_replicated", "gather")):
+            setattr(_flat.FlatGroup, attr, timed(_flat.FlatGroup, attr, key))
+        torch.manual_seed(0)
+        model = Stack(d, layers)
+        opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=True)
+        model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=2, offload_optimizer="cpu", precision=precision))
+        zopt._unhooked_step = timed(zopt, "_unhooked_step", "optimizer")
+        model(torch.randn(8, d)).float().square().mean().backward()
+        for _ in range(2):
+            zopt.step()
+        spent.clear()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            zopt.step()
+        total = time.perf_counter() - t0
+        out = {k: v / repeats * 1e3 for k, v in spent.items()}
+        out["step"] = total / repeats * 1e3
+        out["other"] = out["step"] - sum(out.get(k, 0.0) for k in ("master_grad", "optimizer", "upload", "gather"))
+        zs.teardown(model)
+        return out
+    finally:
+        for attr, fn in originals.items():
+            setattr(_flat.FlatGroup, attr, fn)
+
+
 def format_table(report: dict) -> str:
     lines = [f"CPU AdamW step, fp32, {report['threads']} threads ({report['host']['cpus']} CPUs), median of "
              f"{report['repeats']} after {report['warmup']} warm-up; M params/s (higher is better)"]
@@ -291,6 +345,16 @@ def main(argv=None) -> int:
         report["sizes"].append(run_size(n, a, report, skipped))
         print(f"[cpu_adam_bench] {n / 1e6:.1f}M params done in {time.perf_counter() - t0:.0f} s", flush=True)
     print(format_table(report), flush=True)
+    if a.split:
+        report["split_ms"] = {}
+        parts = ("master_grad", "optimizer", "upload", "gather", "other", "step")
+        print(f"ours' step split, ms per step (mean of {a.repeats}): " + "  ".join(f"{p:>11}" for p in parts))
+        for n in a.sizes:
+            for precision in ("fp32", "bf16"):
+                sp = split_step(n, a.layers, precision, a.repeats)
+                report["split_ms"][f"{n}/{precision}"] = sp
+                print(f"  {n / 1e6:6.1f}M {precision:<4}                          "
+                      + "  ".join(f"{sp.get(p, 0.0):>11.2f}" for p in parts), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
