@@ -78,7 +78,8 @@ class ZeroTrainerMixin:
 
     Adds one keyword, ``zero_config``: preset name, YAML/JSON path (ours or a DeepSpeed
     ``ds_config``), mapping or :class:`~zero_strategy.ZeroConfig`; default
-    ``$ZERO_STRATEGY_CONFIG``, else ``zero2``. Precision comes from
+    ``$ZERO_STRATEGY_CONFIG``, else a DEEPSPEED launch's
+    ds_config, else ``zero3``. Precision comes from
     ``TrainingArguments(bf16=... / fp16=...)``; clipping from ``max_grad_norm`` (global norm
     over all shards). One ``train()`` per trainer: to resume, build a new one and call
     ``train(resume_from_checkpoint=...)``. Usually built with :func:`zero_trainer`.
