@@ -9,6 +9,8 @@ and the raw optimizer still trains identical replicas. Cases, in one process eac
 * ``zero_unprepared``: the same script with ZeroAccelerator (must raise, with the fix);
 * ``zero_plain_backward``: the same, with ``loss.backward()`` instead of ``accelerator.backward``;
 * ``zero_fixed``: the script as the error message says to write it (optimizer prepared);
+* ``zero_late``: the model prepared first, the optimizer built over its parameters and
+  prepared afterwards (the order Accelerate's FSDP docs teach): sharded then, trains;
 * ``zero_forward_only``: a model prepared alone and only evaluated (no backward): no error.
 
 Each case reports the flattened final weights (or the error), for the test to compare.
@@ -44,12 +46,15 @@ def loss_function(logits, tokens):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def train(accelerator, prepare_optimizer: bool, use_accelerator_backward: bool = True):
+def train(accelerator, prepare_optimizer: bool, use_accelerator_backward: bool = True, late: bool = False):
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     training_dataloader = torch.utils.data.DataLoader(dataset(), batch_size=ROWS_PER_PROCESS)
-    if prepare_optimizer:
+    if late:
+        model, training_dataloader = accelerator.prepare(model, training_dataloader)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    elif prepare_optimizer:
         model, optimizer, training_dataloader = accelerator.prepare(model, optimizer, training_dataloader)
     else:
         model, training_dataloader = accelerator.prepare(model, training_dataloader)
@@ -99,6 +104,7 @@ def main() -> None:
     report["zero_plain_backward"] = attempt(
         lambda: weights(zero, train(zero, prepare_optimizer=False, use_accelerator_backward=False)))
     report["zero_fixed"] = attempt(lambda: weights(zero, train(zero, prepare_optimizer=True)))
+    report["zero_late"] = attempt(lambda: weights(zero, train(zero, prepare_optimizer=True, late=True)))
     report["zero_forward_only"] = attempt(lambda: forward_only(zero))
     report["num_processes"] = zero.num_processes
     torch.distributed.barrier()
