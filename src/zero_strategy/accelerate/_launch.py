@@ -150,7 +150,12 @@ def check_after_init(accelerator) -> None:
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
-    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+    if kind == DistributedType.DEEPSPEED:
+        raise ValueError("ZeroAccelerator: Accelerate's state was set up for DeepSpeed before the DeepSpeed launch "
+                         "could be adopted (a plain Accelerator, TrainingArguments or PartialState was created "
+                         "first). Create the ZeroAccelerator first, or `import zero_strategy.transformers` before "
+                         "building TrainingArguments; the launch config can stay as it is")
+    if kind in (DistributedType.FSDP, DistributedType.MEGATRON_LM):
         raise ValueError(f"ZeroAccelerator: the launch's distributed type is {kind.value}; ZeroAccelerator does the "
                          f"sharding itself, so {RECIPES_HINT}")
     if kind == DistributedType.XLA:
