@@ -9,7 +9,10 @@ The script is the same Accelerate loop in every run; only its import differs
 (``from zero_strategy.accelerate import Accelerator``). Oracle: the same script with
 ``from accelerate import Accelerator`` on the shipped MULTI_GPU CPU config (stock
 Accelerate, DDP) with the accumulation the DeepSpeed config asks for; weights within
-1e-5 relative. See [Note: adopting a DeepSpeed launch] in zero_strategy/accelerate/_launch.py.
+1e-5 relative. The same for a Hugging Face ``Trainer`` script whose one change is
+``from zero_strategy.transformers import zero_trainer``, against the stock ``Trainer``
+(DDP); there "auto" clipping is the Trainer's ``max_grad_norm``, as in the HF
+integration. See [Note: adopting a DeepSpeed launch] in zero_strategy/accelerate/_launch.py.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ def runs():
         results["stock_ddp"] = accelerate_launch(
             "accelerate_deepspeed_launch.py", {"front": "stock"},
             env=launch_env(ACCELERATE_GRADIENT_ACCUMULATION_STEPS="2"))
+        (work / "hf_ds.json").write_text(json.dumps({**DS_JSON, "zero_optimization": {"stage": 2},
+                                                     "gradient_accumulation_steps": "auto"}))
+        (work / "hf_ds.yaml").write_text(FILE_CONFIG.replace("ds.json", "hf_ds.json"))
+        results["hf"] = accelerate_launch("hf_trainer_deepspeed_launch.py", {"front": "zero"},
+                                          config=work / "hf_ds.yaml", cwd=work)
+        results["hf_stock_ddp"] = accelerate_launch("hf_trainer_deepspeed_launch.py", {"front": "stock"})
         return results
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -127,3 +136,17 @@ def test_dropped_sections_are_warned_once_not_per_rank(runs):
     assert log.count("section(s) not used by zero_strategy") == 1, log[-4000:]
     for section in ("optimizer", "scheduler"):
         assert f"\n  {section}: " in log
+
+
+def test_hf_trainer_reads_the_deepspeed_launch_as_its_integration_does(runs):
+    for r in runs["hf"][0]:
+        assert r["distributed_type"].endswith("MULTI_CPU") and r["num_processes"] == 2
+        assert r["zero_config"] == {"stage": 2, "gradient_clipping": None, "precision": "fp32"}
+
+
+def test_hf_trainer_under_the_deepspeed_launch_equals_the_stock_trainer(runs):
+    ref = runs["hf_stock_ddp"][0][0]
+    assert max(ref["grad_norms"]) > 0.5, "max_grad_norm=0.5 must bite for the comparison to cover clipping"
+    for r in runs["hf"][0]:
+        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        assert r["weights"] == pytest.approx(ref["weights"], rel=1e-5, abs=1e-6)

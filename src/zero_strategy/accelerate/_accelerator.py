@@ -94,10 +94,17 @@ class ZeroAccelerator(Accelerator):
             before the model's optimizer is prepared.
     """
 
+    #: Under an adopted DEEPSPEED launch (see [Note: adopting a DeepSpeed launch] in _launch.py):
+    #: what an "auto" gradient_clipping becomes (Accelerate's DeepSpeed integration: 1.0), and
+    #: whether the ds_config's numeric gradient_accumulation_steps wins over the Accelerator's
+    #: (Accelerate: yes, with a warning) or must equal it (the HF Trainer's integration).
+    deepspeed_auto_gradient_clipping: float | None = 1.0
+    deepspeed_accumulation_wins: bool = True
+
     def __init__(self, zero_config=None, *, param_init_fn=None, **accelerator_kwargs):
         adopt_deepspeed_launch()  # see [Note: adopting a DeepSpeed launch] in _launch.py
         refuse_sharding_launchers(accelerator_kwargs)
-        spec, source = choose_spec(zero_config)
+        spec, source = choose_spec(zero_config, self.deepspeed_auto_gradient_clipping)
         parsed = load_config(spec, source)  # unknown presets/keys fail before the process group starts
         accelerator_kwargs["cpu"] = use_cpu_if_no_device(bool(accelerator_kwargs.get("cpu", False)))
         super().__init__(**accelerator_kwargs)
@@ -108,6 +115,11 @@ class ZeroAccelerator(Accelerator):
         mixed_precision = str(self.mixed_precision)
         self._zero_config = apply_precision(parsed, mixed_precision, source)
         steps = deepspeed_accumulation_steps(spec, source)
+        if steps is not None and steps != self.gradient_accumulation_steps and not self.deepspeed_accumulation_wins:
+            raise ValueError(
+                f"ZeroAccelerator: the DeepSpeed config's gradient_accumulation_steps ({steps}) differs from the "
+                f"trainer's ({self.gradient_accumulation_steps}); set them equal, or write \"auto\" in the DeepSpeed "
+                "config (as the Hugging Face Trainer's DeepSpeed integration requires)")
         if steps is not None and steps != self.gradient_accumulation_steps:
             logger.warning("ZeroAccelerator: gradient accumulation steps mismatch: the Accelerator has %d, the "
                            "DeepSpeed config has %d. Using DeepSpeed's value (as Accelerate does).",

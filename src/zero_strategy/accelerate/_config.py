@@ -50,9 +50,9 @@ DEEPSPEED_LAUNCH = "DeepSpeed launch"
 PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
-def choose_spec(zero_config: Any) -> tuple[Any, str]:
+def choose_spec(zero_config: Any, deepspeed_auto_clipping: float | None = 1.0) -> tuple[Any, str]:
     """``(spec, where it came from)`` following the order in the module note."""
-    launch = deepspeed_launch_config()
+    launch = deepspeed_launch_config(deepspeed_auto_clipping)
     env = os.environ.get(ENV_VAR, "").strip()
     chosen = (zero_config, "zero_config") if zero_config is not None else (env, f"{ENV_VAR}={env}") if env else None
     if chosen is not None:

@@ -22,7 +22,10 @@ processes then set up as an ordinary data-parallel launch) and remembers the lau
 ``gradient_clipping`` "auto"), which ZeroAccelerator then uses as its ZeRO config. Two
 things Accelerate's DeepSpeed integration fills in are kept: ``"auto"``
 ``gradient_clipping`` becomes 1.0 (clipped inside ``step()``), and a numeric
-``gradient_accumulation_steps`` in the file wins over the Accelerator's.
+``gradient_accumulation_steps`` in the file wins over the Accelerator's. The HF Trainer's
+DeepSpeed integration does otherwise, and ``ZeroTrainer`` follows it: "auto" clipping is
+the Trainer's ``max_grad_norm`` (the Trainer clips), and a numeric accumulation must equal
+``TrainingArguments.gradient_accumulation_steps``.
 
 [Note: CPU-only machines]
 ``accelerate launch`` with a MULTI_GPU config starts N processes, but on a machine
@@ -88,8 +91,13 @@ def adopt_deepspeed_launch() -> bool:
     return os.environ.get(ADOPTED_ENV) == "1"
 
 
-def deepspeed_launch_config() -> tuple[dict, str] | None:
-    """``(ds_config, where it came from)`` of an adopted DeepSpeed launch, else None."""
+def deepspeed_launch_config(auto_clipping: float | None = ACCELERATE_DEEPSPEED_AUTO_CLIPPING) -> tuple[dict, str] | None:
+    """``(ds_config, where it came from)`` of an adopted DeepSpeed launch, else None.
+
+    ``auto_clipping``: what an ``"auto"`` ``gradient_clipping`` becomes: Accelerate's 1.0, or
+    None where the front end clips itself (the HF Trainer fills "auto" from ``max_grad_norm``
+    and clips with it).
+    """
     if os.environ.get(ADOPTED_ENV) != "1":
         return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
@@ -97,8 +105,8 @@ def deepspeed_launch_config() -> tuple[dict, str] | None:
         data, source = dict(read_mapping_file(Path(path))), f"the DeepSpeed launch's deepspeed_config_file {path}"
     else:
         data, source = _inline_deepspeed_config(), "the DeepSpeed launch's deepspeed_config keys"
-    if is_auto(data.get("gradient_clipping")):
-        data["gradient_clipping"] = ACCELERATE_DEEPSPEED_AUTO_CLIPPING
+    if is_auto(data.get("gradient_clipping")) and auto_clipping is not None:
+        data["gradient_clipping"] = auto_clipping
     return data, source
 
 

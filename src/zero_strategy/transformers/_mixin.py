@@ -73,6 +73,15 @@ class _ZeroGradAfterStep(TrainerCallback):
             optimizer.zero_grad()
 
 
+class _TrainerZeroAccelerator(ZeroAccelerator):
+    """The Trainer's ZeroAccelerator: a DEEPSPEED launch's ds_config is read as the HF Trainer's
+    DeepSpeed integration reads it ("auto" clipping is ``max_grad_norm``, which the Trainer
+    applies; a numeric accumulation must equal ``TrainingArguments.gradient_accumulation_steps``)."""
+
+    deepspeed_auto_gradient_clipping = None
+    deepspeed_accumulation_wins = False
+
+
 class ZeroTrainerMixin:
     """Put first in the bases of a ``transformers.Trainer`` subclass to train it with ZeRO.
 
@@ -101,7 +110,7 @@ class ZeroTrainerMixin:
         stock = hf_trainer.Accelerator
 
         def build(**kwargs):
-            return ZeroAccelerator(zero_config=spec, **kwargs)
+            return _TrainerZeroAccelerator(zero_config=spec, **kwargs)
 
         hf_trainer.Accelerator = build
         try:
