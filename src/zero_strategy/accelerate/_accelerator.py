@@ -10,22 +10,37 @@ would do to the model and optimizer is replaced, and only that:
   place** (no wrapper; ``unwrap_model`` returns the same object) and the optimizer
   comes back as a :class:`ZeroAcceleratedOptimizer` over the ZeroOptimizer. A model
   prepared before its optimizer waits (unsharded) for it, because ``setup`` needs
-  both at once; a model with no trainable parameters stays replicated.
+  both at once; a model with no trainable parameters stays replicated. See
+  [Note: a model whose optimizer was never prepared].
 * Accelerate's autocast and GradScaler are off: ``mixed_precision`` becomes the
   engine's precision (bf16/fp16 parameters, fp32 masters, ZeRO's own fp16 scaler).
 * ``backward`` divides by the accumulation steps as Accelerate does and applies
   the fp16 loss scale; ``no_sync`` / ``accumulate`` use ``zero_strategy.no_sync``;
-  ``clip_grad_norm_`` is the global norm over all shards.
+  ``clip_grad_norm_`` is the global norm over all shards; ``clip_grad_value_`` clamps
+  the reduced gradient shards (elementwise, so the same as on the full gradients).
 * ``get_state_dict`` / ``save_model`` consolidate on rank 0; ``save_state`` /
   ``load_state`` save every rank's shard (see ``_checkpointing.py``).
 * ``free_memory`` / ``end_training`` tear the engines down (hooks removed, full
   weights back in the modules); every process must call them.
+
+[Note: a model whose optimizer was never prepared]
+Stock Accelerate wraps a model prepared alone in DDP, so an optimizer the script
+built but never passed to ``prepare`` still sees gradients averaged across
+processes. Here such a model waits, unsharded and unwrapped, for its optimizer;
+trained as it is, each process would step on its own gradients and the replicas
+would drift apart without a word (measured: 1.14 apart after a few steps). Falling
+back to DDP would train correctly but without the sharding the user switched to
+ZeroAccelerator for, and no optimizer state can be sharded without the optimizer.
+So the first backward that reaches such a model's parameters raises, naming the
+fix (pass the optimizer to ``prepare``), on every process, before any step; a
+pending model used only for forward passes (evaluation, generation) is fine. The
+guard is a post-accumulate-grad hook per trainable parameter, removed when the
+model is sharded or the accelerator is torn down.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -39,11 +54,17 @@ from .. import api
 from .._plan import plan_for
 from ..config import ZeroConfig
 from . import _checkpointing
-from ._config import apply_precision, choose_spec, describe, load_config
-from ._launch import check_after_init, refuse_sharding_launchers, use_cpu_if_no_device
+from ._config import apply_precision, choose_spec, deepspeed_accumulation_steps, describe, load_config
+from ._launch import (adopt_deepspeed_launch, check_after_init, logger, refuse_sharding_launchers,
+                      use_cpu_if_no_device)
 from ._optimizer import ZeroAcceleratedOptimizer
 
-logger = logging.getLogger("zero_strategy.accelerate")
+UNPREPARED_OPTIMIZER = (
+    "ZeroAccelerator: backward reached a model that was prepared without its optimizer, so its gradients would not "
+    "be synchronized across processes and the replicas would drift apart (stock Accelerate would have wrapped it "
+    "in DDP; ZeroAccelerator shards a model together with its optimizer). Fix: pass the optimizer to prepare, "
+    "`model, optimizer = accelerator.prepare(model, optimizer)` (or `optimizer = accelerator.prepare(optimizer)` "
+    "after building it over model.parameters()), and step that prepared optimizer.")
 
 
 @dataclass
@@ -61,7 +82,8 @@ class ZeroAccelerator(Accelerator):
     Args:
         zero_config: preset name (``"zero3"``), path to a YAML/JSON file (ours or a
             DeepSpeed ``ds_config``), a mapping, or a :class:`~zero_strategy.ZeroConfig`.
-            Default: the environment variable ``ZERO_STRATEGY_CONFIG``, else ``"zero2"``.
+            Default: the environment variable ``ZERO_STRATEGY_CONFIG``, else the ds_config of a
+            DEEPSPEED accelerate launch, else ``"zero3"`` (see ``_config.py``).
         **accelerator_kwargs: everything ``accelerate.Accelerator`` takes
             (``mixed_precision``, ``gradient_accumulation_steps``, ``project_dir``, ...),
             except DeepSpeed/FSDP/Megatron plugins.
@@ -72,10 +94,18 @@ class ZeroAccelerator(Accelerator):
             before the model's optimizer is prepared.
     """
 
+    #: Under an adopted DEEPSPEED launch (see [Note: adopting a DeepSpeed launch] in _launch.py):
+    #: what an "auto" gradient_clipping becomes (Accelerate's DeepSpeed integration: 1.0), and
+    #: whether the ds_config's numeric gradient_accumulation_steps wins over the Accelerator's
+    #: (Accelerate: yes, with a warning) or must equal it (the HF Trainer's integration).
+    deepspeed_auto_gradient_clipping: float | None = 1.0
+    deepspeed_accumulation_wins: bool = True
+
     def __init__(self, zero_config=None, *, param_init_fn=None, **accelerator_kwargs):
+        adopt_deepspeed_launch()  # see [Note: adopting a DeepSpeed launch] in _launch.py
         refuse_sharding_launchers(accelerator_kwargs)
-        spec, source = choose_spec(zero_config)
-        load_config(spec, source, None)  # unknown presets/keys fail before the process group starts
+        spec, source = choose_spec(zero_config, self.deepspeed_auto_gradient_clipping)
+        parsed = load_config(spec, source)  # unknown presets/keys fail before the process group starts
         accelerator_kwargs["cpu"] = use_cpu_if_no_device(bool(accelerator_kwargs.get("cpu", False)))
         super().__init__(**accelerator_kwargs)
         check_after_init(self)
@@ -83,16 +113,27 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("ZeroAccelerator: torch.compile through Accelerate (dynamo_backend) is not supported "
                              "yet; launch with --dynamo_backend no")
         mixed_precision = str(self.mixed_precision)
-        self._zero_config = apply_precision(load_config(spec, source, mixed_precision), mixed_precision, source)
+        self._zero_config = apply_precision(parsed, mixed_precision, source)
+        steps = deepspeed_accumulation_steps(spec, source)
+        if steps is not None and steps != self.gradient_accumulation_steps and not self.deepspeed_accumulation_wins:
+            raise ValueError(
+                f"ZeroAccelerator: the DeepSpeed config's gradient_accumulation_steps ({steps}) differs from the "
+                f"trainer's ({self.gradient_accumulation_steps}); set them equal, or write \"auto\" in the DeepSpeed "
+                "config (as the Hugging Face Trainer's DeepSpeed integration requires)")
+        if steps is not None and steps != self.gradient_accumulation_steps:
+            logger.warning("ZeroAccelerator: gradient accumulation steps mismatch: the Accelerator has %d, the "
+                           "DeepSpeed config has %d. Using DeepSpeed's value (as Accelerate does).",
+                           self.gradient_accumulation_steps, steps)
+            self.gradient_accumulation_steps = steps
         # [Note: what changes] the engine owns precision: no autocast wrapper, no GradScaler
         self.native_amp = False
         self.scaler = None
         self._zero_records: list[ZeroModelRecord] = []
         self._pending: list[nn.Module] = []
+        self._pending_guards: dict[int, list] = {}
         self.param_init_fn = param_init_fn
-        if self.is_main_process:
-            logger.info("ZeroAccelerator: %s from %s on %d process(es)", describe(self._zero_config), source,
-                        self.num_processes)
+        logger.info("ZeroAccelerator: %s from %s on %d process(es)", describe(self._zero_config), source,
+                    self.num_processes)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -145,6 +186,7 @@ class ZeroAccelerator(Accelerator):
         for m in new_models:  # prepared for training without an optimizer (yet)
             if self._record_of(m) is None and any(p.requires_grad for p in m.parameters()):
                 self._pending.append(m)
+                self._guard_pending(m)
         for i, obj in enumerate(args):  # schedulers last: they need the prepared optimizers
             if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
                 result[i] = self.prepare_scheduler(obj)
@@ -164,6 +206,18 @@ class ZeroAccelerator(Accelerator):
         self._models.append(model)
         model._is_accelerate_prepared = True
         return model
+
+    def _guard_pending(self, model: nn.Module) -> None:
+        """See [Note: a model whose optimizer was never prepared]."""
+        def refuse(_param):
+            raise RuntimeError(UNPREPARED_OPTIMIZER)
+
+        self._pending_guards[id(model)] = [p.register_post_accumulate_grad_hook(refuse)
+                                           for p in model.parameters() if p.requires_grad]
+
+    def _unguard(self, model: nn.Module) -> None:
+        for handle in self._pending_guards.pop(id(model), []):
+            handle.remove()
 
     def _already_prepared_optimizer(self, optimizer: AcceleratedOptimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, ZeroAcceleratedOptimizer):
@@ -202,6 +256,7 @@ class ZeroAccelerator(Accelerator):
                     "ZeroAccelerator: fp16 with several optimizers on one model is not supported (one loss scale per "
                     "optimizer, but accelerator.backward cannot tell which loss belongs to which); use bf16")
             raw = [opt for _, opt, _ in entries]
+            self._unguard(model)
             _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config,
                                  param_init_fn=self.param_init_fn)
             zopts = zopts if isinstance(zopts, list) else [zopts]
@@ -307,25 +362,37 @@ class ZeroAccelerator(Accelerator):
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Global-norm clipping over every rank's shards; returns the norm before clipping."""
         params = list(parameters)
+        opt = self._one_optimizer_for(params, "clip_grad_norm_")
+        if opt is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return opt.zero_optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    def _one_optimizer_for(self, params, what: str) -> ZeroAcceleratedOptimizer | None:
+        """The one ZeRO optimizer ``params`` are exactly (a superset of) the parameters of; None: no ZeRO model."""
         ids = {id(p) for p in params}
         records = [r for r in self._zero_records if any(id(p) in ids for p in r.model.parameters())]
         if not records:
-            return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+            return None
         opts = [o for r in records for o in r.optimizers if o.param_ids & ids]
         if len(opts) != 1 or not opts[0].param_ids <= ids:
             raise ValueError(
-                "ZeroAccelerator.clip_grad_norm_: the norm is computed over all parameters of one ZeRO optimizer "
+                f"ZeroAccelerator.{what}: gradients are clipped by one ZeRO optimizer over all of its parameters "
                 "(sharded across ranks); pass model.parameters() of one prepared model (with several optimizers "
                 "on it: the parameters of one optimizer, in separate calls)")
-        return opts[0].zero_optimizer.clip_grad_norm_(max_norm, norm_type)
+        return opts[0]
 
     def clip_grad_value_(self, parameters, clip_value):
+        """Clamp every gradient element to ``[-clip_value, clip_value]``, on the reduced shards.
+
+        Elementwise, so clamping each rank's shard of the averaged gradient is what DDP's
+        ``clip_grad_value_`` does to the full averaged gradient. As with DDP, call it at an
+        accumulation boundary (``accelerator.sync_gradients``), before ``optimizer.step()``.
+        """
         params = list(parameters)
-        ids = {id(p) for p in params}
-        if any(id(p) in ids for r in self._zero_records for p in r.model.parameters()):
-            raise NotImplementedError("ZeroAccelerator: clip_grad_value_ on a ZeRO model is not supported "
-                                      "(gradients live in shards); use clip_grad_norm_")
-        return super().clip_grad_value_(params, clip_value)
+        opt = self._one_optimizer_for(params, "clip_grad_value_")
+        if opt is None:
+            return super().clip_grad_value_(params, clip_value)
+        opt.zero_optimizer.clip_grad_value_(clip_value)
 
     # ------------------------------------------------------------------ weights and state
     def get_state_dict(self, model, unwrap=True):
@@ -359,6 +426,8 @@ class ZeroAccelerator(Accelerator):
             if record not in kept and api.is_set_up(record.model):  # else torn down by the user already
                 api.teardown(record.model)
         self._zero_records[:] = kept
+        for model in self._pending:
+            self._unguard(model)
         self._pending.clear()
 
     def free_memory(self, *objects):

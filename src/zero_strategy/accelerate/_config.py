@@ -5,59 +5,69 @@
    DeepSpeed ``ds_config``), a mapping, or a :class:`~zero_strategy.ZeroConfig`;
 2. else the environment variable ``ZERO_STRATEGY_CONFIG`` (a preset name or a path),
    so a launch command can pick the preset without touching the script;
-3. else :data:`DEFAULT_PRESET` (``zero2``): it moves exactly as many bytes per step as
-   the DDP it replaces, so swapping ``Accelerator`` for ``ZeroAccelerator`` never
-   slows a run down, and still shards optimizer state and gradients.
+3. else the ds_config of a DEEPSPEED accelerate launch (see [Note: adopting a
+   DeepSpeed launch] in _launch.py), so a DeepSpeed user's launch config works as is;
+4. else :data:`DEFAULT_PRESET`, the one default of every front end (see
+   [Note: the default preset]).
+
+[Note: the default preset]
+``zero3`` everywhere: ``ZeroConfig()``, ``zero_strategy.setup`` without a config,
+``ZeroStrategy()`` / ``ZeroFabricStrategy()``, ``ZeroAccelerator()`` and
+``ZeroTrainer``. The reason to pick ZeRO over DDP is memory, and stage 3 is the only
+stage whose per-rank model states all shrink with the number of ranks (16Ψ/N against
+DDP's 16Ψ). Its costs are known and loud, never silent: 1.5× DDP's communication, and
+parameters that must be gathered to be read (``gathered_parameters``; ``state_dict`` is
+a collective). A model that fits with stage 2 trains with DDP's communication volume:
+choose ``zero2`` (README, "Choosing a preset").
 
 [Note: precision has one source, Accelerate]
 ``mixed_precision`` ("no" / "bf16" / "fp16", from the argument, ``--mixed_precision``
 or the launch config) becomes ``ZeroConfig.precision``. A ZeRO config that names a
 different low precision is an error rather than a silent choice between the two;
 ``precision: fp32`` (also the default) in the ZeRO config means "not specified".
-DeepSpeed configs written for the Hugging Face integration say ``"auto"`` for
-``fp16.enabled`` / ``bf16.enabled`` / ``gradient_clipping``; the engine refuses
-``"auto"``, so it is resolved here: the precision from Accelerate, clipping off in
-the engine (clip with ``accelerator.clip_grad_norm_``, which the HF Trainer does).
+DeepSpeed ``"auto"`` values are resolved by the one resolver all front ends share
+(:mod:`zero_strategy._deepspeed_auto`): ``"auto"`` precision is this one. One
+exception, kept from Accelerate's DeepSpeed integration: under an adopted DeepSpeed
+launch, a ds_config that enables bf16/fp16 itself wins over ``mixed_precision: no``
+(Accelerate's DeepSpeed plugin does the same).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from ..config import ZeroConfig, ZeroConfigError
 
+from ._launch import deepspeed_launch_config, logger
+
 ENV_VAR = "ZERO_STRATEGY_CONFIG"
-DEFAULT_PRESET = "zero2"
+DEFAULT_PRESET = "zero3"  # see [Note: the default preset]
+DEEPSPEED_LAUNCH = "DeepSpeed launch"
 
 #: Accelerate's mixed_precision -> ZeroConfig.precision
 PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
-def choose_spec(zero_config: Any) -> tuple[Any, str]:
+def choose_spec(zero_config: Any, deepspeed_auto_clipping: float | None = 1.0) -> tuple[Any, str]:
     """``(spec, where it came from)`` following the order in the module note."""
-    if zero_config is not None:
-        return zero_config, "zero_config"
+    launch = deepspeed_launch_config(deepspeed_auto_clipping)
     env = os.environ.get(ENV_VAR, "").strip()
-    if env:
-        return env, f"{ENV_VAR}={env}"
+    chosen = (zero_config, "zero_config") if zero_config is not None else (env, f"{ENV_VAR}={env}") if env else None
+    if chosen is not None:
+        if launch is not None:
+            logger.warning("ZeroAccelerator: launched with a DeepSpeed accelerate config, but %s is used as the ZeRO "
+                           "config instead of %s", chosen[1], launch[1])
+        return chosen
+    if launch is not None:
+        return launch[0], f"{launch[1]} ({DEEPSPEED_LAUNCH})"
     return DEFAULT_PRESET, f"default preset {DEFAULT_PRESET!r} (no zero_config and {ENV_VAR} unset)"
 
 
-def load_config(spec: Any, source: str, mixed_precision: str | None) -> ZeroConfig:
-    """Parse ``spec`` into a ZeroConfig, resolving DeepSpeed ``"auto"`` values first.
-
-    ``mixed_precision``: Accelerate's setting, used for ``"auto"``; ``None`` while it
-    is not known yet (an early parse to report bad configs before the process group).
-    """
-    data = _deepspeed_mapping(spec)
+def load_config(spec: Any, source: str) -> ZeroConfig:
+    """Parse ``spec`` into a ZeroConfig (a ds_config's "auto" values by the shared resolver)."""
     try:
-        if data is not None:
-            return ZeroConfig.from_deepspeed(_resolve_auto(data, mixed_precision or "no"))
         return ZeroConfig.load(spec)
     except ZeroConfigError as err:
         raise err if err.source else err.from_source(source)
@@ -73,6 +83,8 @@ def apply_precision(cfg: ZeroConfig, mixed_precision: str, source: str) -> ZeroC
     if cfg.precision == wanted:
         return cfg
     if cfg.precision != "fp32":
+        if wanted == "fp32" and source.endswith(f"({DEEPSPEED_LAUNCH})"):
+            return cfg  # as Accelerate's DeepSpeed plugin: the ds_config's own fp16/bf16 wins over "no"
         raise ZeroConfigError(
             "precision", f"the ZeRO config ({source}) says {cfg.precision!r} but Accelerate's mixed_precision is "
             f"{mixed_precision!r}",
@@ -91,41 +103,9 @@ def describe(cfg: ZeroConfig) -> str:
     return f"stage {cfg.stage}, precision {cfg.precision}" + "".join(f", {e}" for e in extras)
 
 
-# ------------------------------------------------------------------ DeepSpeed "auto"
-
-def _deepspeed_mapping(spec: Any) -> dict | None:
-    """The spec as a mapping when it is a DeepSpeed config (inline or a file); else None."""
-    if isinstance(spec, Mapping):
-        return dict(spec) if "zero_optimization" in spec else None
-    if not isinstance(spec, (str, os.PathLike)):
+def deepspeed_accumulation_steps(spec: Any, source: str) -> int | None:
+    """A numeric ``gradient_accumulation_steps`` of an adopted DeepSpeed launch's ds_config (it wins, as in Accelerate)."""
+    if not source.endswith(f"({DEEPSPEED_LAUNCH})") or not isinstance(spec, Mapping):
         return None
-    path = Path(os.fspath(spec))
-    if path.suffix.lower() not in (".json", ".yaml", ".yml") or not path.is_file():
-        return None
-    try:
-        text = path.read_text(encoding="utf-8")
-        if path.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception:  # noqa: BLE001 - ZeroConfig.load reports syntax errors with line numbers
-        return None
-    return data if isinstance(data, Mapping) and "zero_optimization" in data else None
-
-
-def _resolve_auto(data: Mapping, mixed_precision: str) -> dict:
-    out = copy.deepcopy(dict(data))
-    for name, on in (("fp16", mixed_precision == "fp16"), ("bf16", mixed_precision == "bf16"),
-                     ("bfloat16", mixed_precision == "bf16")):
-        section = out.get(name)
-        if isinstance(section, Mapping) and _is_auto(section.get("enabled")):
-            out[name] = {**section, "enabled": on}
-    if _is_auto(out.get("gradient_clipping")):
-        del out["gradient_clipping"]
-    return out
-
-
-def _is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "auto"
+    value = spec.get("gradient_accumulation_steps")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

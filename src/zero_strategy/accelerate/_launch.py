@@ -3,9 +3,29 @@
 [Note: distributed types]
 ZeroAccelerator keeps the data-parallel launch Accelerate already knows (``NO``,
 ``MULTI_GPU``, ``MULTI_CPU`` and the other ``MULTI_*`` device types) and replaces only
-what DDP would do to the model and optimizer. A ``DEEPSPEED`` or ``FSDP`` launch
-would shard the model a second time (and DeepSpeed needs its own package), so it is
-refused with the fix: launch with a MULTI_GPU-type config (recipes/accelerate/).
+what DDP would do to the model and optimizer. An ``FSDP`` or Megatron launch would
+shard the model a second time, so it is refused with the fix: launch with a
+MULTI_GPU-type config (recipes/accelerate/).
+
+[Note: adopting a DeepSpeed launch]
+A ``distributed_type: DEEPSPEED`` accelerate config is what a DeepSpeed user already
+has, and the switch should be one line (``from zero_strategy.accelerate import
+Accelerator``). ``accelerate launch`` starts its processes with torchrun and describes
+the DeepSpeed setup in environment variables (``ACCELERATE_USE_DEEPSPEED=true``,
+``ACCELERATE_DEEPSPEED_CONFIG_FILE`` or the inline ``ACCELERATE_DEEPSPEED_ZERO_STAGE``,
+``..._OFFLOAD_OPTIMIZER_DEVICE``, ...). Left alone, Accelerate's state would start
+DeepSpeed's communication backend and build a DeepSpeed plugin. So before anything
+reads them, :func:`adopt_deepspeed_launch` turns ``ACCELERATE_USE_DEEPSPEED`` off (the
+processes then set up as an ordinary data-parallel launch) and remembers the launch;
+:func:`deepspeed_launch_config` rebuilds the ds_config exactly as Accelerate's
+``DeepSpeedPlugin`` would (the file, or the inline keys with its defaults: stage 2,
+``gradient_clipping`` "auto"), which ZeroAccelerator then uses as its ZeRO config. Two
+things Accelerate's DeepSpeed integration fills in are kept: ``"auto"``
+``gradient_clipping`` becomes 1.0 (clipped inside ``step()``), and a numeric
+``gradient_accumulation_steps`` in the file wins over the Accelerator's. The HF Trainer's
+DeepSpeed integration does otherwise, and ``ZeroTrainer`` follows it: "auto" clipping is
+the Trainer's ``max_grad_norm`` (the Trainer clips), and a numeric accumulation must equal
+``TrainingArguments.gradient_accumulation_steps``.
 
 [Note: CPU-only machines]
 ``accelerate launch`` with a MULTI_GPU config starts N processes, but on a machine
@@ -22,12 +42,21 @@ the state was already made without it, :func:`check_after_init` says how to fix 
 
 from __future__ import annotations
 
-import logging
 import os
+from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("zero_strategy.accelerate")
+from .._config_values import read_mapping_file
+from .._deepspeed_auto import is_auto
+from .._logging import rank_zero_logger
+
+logger = rank_zero_logger("zero_strategy.accelerate")
+
+#: set (to "1") in a process whose DeepSpeed launch was adopted; see [Note: adopting a DeepSpeed launch]
+ADOPTED_ENV = "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH"
+#: what Accelerate's DeepSpeed integration puts in an "auto" gradient_clipping (Accelerator._prepare_deepspeed)
+ACCELERATE_DEEPSPEED_AUTO_CLIPPING = 1.0
 
 RECIPES_HINT = ("launch with a MULTI_GPU-type accelerate config instead "
                 "(recipes/accelerate/multi_gpu.yaml, or recipes/accelerate/cpu_2proc.yaml on CPUs) and choose the "
@@ -40,11 +69,61 @@ def refuse_sharding_launchers(kwargs: dict) -> None:
         if kwargs.get(key) is not None:
             raise ValueError(f"ZeroAccelerator shards the model itself and cannot take {key}=...; "
                              f"pass zero_config=... instead (a DeepSpeed ds_config is accepted there)")
-    for env, kind in (("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP"),
-                      ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM")):
+    for env, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM")):
         if os.environ.get(env, "false").strip().lower() in ("1", "true", "yes"):
             raise ValueError(f"ZeroAccelerator: this process was launched with distributed type {kind} "
                              f"({env}=true); ZeroAccelerator does the sharding itself, so {RECIPES_HINT}")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+def adopt_deepspeed_launch() -> bool:
+    """Turn a DEEPSPEED accelerate launch into a data-parallel one for ZeroAccelerator; True if this process was one.
+
+    See [Note: adopting a DeepSpeed launch]. Idempotent; must run before Accelerate's
+    state (or a ``TrainingArguments``) is created.
+    """
+    if _env_true("ACCELERATE_USE_DEEPSPEED"):
+        os.environ[ADOPTED_ENV] = "1"
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    return os.environ.get(ADOPTED_ENV) == "1"
+
+
+def deepspeed_launch_config(auto_clipping: float | None = ACCELERATE_DEEPSPEED_AUTO_CLIPPING) -> tuple[dict, str] | None:
+    """``(ds_config, where it came from)`` of an adopted DeepSpeed launch, else None.
+
+    ``auto_clipping``: what an ``"auto"`` ``gradient_clipping`` becomes: Accelerate's 1.0, or
+    None where the front end clips itself (the HF Trainer fills "auto" from ``max_grad_norm``
+    and clips with it).
+    """
+    if os.environ.get(ADOPTED_ENV) != "1":
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if path != "none":
+        data, source = dict(read_mapping_file(Path(path))), f"the DeepSpeed launch's deepspeed_config_file {path}"
+    else:
+        data, source = _inline_deepspeed_config(), "the DeepSpeed launch's deepspeed_config keys"
+    if is_auto(data.get("gradient_clipping")) and auto_clipping is not None:
+        data["gradient_clipping"] = auto_clipping
+    return data, source
+
+
+def _inline_deepspeed_config() -> dict:
+    """The ds_config Accelerate's ``DeepSpeedPlugin`` builds from the accelerate config's inline keys."""
+    env = os.environ.get
+    zero: dict = {"stage": int(env("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))}
+    for ours, name in (("offload_optimizer", "OPTIMIZER"), ("offload_param", "PARAM")):
+        device = env(f"ACCELERATE_DEEPSPEED_OFFLOAD_{name}_DEVICE", "none").lower()
+        zero[ours] = {"device": device}
+        nvme = env(f"ACCELERATE_DEEPSPEED_OFFLOAD_{name}_NVME_PATH", "none")
+        if device == "nvme" and nvme != "none":
+            zero[ours]["nvme_path"] = nvme
+    data: dict = {"zero_optimization": zero}
+    clipping = env("ACCELERATE_GRADIENT_CLIPPING", "auto")
+    data["gradient_clipping"] = clipping if is_auto(clipping) else float(clipping)
+    return data
 
 
 def launched_processes() -> int:
@@ -79,7 +158,12 @@ def check_after_init(accelerator) -> None:
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
-    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+    if kind == DistributedType.DEEPSPEED:
+        raise ValueError("ZeroAccelerator: Accelerate's state was set up for DeepSpeed before the DeepSpeed launch "
+                         "could be adopted (a plain Accelerator, TrainingArguments or PartialState was created "
+                         "first). Create the ZeroAccelerator first, or `import zero_strategy.transformers` before "
+                         "building TrainingArguments; the launch config can stay as it is")
+    if kind in (DistributedType.FSDP, DistributedType.MEGATRON_LM):
         raise ValueError(f"ZeroAccelerator: the launch's distributed type is {kind.value}; ZeroAccelerator does the "
                          f"sharding itself, so {RECIPES_HINT}")
     if kind == DistributedType.XLA:

@@ -15,11 +15,15 @@
 ``accelerate launch`` with several processes on a machine without GPUs that state
 must know it runs on CPU (see ``zero_strategy.accelerate._launch``), so importing this
 module sets ``ACCELERATE_USE_CPU=true`` in exactly that case; otherwise pass
-``TrainingArguments(use_cpu=True)``. The engine never imports transformers.
+``TrainingArguments(use_cpu=True)``. Likewise a DEEPSPEED accelerate launch is adopted
+here, before ``TrainingArguments`` would start DeepSpeed (see [Note: adopting a
+DeepSpeed launch] there). The engine never imports transformers.
 """
 
+from ..accelerate._launch import adopt_deepspeed_launch as _adopt_deepspeed_launch
 from ..accelerate._launch import use_cpu_if_no_device as _use_cpu_if_no_device
 
+_adopt_deepspeed_launch()
 _use_cpu_if_no_device(False)
 
 from ._mixin import ZeroTrainerMixin, zero_trainer  # noqa: E402

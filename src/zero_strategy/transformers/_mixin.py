@@ -73,12 +73,22 @@ class _ZeroGradAfterStep(TrainerCallback):
             optimizer.zero_grad()
 
 
+class _TrainerZeroAccelerator(ZeroAccelerator):
+    """The Trainer's ZeroAccelerator: a DEEPSPEED launch's ds_config is read as the HF Trainer's
+    DeepSpeed integration reads it ("auto" clipping is ``max_grad_norm``, which the Trainer
+    applies; a numeric accumulation must equal ``TrainingArguments.gradient_accumulation_steps``)."""
+
+    deepspeed_auto_gradient_clipping = None
+    deepspeed_accumulation_wins = False
+
+
 class ZeroTrainerMixin:
     """Put first in the bases of a ``transformers.Trainer`` subclass to train it with ZeRO.
 
     Adds one keyword, ``zero_config``: preset name, YAML/JSON path (ours or a DeepSpeed
     ``ds_config``), mapping or :class:`~zero_strategy.ZeroConfig`; default
-    ``$ZERO_STRATEGY_CONFIG``, else ``zero2``. Precision comes from
+    ``$ZERO_STRATEGY_CONFIG``, else a DEEPSPEED launch's
+    ds_config, else ``zero3``. Precision comes from
     ``TrainingArguments(bf16=... / fp16=...)``; clipping from ``max_grad_norm`` (global norm
     over all shards). One ``train()`` per trainer: to resume, build a new one and call
     ``train(resume_from_checkpoint=...)``. Usually built with :func:`zero_trainer`.
@@ -100,7 +110,7 @@ class ZeroTrainerMixin:
         stock = hf_trainer.Accelerator
 
         def build(**kwargs):
-            return ZeroAccelerator(zero_config=spec, **kwargs)
+            return _TrainerZeroAccelerator(zero_config=spec, **kwargs)
 
         hf_trainer.Accelerator = build
         try:

@@ -19,7 +19,8 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
     """``transformers.Trainer`` with ZeRO sharding (any ``Trainer`` argument, plus ``zero_config``).
 
     ``zero_config``: preset name, YAML/JSON path (ours or a DeepSpeed ``ds_config``), mapping
-    or :class:`~zero_strategy.ZeroConfig`; default ``$ZERO_STRATEGY_CONFIG``, else ``zero2``.
+    or :class:`~zero_strategy.ZeroConfig`; default ``$ZERO_STRATEGY_CONFIG``, else a DEEPSPEED launch's
+    ds_config, else ``zero3``.
     Precision comes from ``TrainingArguments(bf16=... / fp16=...)``; clipping from
     ``max_grad_norm`` (global norm over all shards). One ``train()`` per ZeroTrainer: to
     resume, build a new one and call ``train(resume_from_checkpoint=...)``.
