@@ -10,8 +10,27 @@ translation of Lightning's hooks onto the engine:
   (stage 3 gathers the root unit, floating inputs are cast to the compute dtype);
 * ``block_backward_sync`` (gradient accumulation) is ``zero_strategy.no_sync``;
 * the precision plugin is always a :class:`ZeroPrecision` (see ``_precision.py``);
-* checkpoints are sharded directories (see ``_checkpoint.py``);
-* teardown removes the engine's hooks and leaves a plain module with full weights.
+* checkpoints are sharded directories (see ``_checkpoint.py``).
+
+[Note: engine lifetime]
+The engine (sharded module, fp32 masters, optimizer state) set up by ``fit`` outlives
+the fit, as DDP's optimizers and DeepSpeed's engine do, so Lightning's documented
+follow-ups behave as with DDP: ``trainer.save_checkpoint(path)`` (a sharded directory
+with the optimizer state, resumable), ``trainer.validate / test / predict`` (they reuse
+the engine, nothing is re-sharded), and another ``fit`` (it releases the engine and sets
+up a new one with fresh optimizers from ``configure_optimizers``, as DDP does).
+The memory is released, leaving a plain module with full weights on every rank, when
+
+* the next ``fit`` starts;
+* ``trainer.strategy.teardown()`` is called outside a Trainer call (on every rank);
+* a Trainer call fails (exception path);
+* a validate / test / predict that set up its own engine (no fit before) ends.
+
+Until then the module is sharded: at stage 3 ``model.state_dict()``, ``model(x)`` and
+``save_pretrained`` are collectives (every rank calls them), so the rank-0-only idiom
+``if trainer.is_global_zero: ...`` needs ``trainer.strategy.teardown()`` first. A
+weights-only ``trainer.save_checkpoint(path, weights_only=True)`` after fit writes one
+plain ``.ckpt`` file, as DDP does.
 """
 
 from __future__ import annotations
@@ -25,14 +44,14 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import api as zs
 from . import _checkpoint, _summary, _toggle
 from ._config import build_config, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
-from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers
+from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroPrecision, check_precision_flag
 
 #: callbacks that rewrite parameters or optimizers behind the engine's back
@@ -112,6 +131,9 @@ class ZeroStrategy(DDPStrategy):
         self.meta_init = meta_init
         self.param_init_fn = param_init_fn
         self.zero_optimizers: list = []
+        self._engine = None  # the engine this strategy set up (see [Note: engine lifetime])
+        self._in_call = False  # between setup and teardown of one Trainer call
+        self._keep_engine = False  # whether that call's teardown keeps the engine
 
     # ------------------------------------------------------------- precision
     @property
@@ -129,15 +151,31 @@ class ZeroStrategy(DDPStrategy):
 
     # ----------------------------------------------------------------- setup
     def setup(self, trainer) -> None:
+        """Shard the module for this Trainer call, or keep using the engine an earlier ``fit`` left.
+
+        See [Note: engine lifetime]. ``fit`` always starts a new engine (Lightning calls
+        ``configure_optimizers`` again, as it does for DDP); validate / test / predict reuse a
+        live engine and its optimizer state, so a ``save_checkpoint`` after them still saves it.
+        """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _refuse_unsupported_callbacks(trainer)
         module = self.lightning_module
-        if is_set_up(module):  # e.g. fit() interrupted before teardown
-            zs.teardown(module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        reuse = is_set_up(module) and not fitting and zs.engine_of(module) is self._engine
+        if is_set_up(module) and not reuse:  # the previous fit's engine (or one interrupted before teardown)
+            self._release(module)
+        self._in_call = True
+        self._keep_engine = fitting or reuse
+        if not reuse:
+            self._setup_engine(trainer, module, fitting)
+        self.model = module
+        self.setup_precision_plugin()
+        _summary.install(trainer)
+
+    def _setup_engine(self, trainer, module, fitting: bool) -> None:
         if not has_meta_tensors(module):  # a meta model is materialized on the device by the engine
             self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
         user_optimizers = []
         if fitting:
             self.setup_optimizers(trainer)
@@ -145,13 +183,11 @@ class ZeroStrategy(DDPStrategy):
         config = self.zero_config
         self.zero_optimizers = setup_model_and_optimizers(module, user_optimizers, config, device=self.root_device,
                                                           param_init_fn=self.param_init_fn)
+        self._engine = zs.engine_of(module)
         self.precision_plugin.zero_optimizer = loss_scaler_of(self.zero_optimizers, config.precision)
         if fitting:
             self.optimizers = self.zero_optimizers
             _toggle.install(module)
-        self.model = module
-        self.setup_precision_plugin()
-        _summary.install(trainer)
 
     def _setup_model(self, model):
         return model  # never wrapped: the engine shards in place
@@ -162,15 +198,43 @@ class ZeroStrategy(DDPStrategy):
             yield
 
     def teardown(self) -> None:
+        """End of a Trainer call: keep the engine after a ``fit`` that finished; otherwise release it.
+
+        See [Note: engine lifetime]. A call outside a Trainer call (the user's own
+        ``trainer.strategy.teardown()``, on every rank) always releases.
+        """
         module = self.lightning_module
-        if module is not None and is_set_up(module):
-            zs.teardown(module)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        keep = self._in_call and self._keep_engine and not interrupted and module is not None and is_set_up(module)
+        self._in_call = False
+        if keep:
+            self._teardown_lightning_only()
+            return
         if module is not None:
-            _toggle.uninstall(module)
+            self._release(module)
+        super().teardown()
+
+    def _release(self, module) -> None:
+        """Remove the engine: a plain module with full weights again, sharded memory freed (every rank)."""
+        if is_set_up(module):
+            zs.teardown(module)
+        _toggle.uninstall(module)
+        self._engine = None
         self.zero_optimizers = []
+        if self.optimizers and any(zero_optimizer_of(o) is not None for o in self.optimizers):
+            self.optimizers = []
         if self._precision_plugin is not None:
             self._precision_plugin.zero_optimizer = None
-        super().teardown()
+
+    def _teardown_lightning_only(self) -> None:
+        """Lightning's end-of-call cleanup, without moving the sharded model and optimizers to the CPU
+        (``Strategy.teardown`` does, which would strand the engine's buffers on another device)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # ----------------------------------------------------------------- steps
     def training_step(self, *args: Any, **kwargs: Any):
@@ -213,7 +277,7 @@ class ZeroStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict:
         if is_set_up(self.lightning_module):
             return {}  # the weights go into the sharded files
-        return super().lightning_module_state_dict()  # after fit: a plain module with full weights
+        return super().lightning_module_state_dict()  # released: a plain module with full weights
 
     def optimizer_state(self, optimizer) -> dict:
         return {}  # sharded files as well
@@ -223,12 +287,16 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options")
         module = self.lightning_module
-        if module is not None and not is_set_up(module):  # after fit: teardown left a plain module
+        if module is not None and not is_set_up(module):  # released: a plain module, no optimizer state
             if "optimizer_states" in checkpoint:
                 raise RuntimeError(
-                    "ZeroStrategy: the sharded optimizer was released at the end of fit; save full checkpoints "
-                    "during fit (ModelCheckpoint, or trainer.save_checkpoint in a callback), or after fit save "
-                    "the weights only: trainer.save_checkpoint(path, weights_only=True) writes a plain .ckpt file")
+                    "ZeroStrategy: the sharded optimizer state was released (trainer.strategy.teardown() or a "
+                    "failed fit); save full checkpoints before releasing, or save the weights only: "
+                    "trainer.save_checkpoint(path, weights_only=True) writes a plain .ckpt file")
+            return super().save_checkpoint(checkpoint, filepath)
+        if not self._in_call and "optimizer_states" not in checkpoint:
+            # after fit, weights only: one plain .ckpt file, as DDP writes it (load_from_checkpoint reads it)
+            checkpoint = {**checkpoint, "state_dict": zs.full_state_dict(module, rank0_only=True, dtype=None)}
             return super().save_checkpoint(checkpoint, filepath)
         _checkpoint.save(filepath, module, self.zero_optimizers, checkpoint)
 
@@ -240,8 +308,12 @@ class ZeroStrategy(DDPStrategy):
         if Path(checkpoint_path).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # a plain .ckpt file
         module = self.lightning_module
-        return _checkpoint.load(checkpoint_path, module, self.zero_optimizers, weights_only=weights_only,
-                                strict=module.strict_loading)
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        # validate/test/predict(ckpt_path=...) restore the weights only, as with DDP: the optimizer
+        # state a previous fit left in the engine stays what it was
+        return _checkpoint.load(checkpoint_path, module, self.zero_optimizers if fitting else [],
+                                weights_only=weights_only, strict=module.strict_loading)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         state_dict = checkpoint.get("state_dict")
