@@ -3,7 +3,7 @@
 ``fabric.setup(model, optimizer, ...)`` -> ``zero_strategy.setup`` (in place, no
 wrapper besides Fabric's own); ``fabric.backward`` scales fp16 losses through the
 ZeroOptimizer; ``fabric.clip_gradients(max_norm=...)`` clips by the global norm over
-shards; ``fabric.no_backward_sync`` is ``zero_strategy.no_sync``; ``fabric.save`` /
+shards, ``clip_val=...`` by value; ``fabric.no_backward_sync`` is ``zero_strategy.no_sync``; ``fabric.save`` /
 ``fabric.load`` write and read sharded checkpoint directories (the model and its
 optimizer(s) as shards, every other entry of the state as Lightning would pickle it).
 """
@@ -27,7 +27,7 @@ from . import _checkpoint
 from ._config import build_config, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
-from ._precision import VALUE_CLIPPING_ERROR, ZeroFabricPrecision, check_precision_flag
+from ._precision import ZeroFabricPrecision, check_precision_flag
 from .._optimizer import ZeroOptimizer
 
 _KEYS = "__zero_strategy_fabric__"
@@ -131,7 +131,11 @@ class ZeroFabricStrategy(DDPStrategy):
         return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-        raise NotImplementedError(VALUE_CLIPPING_ERROR)
+        """``fabric.clip_gradients(model, optimizer, clip_val=...)``: elementwise on the unscaled shards."""
+        zopt = zero_optimizer_of(optimizer)
+        if zopt is None:
+            raise TypeError("clip_gradients: pass the optimizer returned by fabric.setup")
+        zopt.clip_grad_value_(clip_val)
 
     # ----------------------------------------------------------- checkpoints
     def save_checkpoint(self, path, state: dict, storage_options: Any = None, filter: Optional[dict] = None) -> None:
