@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 from typing import Any
 
+from .._precision_rule import resolve_precision
 from ..config import NVMeOffload, ZeroConfig, ZeroConfigError
 
 ZERO_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
@@ -20,6 +21,7 @@ LIGHTNING_PRECISION = {
     "bf16-mixed": "bf16", "bf16-true": "bf16",
     "16-mixed": "fp16", "16-true": "fp16",
 }
+_MIXED = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
 def build_config(stage=None, offload_optimizer=None, offload_params=None, nvme_path=None, config=None,
@@ -57,11 +59,12 @@ def build_config(stage=None, offload_optimizer=None, offload_params=None, nvme_p
 
 
 def with_lightning_precision(cfg: ZeroConfig, flag: str | None) -> ZeroConfig:
-    """Apply a Lightning precision flag to ``cfg``.
+    """Apply a Lightning precision flag to ``cfg`` by the shared rule (``zero_strategy._precision_rule``).
 
-    The Trainer/Fabric flag wins, except that the default ``"32-true"`` leaves a
-    config that asks for bf16/fp16 itself (e.g. a DeepSpeed file) as it is: the two
-    cannot be told apart, and an explicit lower precision is the likelier intent.
+    A config that names bf16/fp16 itself (e.g. a DeepSpeed file) must agree with the
+    Trainer / Fabric flag, the default ``"32-true"`` included: Lightning cannot tell a
+    default from an explicit flag, and computing in another precision than the flag says
+    would go unnoticed.
     """
     if flag is None:
         return cfg
@@ -70,10 +73,8 @@ def with_lightning_precision(cfg: ZeroConfig, flag: str | None) -> ZeroConfig:
         raise ValueError(f"zero_strategy does not support precision={flag!r}; use one of "
                          + ", ".join(repr(k) for k in LIGHTNING_PRECISION if "-" in k)
                          + " (parameters compute in that dtype, master weights are always fp32)")
-    wanted = LIGHTNING_PRECISION[flag]
-    if wanted == "fp32" and cfg.precision != "fp32":
-        return cfg
-    if wanted != cfg.precision and cfg.precision != "fp32":
-        raise ValueError(f"precision={flag!r} conflicts with the ZeRO config's precision={cfg.precision!r}; "
-                         "set only one of them")
-    return cfg.replace(precision=wanted)
+    return resolve_precision(
+        cfg, LIGHTNING_PRECISION[flag], flag=f"the Trainer / Fabric precision={flag!r}",
+        config_source="the ZeroStrategy config",
+        fix=lambda config: f"Set the precision in one place: Trainer(precision={_MIXED[config]!r}) (or Fabric's), "
+                           "or remove precision (in a DeepSpeed file: its bf16 / fp16 section) from the ZeRO config.")

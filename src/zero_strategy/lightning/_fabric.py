@@ -77,7 +77,8 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @property
     def zero_config(self):
-        return with_lightning_precision(self._base_config, self.precision.precision)
+        plugin = self._precision  # None until Fabric connects its precision: the strategy's own config
+        return with_lightning_precision(self._base_config, plugin.precision if plugin is not None else None)
 
     # ----------------------------------------------------------------- setup
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):

@@ -147,7 +147,8 @@ class ZeroStrategy(DDPStrategy):
     @property
     def zero_config(self):
         """The config the engine gets: the strategy's, with the Trainer's precision applied."""
-        return with_lightning_precision(self._base_config, self.precision_plugin.precision)
+        plugin = self._precision_plugin  # None until the Trainer connects its precision: the strategy's own config
+        return with_lightning_precision(self._base_config, plugin.precision if plugin is not None else None)
 
     # ----------------------------------------------------------------- setup
     def setup(self, trainer) -> None:
