@@ -12,6 +12,7 @@ from typing import Any
 
 from .._precision_rule import resolve_precision
 from ..config import NVMeOffload, ZeroConfig, ZeroConfigError
+from ._deepspeed_kwargs import DEEPSPEED_ONLY, no_effect_message, translate_deepspeed_kwargs
 
 ZERO_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 
@@ -31,13 +32,21 @@ def build_config(stage=None, offload_optimizer=None, offload_params=None, nvme_p
     ``config=None`` starts from ``ZeroConfig()`` (stage 3). ``nvme_path`` becomes the
     path of every NVMe offload; giving it without any NVMe offload is an error.
     """
+    deepspeed = {k: fields.pop(k) for k in list(fields) if k in DEEPSPEED_ONLY}
     unknown = [k for k in fields if k not in ZERO_FIELDS]
     if unknown:
         hint = difflib.get_close_matches(unknown[0], sorted(ZERO_FIELDS), n=1)
         raise TypeError(f"ZeroStrategy got an unexpected argument {unknown[0]!r}"
                         + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                        + "; it takes the arguments of Lightning's DDPStrategy and the fields of "
-                        "zero_strategy.ZeroConfig: " + ", ".join(sorted(ZERO_FIELDS)))
+                        + "; it takes the arguments of Lightning's DDPStrategy and DeepSpeedStrategy and the "
+                        "fields of zero_strategy.ZeroConfig: " + ", ".join(sorted(ZERO_FIELDS)))
+    if deepspeed or isinstance(offload_optimizer, bool):
+        ds_changes, no_effect = translate_deepspeed_kwargs(deepspeed, offload_optimizer, stage)
+        if isinstance(offload_optimizer, bool):
+            offload_optimizer = None  # translated into ds_changes
+        fields = {**ds_changes, **fields}
+        if no_effect:
+            _warn_rank_zero(no_effect_message(no_effect))
     base = ZeroConfig.load(config) if config is not None else ZeroConfig()
     changes = dict(fields)
     for key, value in (("stage", stage), ("offload_optimizer", offload_optimizer),
@@ -78,3 +87,15 @@ def with_lightning_precision(cfg: ZeroConfig, flag: str | None) -> ZeroConfig:
         config_source="the ZeroStrategy config",
         fix=lambda config: f"Set the precision in one place: Trainer(precision={_MIXED[config]!r}) (or Fabric's), "
                            "or remove precision (in a DeepSpeed file: its bf16 / fp16 section) from the ZeRO config.")
+
+
+def _warn_rank_zero(message: str) -> None:
+    """Once per job, not once per rank (Lightning's rank_zero_warn when Lightning is there)."""
+    try:
+        from lightning.fabric.utilities.rank_zero import rank_zero_warn
+    except ImportError:  # pragma: no cover - the front end is only used with Lightning installed
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=3)
+        return
+    rank_zero_warn(message)

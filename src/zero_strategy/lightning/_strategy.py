@@ -101,8 +101,13 @@ def call_through_hooks(module: torch.nn.Module, method: str, *args: Any, **kwarg
 class ZeroStrategy(DDPStrategy):
     """ZeRO stages 1-3 with CPU offload for the Lightning Trainer.
 
+    Takes :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`'s arguments with the same
+    meaning (``ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True)``; see
+    ``_deepspeed_kwargs.py``); its default stage is 3, DeepSpeedStrategy's is 2.
+
     Args:
-        stage, offload_optimizer, offload_params, nvme_path: override ``config``.
+        stage, offload_optimizer, offload_params, nvme_path: override ``config``
+            (``offload_optimizer=True`` / ``False`` as in DeepSpeedStrategy).
         config: a :class:`~zero_strategy.ZeroConfig`, a preset name (``"zero3_offload"``),
             a dict, or a YAML / JSON file (ours or a DeepSpeed ``ds_config``). Default: stage 3.
         meta_init: build the model inside ``configure_model`` on the meta device; the
@@ -112,7 +117,8 @@ class ZeroStrategy(DDPStrategy):
         **kwargs: Lightning's DDPStrategy arguments (``accelerator``, ``parallel_devices``,
             ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
             ``process_group_backend``, ``timeout``, ``start_method``) and any other
-            :class:`~zero_strategy.ZeroConfig` field (``unit_classes``, ...).
+            :class:`~zero_strategy.ZeroConfig` field (``unit_classes``, ...), or DeepSpeedStrategy's
+            (``offload_parameters``, ``offload_optimizer_device``, ``loss_scale``, ...).
     """
 
     strategy_name = "zero"
