@@ -99,3 +99,14 @@ def _warn_rank_zero(message: str) -> None:
         warnings.warn(message, UserWarning, stacklevel=3)
         return
     rank_zero_warn(message)
+
+
+def warn_if_standalone_lightning() -> None:
+    """A strategy made while ``pytorch_lightning`` is imported is likely meant for its Trainer, which rejects it
+    with a generic message; say why and what to change (see [Note: the standalone packages] in _registry.py)."""
+    import sys
+
+    if "pytorch_lightning" in sys.modules or "lightning_fabric" in sys.modules:
+        from ._registry import STANDALONE_ERROR
+
+        _warn_rank_zero(STANDALONE_ERROR)

@@ -49,7 +49,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import api as zs
 from . import _checkpoint, _summary, _toggle
-from ._config import build_config, with_lightning_precision
+from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroPrecision, check_precision_flag
@@ -130,6 +130,7 @@ class ZeroStrategy(DDPStrategy):
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  **zero_fields: Any):
         self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config, **zero_fields)
+        warn_if_standalone_lightning()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
