@@ -28,6 +28,7 @@ from ._config import build_config, warn_if_standalone_lightning, with_lightning_
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroFabricPrecision, check_precision_flag
+from ._rank_zero import on_rank_zero
 from .._optimizer import ZeroOptimizer
 
 _KEYS = "__zero_strategy_fabric__"
@@ -58,7 +59,9 @@ class ZeroFabricStrategy(DDPStrategy):
                  precision: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  **zero_fields: Any):
-        self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config, **zero_fields)
+        with on_rank_zero():
+            self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config,
+                                             **zero_fields)
         warn_if_standalone_lightning()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
@@ -85,15 +88,17 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         self.module_to_device(module)
         config = self.zero_config
-        self.zero_optimizers = setup_model_and_optimizers(module, list(optimizers), config, device=self.root_device,
-                                                          param_init_fn=self.param_init_fn)
+        with on_rank_zero():
+            self.zero_optimizers = setup_model_and_optimizers(module, list(optimizers), config,
+                                                              device=self.root_device, param_init_fn=self.param_init_fn)
         self.precision.zero_optimizer = loss_scaler_of(self.zero_optimizers, config.precision)
         return module, list(self.zero_optimizers), scheduler
 
     def setup_module(self, module):
         self.module_to_device(module)
-        setup_model_and_optimizers(module, [], self.zero_config, device=self.root_device,
-                                   param_init_fn=self.param_init_fn)
+        with on_rank_zero():
+            setup_model_and_optimizers(module, [], self.zero_config, device=self.root_device,
+                                       param_init_fn=self.param_init_fn)
         return module
 
     def module_to_device(self, module) -> None:
@@ -161,8 +166,9 @@ class ZeroFabricStrategy(DDPStrategy):
         has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
         if optimizer_keys and not has_optimizer:
             raise KeyError(f"{path} was saved without optimizer state; leave the optimizer out of the state")
-        extra = load_checkpoint(path, module, list(self.zero_optimizers) if optimizer_keys else None,
-                                strict=strict)
+        with on_rank_zero():
+            extra = load_checkpoint(path, module, list(self.zero_optimizers) if optimizer_keys else None,
+                                    strict=strict)
         saved = _checkpoint.unpack(extra, weights_only)
         saved.pop(_KEYS, None)
         missing = [k for k in state if k != module_key and k not in optimizer_keys and k not in saved]

@@ -53,6 +53,7 @@ from ._config import build_config, warn_if_standalone_lightning, with_lightning_
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroPrecision, check_precision_flag
+from ._rank_zero import on_rank_zero
 
 #: callbacks that rewrite parameters or optimizers behind the engine's back
 _UNSUPPORTED_CALLBACKS = {
@@ -129,7 +130,9 @@ class ZeroStrategy(DDPStrategy):
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  **zero_fields: Any):
-        self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config, **zero_fields)
+        with on_rank_zero():
+            self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config,
+                                             **zero_fields)
         warn_if_standalone_lightning()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -176,7 +179,8 @@ class ZeroStrategy(DDPStrategy):
         self._in_call = True
         self._keep_engine = fitting or reuse
         if not reuse:
-            self._setup_engine(trainer, module, fitting)
+            with on_rank_zero():
+                self._setup_engine(trainer, module, fitting)
         self.model = module
         self.setup_precision_plugin()
         _summary.install(trainer)
@@ -320,8 +324,9 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
         # validate/test/predict(ckpt_path=...) restore the weights only, as with DDP: the optimizer
         # state a previous fit left in the engine stays what it was
-        return _checkpoint.load(checkpoint_path, module, self.zero_optimizers if fitting else [],
-                                weights_only=weights_only, strict=module.strict_loading)
+        with on_rank_zero():
+            return _checkpoint.load(checkpoint_path, module, self.zero_optimizers if fitting else [],
+                                    weights_only=weights_only, strict=module.strict_loading)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         state_dict = checkpoint.get("state_dict")
