@@ -27,6 +27,8 @@ ZERO = ["zero2", "zero3"]
 def run(tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("after_fit")
     cases = [dict(name=n, strategy=s, save_dir=str(save_dir)) for n, s in STRATEGIES.items()]
+    cases += [dict(name=f"{n}_bf16", strategy=STRATEGIES[n], precision="bf16-mixed", save_dir=str(save_dir))
+              for n in ("ddp", "zero2")]
     reports = launch("lightning_after_fit.py", 2, {"cases": cases}, timeout=420)
     for r in reports:
         for name, rep in r.items():
@@ -84,3 +86,15 @@ def test_strategy_teardown_releases_the_engine(run, name):
     reports, save_dir = run
     assert not any(r[name]["set_up_after_release"] for r in reports)
     _assert_weights_equal(save_dir, name, "released")
+
+
+def test_released_weights_after_bf16_mixed_are_the_fp32_masters(run):
+    """DDP's module stays fp32 under bf16-mixed (autocast); ours comes back fp32 from the masters, not rounded."""
+    reports, save_dir = run
+    for r in reports:
+        assert r["ddp_bf16"]["dtypes_after_release"] == r["zero2_bf16"]["dtypes_after_release"] == ["torch.float32"]
+    released, masters = torch.load(save_dir / "zero2_bf16-released.pt"), torch.load(save_dir / "zero2_bf16-masters.pt")
+    trained = [k for k in masters if k != "model.frozen_mix"]  # a frozen parameter has no fp32 master
+    assert trained
+    for k in trained:
+        torch.testing.assert_close(released[k], masters[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")

@@ -1,6 +1,6 @@
 """What Lightning users do after ``trainer.fit(model)``, written as Lightning's docs write it.
 
-For each case (args["cases"]: name, strategy as in lightning_trainer.make_strategy):
+For each case (args["cases"]: name, strategy as in lightning_trainer.make_strategy, precision):
 
 1. ``trainer.fit(model, train, val)``; then ``trainer.validate``, ``trainer.test``,
    ``trainer.predict`` and ``trainer.save_checkpoint("final.ckpt")`` on the same Trainer;
@@ -50,8 +50,9 @@ def data(seed: int, n: int = 16) -> DataLoader:
     return DataLoader(TensorDataset(tokens, targets), batch_size=4, shuffle=False)
 
 
-def trainer_for(strategy, world: int, epochs: int) -> pl.Trainer:
+def trainer_for(strategy, world: int, epochs: int, precision: str = "32-true") -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", devices=world, strategy=make_strategy(strategy), max_epochs=epochs,
+                      precision=precision,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0)
 
@@ -67,7 +68,8 @@ def run_case(case: dict, world: int) -> dict:
     ckpt = os.path.join(out, f"{name}-final.ckpt")
     train, val = data(7), data(8)
     model = LitEval()
-    trainer = trainer_for(case["strategy"], world, epochs=1)
+    precision = case.get("precision", "32-true")
+    trainer = trainer_for(case["strategy"], world, epochs=1, precision=precision)
     trainer.fit(model, train, val)
     report = {"fit_losses": list(model.losses)}
     report["validate"] = trainer.validate(model, val, verbose=False)
@@ -83,14 +85,19 @@ def run_case(case: dict, world: int) -> dict:
     save_weights(model, os.path.join(out, f"{name}-second_fit.pt"))
 
     resumed = LitEval()
-    resumer = trainer_for(case["strategy"], world, epochs=2)
+    resumer = trainer_for(case["strategy"], world, epochs=2, precision=precision)
     resumer.fit(resumed, train, ckpt_path=ckpt)
     report.update(resumed_losses=list(resumed.losses), resumed_step=resumer.global_step)
     save_weights(resumed, os.path.join(out, f"{name}-resumed.pt"))
-    report["validate_ckpt"] = trainer_for(case["strategy"], world, epochs=1).validate(
+    report["validate_ckpt"] = trainer_for(case["strategy"], world, epochs=1, precision=precision).validate(
         LitEval(), val, ckpt_path=ckpt, verbose=False)
 
+    if zero_strategy.is_set_up(model):  # the fp32 masters, to compare the released weights with
+        masters = zero_strategy.full_state_dict(model)
+        if dist.get_rank() == 0:
+            torch.save(masters, os.path.join(out, f"{name}-masters.pt"))
     trainer.strategy.teardown()  # release the engine: a plain module on every rank
+    report["dtypes_after_release"] = sorted({str(p.dtype) for p in model.parameters()})
     report["set_up_after_release"] = zero_strategy.is_set_up(model)
     if dist.get_rank() == 0:  # the rank-0-only idiom needs no other rank now
         torch.save({k: v.float() for k, v in model.state_dict().items()}, os.path.join(out, f"{name}-released.pt"))

@@ -144,6 +144,7 @@ class ZeroStrategy(DDPStrategy):
         self._engine = None  # the engine this strategy set up (see [Note: engine lifetime])
         self._in_call = False  # between setup and teardown of one Trainer call
         self._keep_engine = False  # whether that call's teardown keeps the engine
+        self._param_dtypes: dict = {}  # parameter dtypes before setup, restored at release under *-mixed
 
     # ------------------------------------------------------------- precision
     @property
@@ -193,6 +194,7 @@ class ZeroStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             user_optimizers = list(self.optimizers)
         config = self.zero_config
+        self._param_dtypes = {name: p.dtype for name, p in module.named_parameters()}
         self.zero_optimizers = setup_model_and_optimizers(module, user_optimizers, config, device=self.root_device,
                                                           param_init_fn=self.param_init_fn)
         self._engine = zs.engine_of(module)
@@ -228,8 +230,21 @@ class ZeroStrategy(DDPStrategy):
         super().teardown()
 
     def _release(self, module) -> None:
-        """Remove the engine: a plain module with full weights again, sharded memory freed (every rank)."""
-        if is_set_up(module):
+        """Remove the engine: a plain module with full weights again, sharded memory freed (every rank).
+
+        Under a ``*-mixed`` precision the weights come back in the dtype they had before setup
+        (fp32, from the masters), as a DDP module's do (autocast never changes them); frozen
+        parameters, which have no master, are cast back from the compute dtype. ``*-true``
+        leaves them in the compute dtype, as Lightning does.
+        """
+        if is_set_up(module) and str(self.precision_plugin.precision).endswith("-mixed"):
+            full = zs.full_state_dict(module, dtype=None)  # fp32 masters, buffers as they are
+            zs.teardown(module, keep_weights=False)
+            with torch.no_grad():
+                for name, p in module.named_parameters(remove_duplicate=True):
+                    if name in full:
+                        p.data = full[name].to(self._param_dtypes.get(name, full[name].dtype))
+        elif is_set_up(module):
             zs.teardown(module)
         _toggle.uninstall(module)
         self._engine = None
