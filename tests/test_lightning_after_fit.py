@@ -85,6 +85,7 @@ def test_checkpoint_saved_after_fit_resumes_and_loads_like_ddp(run, name):
 def test_strategy_teardown_releases_the_engine(run, name):
     reports, save_dir = run
     assert not any(r[name]["set_up_after_release"] for r in reports)
+    assert not any(r[name]["set_up_after_other_module"] for r in reports)
     _assert_weights_equal(save_dir, name, "released")
 
 

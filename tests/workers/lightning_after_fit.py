@@ -7,7 +7,8 @@ For each case (args["cases"]: name, strategy as in lightning_trainer.make_strate
 2. a second ``fit`` on that Trainer with ``trainer.fit_loop.max_epochs`` raised (continues);
 3. a new Trainer resumes from ``final.ckpt`` (``fit(ckpt_path=...)``) and another one
    validates it (``validate(ckpt_path=...)``);
-4. ``trainer.strategy.teardown()``, then rank 0 alone reads ``model.state_dict()``.
+4. ``trainer.strategy.teardown()``, then rank 0 alone reads ``model.state_dict()``;
+5. a third fit, then ``trainer.validate`` of another module.
 
 Rank 0 saves the weights of 1, 2, 3 and 4 as <save_dir>/<name>-<step>.pt; every rank
 reports metrics, predictions and losses.
@@ -101,6 +102,11 @@ def run_case(case: dict, world: int) -> dict:
     report["set_up_after_release"] = zero_strategy.is_set_up(model)
     if dist.get_rank() == 0:  # the rank-0-only idiom needs no other rank now
         torch.save({k: v.float() for k, v in model.state_dict().items()}, os.path.join(out, f"{name}-released.pt"))
+
+    trainer.fit_loop.max_epochs = 3
+    trainer.fit(model, train)  # set up again ...
+    trainer.validate(LitEval(), val, verbose=False)  # ... and released when the Trainer moves on to another module
+    report["set_up_after_other_module"] = zero_strategy.is_set_up(model)
     return report
 
 

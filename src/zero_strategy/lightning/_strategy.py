@@ -21,7 +21,7 @@ the engine, nothing is re-sharded), and another ``fit`` (it releases the engine 
 up a new one with fresh optimizers from ``configure_optimizers``, as DDP does).
 The memory is released, leaving a plain module with full weights on every rank, when
 
-* the next ``fit`` starts;
+* the next ``fit`` starts, or any Trainer call with another module;
 * ``trainer.strategy.teardown()`` is called outside a Trainer call (on every rank);
 * a Trainer call fails (exception path);
 * a validate / test / predict that set up its own engine (no fit before) ends.
@@ -175,6 +175,9 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         reuse = is_set_up(module) and not fitting and zs.engine_of(module) is self._engine
+        previous = self._engine.model if self._engine is not None else None
+        if previous is not None and previous is not module and is_set_up(previous):
+            self._release(previous)  # the Trainer moved on to another module: it is done with this one
         if is_set_up(module) and not reuse:  # the previous fit's engine (or one interrupted before teardown)
             self._release(module)
         self._in_call = True
