@@ -84,7 +84,8 @@ def register_presets(registry: Any, front_end: str) -> list[str]:
     for name, (description, _) in PRESETS.items():
         if name in registry and registry[name].get("strategy") is not factory:
             continue  # someone else's strategy of that name: never override it
-        registry.register(name, factory, description=f"zero_strategy ZeRO {description}", override=True,
+        note = " (needs the `lightning` package, not this standalone one)" if front_end == "standalone" else ""
+        registry.register(name, factory, description=f"zero_strategy ZeRO {description}{note}", override=True,
                           config=name)
         names.append(name)
     return names
