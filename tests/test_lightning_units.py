@@ -78,28 +78,12 @@ def test_fabric_precision_plugin_is_taken_over():
     assert isinstance(s.precision, ZeroFabricPrecision) and s.zero_config.precision == "bf16"
 
 
-def test_unsupported_precision_and_value_clipping_are_refused():
+def test_unsupported_precision_plugin_is_refused():
     from lightning.pytorch.plugins.precision import DoublePrecision
-    from lightning.pytorch.utilities import GradClipAlgorithmType
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    from zero_strategy.lightning import ZeroPrecision
 
     s = zs.ZeroStrategy()
     with pytest.raises(TypeError, match="cannot use the precision plugin DoublePrecision"):
         s.precision_plugin = DoublePrecision()
-    with pytest.raises(MisconfigurationException, match="Clip by the global norm"):
-        ZeroPrecision().clip_gradients(object(), 1.0, GradClipAlgorithmType.VALUE)
-
-
-def test_config_precision_conflicts_with_trainer_precision():
-    s = zs.ZeroStrategy(config={"stage": 2, "precision": "fp16"})
-    assert s.zero_config.precision == "fp16"  # Trainer default 32-true leaves the config's choice
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    s.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
-    with pytest.raises(ValueError, match="conflicts"):
-        s.zero_config
 
 
 def test_opt_in_hook_registers_without_importing_zero_strategy(tmp_path):

@@ -1,7 +1,7 @@
 """Fabric loops: zero presets against strategy="ddp" (accumulation with no_backward_sync,
 global-norm clipping), fabric.save / fabric.load through the sharded format.
 
-args["cases"]: name, strategy, precision, clip, accumulate, steps, save (dir: save after
+args["cases"]: name, strategy (a name, or a dict of ZeroFabricStrategy arguments), precision, clip (max_norm), clip_val (by value), accumulate, steps, save (dir: save after
 ``steps`` then load into a fresh setup and train ``extra`` more steps).
 Rank 0 torch.saves the final weights to <save_dir>/<name>.pt.
 """
@@ -45,12 +45,17 @@ def train(fabric, model, opt, case, steps: range, losses: list) -> None:
         if case.get("clip"):
             norm = fabric.clip_gradients(model, opt, max_norm=case["clip"])
             losses.append(float(norm))
+        if case.get("clip_val"):
+            fabric.clip_gradients(model, opt, clip_val=case["clip_val"])
         opt.step()
         opt.zero_grad()
 
 
 def run_case(case: dict) -> dict:
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=case["strategy"],
+    strategy = case["strategy"]
+    if isinstance(strategy, dict):
+        strategy = zero_strategy.ZeroFabricStrategy(**strategy)
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy,
                     precision=case.get("precision", "32-true"))
     fabric.launch()
     model, opt = build(fabric)

@@ -2,7 +2,7 @@
 
 args["cases"]: list of dicts with
   name, strategy ("ddp" or a preset name, or {"stage": .., ...} for ZeroStrategy(**dict)),
-  precision, accumulate, clip, epochs, batch (per rank), module ("lm" | "gan"),
+  precision, accumulate, clip (gradient_clip_val), clip_algorithm, epochs, batch (per rank), module ("lm" | "gan"),
   ckpt_dir (ModelCheckpoint there: top-1 by train_loss + last, every epoch),
   resume (ckpt_path for fit),
   save_weights_only (path: trainer.save_checkpoint(path, weights_only=True) after fit: a plain .ckpt),
@@ -172,6 +172,7 @@ def run_case(case: dict, out, world: int) -> dict:
         accelerator="cpu", devices=world, strategy=make_strategy(case["strategy"]),
         precision=case.get("precision", "32-true"), max_epochs=case.get("epochs", 2),
         accumulate_grad_batches=case.get("accumulate", 1), gradient_clip_val=case.get("clip"),
+        gradient_clip_algorithm=case.get("clip_algorithm"),
         logger=False, enable_checkpointing=bool(case.get("ckpt_dir")), enable_progress_bar=False,
         enable_model_summary=bool(case.get("summary")), num_sanity_val_steps=0, callbacks=callbacks or None)
     report: dict = {}

@@ -3,8 +3,9 @@
 The LightningModule holds the PeftModel (``self.model``). In ``on_train_end``, while the
 model is still sharded, every rank makes the PEFT calls (state dict, ``save_pretrained``
 with ``is_main_process=trainer.is_global_zero``, ``generate()`` with a different length
-per rank). After ``fit`` the model is whole again, and the usual Lightning idiom
-``if trainer.is_global_zero: model.save_pretrained(d)`` is used, then ``merge_and_unload``.
+per rank). After ``fit`` the engine stays (save_checkpoint / validate / test work); once
+``trainer.strategy.teardown()`` released it on every rank the model is whole again, and the usual
+Lightning idiom ``if trainer.is_global_zero: model.save_pretrained(d)`` is used, then ``merge_and_unload``.
 Everything is compared with a plain PEFT model trained on the whole global batch.
 """
 
@@ -65,7 +66,8 @@ def run(stage: int, out) -> dict:
     trainer.fit(lit, loader())
     res = dict(during_fit=lit.during_fit, global_steps=trainer.global_step, batches_as_planned=lit.batches_as_planned)
     ref = reference(STEPS, WORLD)
-    if trainer.is_global_zero:  # after fit the model is whole again: rank 0 alone may save it
+    trainer.strategy.teardown()  # every rank: release the engine, the model is whole again
+    if trainer.is_global_zero:  # rank 0 alone may save it now
         after = after_training(lit.model, ref, out, f"lightning-after-fit-s{stage}", 0,
                                lambda m, d: m.save_pretrained(d))
         res["after_fit"] = after

@@ -1,4 +1,5 @@
-"""Run at interpreter start by ``zero_strategy_lightning.pth`` (opt-in; see ``__main__.py``).
+"""Run at interpreter start by ``zero_strategy_lightning.pth`` (opt-in; see ``__main__.py``),
+from wherever ``zero_strategy`` is installed at that moment (the .pth stores no path).
 
 Self-contained on purpose: it imports neither torch nor zero_strategy (a .pth line
 runs in every Python process). When Lightning creates a strategy registry, it
@@ -9,7 +10,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-_WATCHED = {"lightning.pytorch.strategies", "lightning.fabric.strategies"}
+_WATCHED = {"lightning.pytorch.strategies", "lightning.fabric.strategies",
+            "pytorch_lightning.strategies", "lightning_fabric.strategies"}
 
 
 class _Loader(importlib.abc.Loader):
@@ -26,7 +28,12 @@ class _Loader(importlib.abc.Loader):
         try:
             import zero_strategy  # noqa: F401 - registers into the registry just created
         except ImportError:
-            pass
+            pass  # uninstalled since start-up: Lightning works as without the hook
+        except Exception as err:  # never break `import lightning` for the user
+            import warnings
+
+            warnings.warn(f"zero_strategy's Lightning auto-registration failed ({type(err).__name__}: {err}); "
+                          "`import zero_strategy` in your script to see the error", RuntimeWarning)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -3,7 +3,7 @@
 ``fabric.setup(model, optimizer, ...)`` -> ``zero_strategy.setup`` (in place, no
 wrapper besides Fabric's own); ``fabric.backward`` scales fp16 losses through the
 ZeroOptimizer; ``fabric.clip_gradients(max_norm=...)`` clips by the global norm over
-shards; ``fabric.no_backward_sync`` is ``zero_strategy.no_sync``; ``fabric.save`` /
+shards, ``clip_val=...`` by value; ``fabric.no_backward_sync`` is ``zero_strategy.no_sync``; ``fabric.save`` /
 ``fabric.load`` write and read sharded checkpoint directories (the model and its
 optimizer(s) as shards, every other entry of the state as Lightning would pickle it).
 """
@@ -24,10 +24,11 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
 from .. import api as zs
 from ..checkpoint import load_checkpoint, load_metadata, save_checkpoint
 from . import _checkpoint
-from ._config import build_config, with_lightning_precision
+from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
-from ._precision import VALUE_CLIPPING_ERROR, ZeroFabricPrecision, check_precision_flag
+from ._precision import ZeroFabricPrecision, check_precision_flag
+from ._rank_zero import on_rank_zero
 from .._optimizer import ZeroOptimizer
 
 _KEYS = "__zero_strategy_fabric__"
@@ -58,7 +59,10 @@ class ZeroFabricStrategy(DDPStrategy):
                  precision: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  **zero_fields: Any):
-        self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config, **zero_fields)
+        with on_rank_zero():
+            self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config,
+                                             **zero_fields)
+        warn_if_standalone_lightning()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
@@ -77,21 +81,24 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @property
     def zero_config(self):
-        return with_lightning_precision(self._base_config, self.precision.precision)
+        plugin = self._precision  # None until Fabric connects its precision: the strategy's own config
+        return with_lightning_precision(self._base_config, plugin.precision if plugin is not None else None)
 
     # ----------------------------------------------------------------- setup
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         self.module_to_device(module)
         config = self.zero_config
-        self.zero_optimizers = setup_model_and_optimizers(module, list(optimizers), config, device=self.root_device,
-                                                          param_init_fn=self.param_init_fn)
+        with on_rank_zero():
+            self.zero_optimizers = setup_model_and_optimizers(module, list(optimizers), config,
+                                                              device=self.root_device, param_init_fn=self.param_init_fn)
         self.precision.zero_optimizer = loss_scaler_of(self.zero_optimizers, config.precision)
         return module, list(self.zero_optimizers), scheduler
 
     def setup_module(self, module):
         self.module_to_device(module)
-        setup_model_and_optimizers(module, [], self.zero_config, device=self.root_device,
-                                   param_init_fn=self.param_init_fn)
+        with on_rank_zero():
+            setup_model_and_optimizers(module, [], self.zero_config, device=self.root_device,
+                                       param_init_fn=self.param_init_fn)
         return module
 
     def module_to_device(self, module) -> None:
@@ -131,7 +138,11 @@ class ZeroFabricStrategy(DDPStrategy):
         return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-        raise NotImplementedError(VALUE_CLIPPING_ERROR)
+        """``fabric.clip_gradients(model, optimizer, clip_val=...)``: elementwise on the unscaled shards."""
+        zopt = zero_optimizer_of(optimizer)
+        if zopt is None:
+            raise TypeError("clip_gradients: pass the optimizer returned by fabric.setup")
+        zopt.clip_grad_value_(clip_val)
 
     # ----------------------------------------------------------- checkpoints
     def save_checkpoint(self, path, state: dict, storage_options: Any = None, filter: Optional[dict] = None) -> None:
@@ -155,8 +166,9 @@ class ZeroFabricStrategy(DDPStrategy):
         has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
         if optimizer_keys and not has_optimizer:
             raise KeyError(f"{path} was saved without optimizer state; leave the optimizer out of the state")
-        extra = load_checkpoint(path, module, list(self.zero_optimizers) if optimizer_keys else None,
-                                strict=strict)
+        with on_rank_zero():
+            extra = load_checkpoint(path, module, list(self.zero_optimizers) if optimizer_keys else None,
+                                    strict=strict)
         saved = _checkpoint.unpack(extra, weights_only)
         saved.pop(_KEYS, None)
         missing = [k for k in state if k != module_key and k not in optimizer_keys and k not in saved]

@@ -8,7 +8,7 @@ not be converted by the plugin (the engine does it, after sharding), and fp16 lo
 scaling belongs to the ZeroOptimizer, whose overflow check spans all ranks. A
 ``GradScaler`` would unscale per rank and step the user's optimizer directly.
 Clipping by norm must use the norm over all shards, which only the ZeroOptimizer
-knows. The strategies replace whatever generic plugin Lightning picks for
+knows; clipping by value clamps the unscaled shards (ZeroOptimizer.clip_grad_value_). The strategies replace whatever generic plugin Lightning picks for
 "32-true" / "bf16-mixed" / "16-mixed" / "bf16-true" with these.
 """
 
@@ -25,12 +25,6 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from ._config import LIGHTNING_PRECISION
 from ._optimizers import zero_optimizer_of
-
-VALUE_CLIPPING_ERROR = (
-    "zero_strategy does not support clipping gradients by value yet (gradient_clip_algorithm='value' / "
-    "fabric.clip_gradients(clip_val=...)): the gradients live in sharded, still-scaled buffers. Clip by the "
-    "global norm instead (gradient_clip_algorithm='norm' / max_norm=...), which is exact across shards.")
-
 
 def check_precision_flag(precision: str) -> str:
     precision = str(precision)
@@ -111,15 +105,20 @@ class ZeroPrecision(_ZeroNumerics, Precision):
         if clip_val <= 0:
             return
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise MisconfigurationException(VALUE_CLIPPING_ERROR)
-        self.clip_grad_by_norm(optimizer, clip_val)
+            self.clip_grad_by_value(optimizer, clip_val)
+        else:
+            self.clip_grad_by_norm(optimizer, clip_val)
 
     def clip_grad_by_norm(self, optimizer, clip_val: float) -> None:
-        zopt = zero_optimizer_of(optimizer)
-        if zopt is None:
-            raise MisconfigurationException("zero_strategy: clipping needs the optimizer set up by ZeroStrategy")
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> ours
-        optimizer.clip_grad_norm_(clip_val)
+        _zero_optimizer(optimizer).clip_grad_norm_(clip_val)
 
     def clip_grad_by_value(self, optimizer, clip_val: float) -> None:
-        raise MisconfigurationException(VALUE_CLIPPING_ERROR)
+        """Elementwise on each rank's unscaled gradient shard: exact, the same as on the whole model."""
+        _zero_optimizer(optimizer).clip_grad_value_(clip_val)
+
+
+def _zero_optimizer(optimizer):
+    zopt = zero_optimizer_of(optimizer)  # behind the LightningOptimizer
+    if zopt is None:
+        raise MisconfigurationException("zero_strategy: clipping needs the optimizer set up by ZeroStrategy")
+    return zopt

@@ -13,9 +13,15 @@ happens
   registries are created there, and the Trainer / Fabric connectors read them
   only later, when a Trainer or Fabric is constructed).
 
-The finder imports nothing itself and removes itself once both registries are
-filled. Only the unified ``lightning`` package is supported (the standalone
-``pytorch_lightning`` package has its own, incompatible class hierarchy).
+The finder imports nothing itself and removes itself once all registries are
+filled.
+
+[Note: the standalone packages]
+Only the unified ``lightning`` package is supported. The standalone ``pytorch_lightning``
+and ``lightning_fabric`` packages are copies of the same code under other module names,
+so their Trainer rejects our strategy classes (not subclasses of *their* Strategy) with a
+generic "invalid strategy" message. Their registries get the preset names too, bound to a
+factory that raises :data:`STANDALONE_ERROR`, which names the fix.
 
 [Note: no import at all]
 Lightning loads entry points only for callbacks (group
@@ -39,7 +45,16 @@ from ..config import PRESETS
 _REGISTRY_MODULES = {
     "lightning.pytorch.strategies": ("StrategyRegistry", "trainer"),
     "lightning.fabric.strategies": ("STRATEGY_REGISTRY", "fabric"),
+    "pytorch_lightning.strategies": ("StrategyRegistry", "standalone"),
+    "lightning_fabric.strategies": ("STRATEGY_REGISTRY", "standalone"),
 }
+
+STANDALONE_ERROR = (
+    "zero_strategy works with the `lightning` package, not with the standalone `pytorch_lightning` / "
+    "`lightning_fabric` packages (separate copies of Lightning's classes, which reject ours). Fix: "
+    "`pip install lightning` and write `import lightning.pytorch as pl` instead of `import pytorch_lightning as pl` "
+    "(`from lightning.fabric import Fabric` instead of `from lightning_fabric import Fabric`); the strategy "
+    "names and arguments stay the same.")
 
 
 def _make_trainer_strategy(**init: Any):
@@ -54,7 +69,12 @@ def _make_fabric_strategy(**init: Any):
     return ZeroFabricStrategy(**init)
 
 
-_FACTORIES: dict[str, Callable[..., Any]] = {"trainer": _make_trainer_strategy, "fabric": _make_fabric_strategy}
+def _refuse_standalone(**init: Any):
+    raise ValueError(STANDALONE_ERROR)
+
+
+_FACTORIES: dict[str, Callable[..., Any]] = {"trainer": _make_trainer_strategy, "fabric": _make_fabric_strategy,
+                                             "standalone": _refuse_standalone}
 
 
 def register_presets(registry: Any, front_end: str) -> list[str]:
@@ -64,7 +84,8 @@ def register_presets(registry: Any, front_end: str) -> list[str]:
     for name, (description, _) in PRESETS.items():
         if name in registry and registry[name].get("strategy") is not factory:
             continue  # someone else's strategy of that name: never override it
-        registry.register(name, factory, description=f"zero_strategy ZeRO {description}", override=True,
+        note = " (needs the `lightning` package, not this standalone one)" if front_end == "standalone" else ""
+        registry.register(name, factory, description=f"zero_strategy ZeRO {description}{note}", override=True,
                           config=name)
         names.append(name)
     return names

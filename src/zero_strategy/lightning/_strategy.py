@@ -10,8 +10,27 @@ translation of Lightning's hooks onto the engine:
   (stage 3 gathers the root unit, floating inputs are cast to the compute dtype);
 * ``block_backward_sync`` (gradient accumulation) is ``zero_strategy.no_sync``;
 * the precision plugin is always a :class:`ZeroPrecision` (see ``_precision.py``);
-* checkpoints are sharded directories (see ``_checkpoint.py``);
-* teardown removes the engine's hooks and leaves a plain module with full weights.
+* checkpoints are sharded directories (see ``_checkpoint.py``).
+
+[Note: engine lifetime]
+The engine (sharded module, fp32 masters, optimizer state) set up by ``fit`` outlives
+the fit, as DDP's optimizers and DeepSpeed's engine do, so Lightning's documented
+follow-ups behave as with DDP: ``trainer.save_checkpoint(path)`` (a sharded directory
+with the optimizer state, resumable), ``trainer.validate / test / predict`` (they reuse
+the engine, nothing is re-sharded), and another ``fit`` (it releases the engine and sets
+up a new one with fresh optimizers from ``configure_optimizers``, as DDP does).
+The memory is released, leaving a plain module with full weights on every rank, when
+
+* the next ``fit`` starts, or any Trainer call with another module;
+* ``trainer.strategy.teardown()`` is called outside a Trainer call (on every rank);
+* a Trainer call fails (exception path);
+* a validate / test / predict that set up its own engine (no fit before) ends.
+
+Until then the module is sharded: at stage 3 ``model.state_dict()``, ``model(x)`` and
+``save_pretrained`` are collectives (every rank calls them), so the rank-0-only idiom
+``if trainer.is_global_zero: ...`` needs ``trainer.strategy.teardown()`` first. A
+weights-only ``trainer.save_checkpoint(path, weights_only=True)`` after fit writes one
+plain ``.ckpt`` file, as DDP does.
 """
 
 from __future__ import annotations
@@ -25,15 +44,16 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import api as zs
 from . import _checkpoint, _summary, _toggle
-from ._config import build_config, with_lightning_precision
+from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
-from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers
+from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroPrecision, check_precision_flag
+from ._rank_zero import on_rank_zero
 
 #: callbacks that rewrite parameters or optimizers behind the engine's back
 _UNSUPPORTED_CALLBACKS = {
@@ -82,8 +102,13 @@ def call_through_hooks(module: torch.nn.Module, method: str, *args: Any, **kwarg
 class ZeroStrategy(DDPStrategy):
     """ZeRO stages 1-3 with CPU offload for the Lightning Trainer.
 
+    Takes :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`'s arguments with the same
+    meaning (``ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True)``; see
+    ``_deepspeed_kwargs.py``); its default stage is 3, DeepSpeedStrategy's is 2.
+
     Args:
-        stage, offload_optimizer, offload_params, nvme_path: override ``config``.
+        stage, offload_optimizer, offload_params, nvme_path: override ``config``
+            (``offload_optimizer=True`` / ``False`` as in DeepSpeedStrategy).
         config: a :class:`~zero_strategy.ZeroConfig`, a preset name (``"zero3_offload"``),
             a dict, or a YAML / JSON file (ours or a DeepSpeed ``ds_config``). Default: stage 3.
         meta_init: build the model inside ``configure_model`` on the meta device; the
@@ -93,7 +118,8 @@ class ZeroStrategy(DDPStrategy):
         **kwargs: Lightning's DDPStrategy arguments (``accelerator``, ``parallel_devices``,
             ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
             ``process_group_backend``, ``timeout``, ``start_method``) and any other
-            :class:`~zero_strategy.ZeroConfig` field (``unit_classes``, ...).
+            :class:`~zero_strategy.ZeroConfig` field (``unit_classes``, ...), or DeepSpeedStrategy's
+            (``offload_parameters``, ``offload_optimizer_device``, ``loss_scale``, ...).
     """
 
     strategy_name = "zero"
@@ -104,7 +130,10 @@ class ZeroStrategy(DDPStrategy):
                  precision_plugin: Optional[Precision] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout, start_method: str = "popen",
                  **zero_fields: Any):
-        self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config, **zero_fields)
+        with on_rank_zero():
+            self._base_config = build_config(stage, offload_optimizer, offload_params, nvme_path, config,
+                                             **zero_fields)
+        warn_if_standalone_lightning()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -112,6 +141,10 @@ class ZeroStrategy(DDPStrategy):
         self.meta_init = meta_init
         self.param_init_fn = param_init_fn
         self.zero_optimizers: list = []
+        self._engine = None  # the engine this strategy set up (see [Note: engine lifetime])
+        self._in_call = False  # between setup and teardown of one Trainer call
+        self._keep_engine = False  # whether that call's teardown keeps the engine
+        self._param_dtypes: dict = {}  # parameter dtypes before setup, restored at release under *-mixed
 
     # ------------------------------------------------------------- precision
     @property
@@ -125,33 +158,53 @@ class ZeroStrategy(DDPStrategy):
     @property
     def zero_config(self):
         """The config the engine gets: the strategy's, with the Trainer's precision applied."""
-        return with_lightning_precision(self._base_config, self.precision_plugin.precision)
+        plugin = self._precision_plugin  # None until the Trainer connects its precision: the strategy's own config
+        return with_lightning_precision(self._base_config, plugin.precision if plugin is not None else None)
 
     # ----------------------------------------------------------------- setup
     def setup(self, trainer) -> None:
+        """Shard the module for this Trainer call, or keep using the engine an earlier ``fit`` left.
+
+        See [Note: engine lifetime]. ``fit`` always starts a new engine (Lightning calls
+        ``configure_optimizers`` again, as it does for DDP); validate / test / predict reuse a
+        live engine and its optimizer state, so a ``save_checkpoint`` after them still saves it.
+        """
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         _refuse_unsupported_callbacks(trainer)
         module = self.lightning_module
-        if is_set_up(module):  # e.g. fit() interrupted before teardown
-            zs.teardown(module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        reuse = is_set_up(module) and not fitting and zs.engine_of(module) is self._engine
+        previous = self._engine.model if self._engine is not None else None
+        if previous is not None and previous is not module and is_set_up(previous):
+            self._release(previous)  # the Trainer moved on to another module: it is done with this one
+        if is_set_up(module) and not reuse:  # the previous fit's engine (or one interrupted before teardown)
+            self._release(module)
+        self._in_call = True
+        self._keep_engine = fitting or reuse
+        if not reuse:
+            with on_rank_zero():
+                self._setup_engine(trainer, module, fitting)
+        self.model = module
+        self.setup_precision_plugin()
+        _summary.install(trainer)
+
+    def _setup_engine(self, trainer, module, fitting: bool) -> None:
         if not has_meta_tensors(module):  # a meta model is materialized on the device by the engine
             self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
         user_optimizers = []
         if fitting:
             self.setup_optimizers(trainer)
             user_optimizers = list(self.optimizers)
         config = self.zero_config
+        self._param_dtypes = {name: p.dtype for name, p in module.named_parameters()}
         self.zero_optimizers = setup_model_and_optimizers(module, user_optimizers, config, device=self.root_device,
                                                           param_init_fn=self.param_init_fn)
+        self._engine = zs.engine_of(module)
         self.precision_plugin.zero_optimizer = loss_scaler_of(self.zero_optimizers, config.precision)
         if fitting:
             self.optimizers = self.zero_optimizers
             _toggle.install(module)
-        self.model = module
-        self.setup_precision_plugin()
-        _summary.install(trainer)
 
     def _setup_model(self, model):
         return model  # never wrapped: the engine shards in place
@@ -162,15 +215,56 @@ class ZeroStrategy(DDPStrategy):
             yield
 
     def teardown(self) -> None:
+        """End of a Trainer call: keep the engine after a ``fit`` that finished; otherwise release it.
+
+        See [Note: engine lifetime]. A call outside a Trainer call (the user's own
+        ``trainer.strategy.teardown()``, on every rank) always releases.
+        """
         module = self.lightning_module
-        if module is not None and is_set_up(module):
-            zs.teardown(module)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        keep = self._in_call and self._keep_engine and not interrupted and module is not None and is_set_up(module)
+        self._in_call = False
+        if keep:
+            self._teardown_lightning_only()
+            return
         if module is not None:
-            _toggle.uninstall(module)
+            self._release(module)
+        super().teardown()
+
+    def _release(self, module) -> None:
+        """Remove the engine: a plain module with full weights again, sharded memory freed (every rank).
+
+        Under a ``*-mixed`` precision the weights come back in the dtype they had before setup
+        (fp32, from the masters), as a DDP module's do (autocast never changes them); frozen
+        parameters, which have no master, are cast back from the compute dtype. ``*-true``
+        leaves them in the compute dtype, as Lightning does.
+        """
+        if is_set_up(module) and str(self.precision_plugin.precision).endswith("-mixed"):
+            full = zs.full_state_dict(module, dtype=None)  # fp32 masters, buffers as they are
+            zs.teardown(module, keep_weights=False)
+            with torch.no_grad():
+                for name, p in module.named_parameters(remove_duplicate=True):
+                    if name in full:
+                        p.data = full[name].to(self._param_dtypes.get(name, full[name].dtype))
+        elif is_set_up(module):
+            zs.teardown(module)
+        _toggle.uninstall(module)
+        self._engine = None
         self.zero_optimizers = []
+        if self.optimizers and any(zero_optimizer_of(o) is not None for o in self.optimizers):
+            self.optimizers = []
         if self._precision_plugin is not None:
             self._precision_plugin.zero_optimizer = None
-        super().teardown()
+
+    def _teardown_lightning_only(self) -> None:
+        """Lightning's end-of-call cleanup, without moving the sharded model and optimizers to the CPU
+        (``Strategy.teardown`` does, which would strand the engine's buffers on another device)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     # ----------------------------------------------------------------- steps
     def training_step(self, *args: Any, **kwargs: Any):
@@ -213,7 +307,7 @@ class ZeroStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict:
         if is_set_up(self.lightning_module):
             return {}  # the weights go into the sharded files
-        return super().lightning_module_state_dict()  # after fit: a plain module with full weights
+        return super().lightning_module_state_dict()  # released: a plain module with full weights
 
     def optimizer_state(self, optimizer) -> dict:
         return {}  # sharded files as well
@@ -223,12 +317,16 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options")
         module = self.lightning_module
-        if module is not None and not is_set_up(module):  # after fit: teardown left a plain module
+        if module is not None and not is_set_up(module):  # released: a plain module, no optimizer state
             if "optimizer_states" in checkpoint:
                 raise RuntimeError(
-                    "ZeroStrategy: the sharded optimizer was released at the end of fit; save full checkpoints "
-                    "during fit (ModelCheckpoint, or trainer.save_checkpoint in a callback), or after fit save "
-                    "the weights only: trainer.save_checkpoint(path, weights_only=True) writes a plain .ckpt file")
+                    "ZeroStrategy: the sharded optimizer state was released (trainer.strategy.teardown() or a "
+                    "failed fit); save full checkpoints before releasing, or save the weights only: "
+                    "trainer.save_checkpoint(path, weights_only=True) writes a plain .ckpt file")
+            return super().save_checkpoint(checkpoint, filepath)
+        if not self._in_call and "optimizer_states" not in checkpoint:
+            # after fit, weights only: one plain .ckpt file, as DDP writes it (load_from_checkpoint reads it)
+            checkpoint = {**checkpoint, "state_dict": zs.full_state_dict(module, rank0_only=True, dtype=None)}
             return super().save_checkpoint(checkpoint, filepath)
         _checkpoint.save(filepath, module, self.zero_optimizers, checkpoint)
 
@@ -240,8 +338,13 @@ class ZeroStrategy(DDPStrategy):
         if Path(checkpoint_path).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # a plain .ckpt file
         module = self.lightning_module
-        return _checkpoint.load(checkpoint_path, module, self.zero_optimizers, weights_only=weights_only,
-                                strict=module.strict_loading)
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        # validate/test/predict(ckpt_path=...) restore the weights only, as with DDP: the optimizer
+        # state a previous fit left in the engine stays what it was
+        with on_rank_zero():
+            return _checkpoint.load(checkpoint_path, module, self.zero_optimizers if fitting else [],
+                                    weights_only=weights_only, strict=module.strict_loading)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         state_dict = checkpoint.get("state_dict")
