@@ -38,6 +38,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .._precision_rule import resolve_precision
 from ..config import ZeroConfig, ZeroConfigError
 
 from ._launch import deepspeed_launch_config, logger
@@ -80,18 +81,14 @@ def apply_precision(cfg: ZeroConfig, mixed_precision: str, source: str) -> ZeroC
             f"ZeroAccelerator: mixed_precision={mixed_precision!r} is not supported; use 'no', 'bf16' or "
             "'fp16' (ZeRO keeps fp32 master weights and computes in bf16/fp16 parameters)")
     wanted = PRECISION_OF[mixed_precision]
-    if cfg.precision == wanted:
-        return cfg
-    if cfg.precision != "fp32":
-        if wanted == "fp32" and source.endswith(f"({DEEPSPEED_LAUNCH})"):
-            return cfg  # as Accelerate's DeepSpeed plugin: the ds_config's own fp16/bf16 wins over "no"
-        raise ZeroConfigError(
-            "precision", f"the ZeRO config ({source}) says {cfg.precision!r} but Accelerate's mixed_precision is "
-            f"{mixed_precision!r}",
-            f"Set the precision in one place: launch with --mixed_precision "
-            f"{'fp16' if cfg.precision == 'fp16' else 'bf16'} (or mixed_precision in the accelerate config / "
-            "Accelerator(mixed_precision=...)) and drop precision from the ZeRO config.")
-    return cfg.replace(precision=wanted)
+    if cfg.precision != "fp32" and wanted == "fp32" and source.endswith(f"({DEEPSPEED_LAUNCH})"):
+        return cfg  # as Accelerate's DeepSpeed plugin: the ds_config's own fp16/bf16 wins over "no"
+    return resolve_precision(
+        cfg, wanted, flag=f"Accelerate's mixed_precision={mixed_precision!r}",
+        config_source=f"the ZeRO config ({source})",
+        fix=lambda p: (f"Set the precision in one place: launch with --mixed_precision "
+                       f"{'fp16' if p == 'fp16' else 'bf16'} (or mixed_precision in the accelerate config / "
+                       "Accelerator(mixed_precision=...)) and drop precision from the ZeRO config."))
 
 
 def describe(cfg: ZeroConfig) -> str:
