@@ -111,3 +111,21 @@ def test_inductor_matches_eager_and_ddp(case):
     within the fp32 tolerance. About 20 s on 2 cores with a cold compile cache."""
     for res in _results(1, INDUCTOR, case):
         _check(res, case)
+
+
+def test_replacing_a_unit_after_setup_is_refused_with_the_fix():
+    """``model.layers[i] = torch.compile(block)`` after setup renames the parameters under the
+    engine (``layers.0._orig_mod.fc1.weight``): a checkpoint saved then could not be loaded.
+    The first forward refuses it and names the in-place ways to compile."""
+    import torch
+
+    from _models import TinyLM, batch, param_groups
+
+    import zero_strategy as zs
+
+    model = TinyLM(layers=2)
+    model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)), "zero3")
+    model.layers[0] = torch.compile(model.layers[0], backend=AOT)
+    with pytest.raises(RuntimeError, match=r"unit 'layers.0' was replaced.*block.compile\(\)"):
+        model(batch(0, 0, 0)[0])
+    zs.teardown(model)
