@@ -33,6 +33,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DynamoBackend
+from accelerate.utils.other import compile_regions_deepspeed, is_compiled_module
 from torch import nn
 
 from .. import api
@@ -79,9 +80,6 @@ class ZeroAccelerator(Accelerator):
         accelerator_kwargs["cpu"] = use_cpu_if_no_device(bool(accelerator_kwargs.get("cpu", False)))
         super().__init__(**accelerator_kwargs)
         check_after_init(self)
-        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-            raise ValueError("ZeroAccelerator: torch.compile through Accelerate (dynamo_backend) is not supported "
-                             "yet; launch with --dynamo_backend no")
         mixed_precision = str(self.mixed_precision)
         self._zero_config = apply_precision(load_config(spec, source, mixed_precision), mixed_precision, source)
         # [Note: what changes] the engine owns precision: no autocast wrapper, no GradScaler
@@ -163,7 +161,27 @@ class ZeroAccelerator(Accelerator):
             model = model.to(self.device)
         self._models.append(model)
         model._is_accelerate_prepared = True
+        self._compile_in_place(model)
         return model
+
+    def _compile_in_place(self, model: nn.Module) -> None:
+        """``dynamo_backend`` / ``--dynamo_backend``: compile the model *in place*.
+
+        Accelerate's DDP path returns ``torch.compile(model)``, a wrapper whose state-dict
+        names gain ``_orig_mod.``; a sharded model must keep the object and the names it is
+        set up with (checkpoints, ``unwrap_model``), so here ``model.compile()`` is used, or,
+        with ``use_regional_compilation``, ``block.compile()`` on each repeated block
+        (Accelerate's own in-place variant for DeepSpeed). Compilation is lazy: tracing
+        starts at the first forward, after setup, with the engine's hooks run eagerly
+        around the compiled code (See [Note: torch.compile and the hooks] in _state.py).
+        """
+        plugin = self.state.dynamo_plugin
+        if plugin.backend == DynamoBackend.NO or is_compiled_module(model):
+            return
+        if plugin.use_regional_compilation:
+            compile_regions_deepspeed(model, **plugin.to_kwargs())
+        else:
+            model.compile(**plugin.to_kwargs())
 
     def _already_prepared_optimizer(self, optimizer: AcceleratedOptimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, ZeroAcceleratedOptimizer):
@@ -251,7 +269,27 @@ class ZeroAccelerator(Accelerator):
         if model not in self._models:
             self._models.append(model)
         model._is_accelerate_prepared = True
+        self._compile_in_place(model)
         return model
+
+    def _compile_in_place(self, model: nn.Module) -> None:
+        """``dynamo_backend`` / ``--dynamo_backend``: compile the model *in place*.
+
+        Accelerate's DDP path returns ``torch.compile(model)``, a wrapper whose state-dict
+        names gain ``_orig_mod.``; a sharded model must keep the object and the names it is
+        set up with (checkpoints, ``unwrap_model``), so here ``model.compile()`` is used, or,
+        with ``use_regional_compilation``, ``block.compile()`` on each repeated block
+        (Accelerate's own in-place variant for DeepSpeed). Compilation is lazy: tracing
+        starts at the first forward, after setup, with the engine's hooks run eagerly
+        around the compiled code (See [Note: torch.compile and the hooks] in _state.py).
+        """
+        plugin = self.state.dynamo_plugin
+        if plugin.backend == DynamoBackend.NO or is_compiled_module(model):
+            return
+        if plugin.use_regional_compilation:
+            compile_regions_deepspeed(model, **plugin.to_kwargs())
+        else:
+            model.compile(**plugin.to_kwargs())
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         return self.prepare(optimizer, device_placement=[device_placement])
