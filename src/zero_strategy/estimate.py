@@ -283,3 +283,40 @@ def estimate_memory(
         raise ZeroConfigError("offload_optimizer", "needs a ZeRO stage (1, 2 or 3), got stage 0 (DDP)",
                               "Pass stage=1, 2 or 3, or drop offload_optimizer.")
     return _one(psi, psi_f, world_size, stage, p, g, k, precision, opt, par)
+
+
+@dataclass(frozen=True)
+class UnitSizes:
+    """Parameter elements of the stage-3 units of a model (see [Note: choosing units] in _units.py).
+
+    ``root``: elements outside every unit (embeddings, final norm, head), gathered from the
+    start of forward to the end of backward; ``largest``: the largest unit; ``count``: units.
+    """
+
+    root: int
+    largest: int
+    count: int
+
+    def live_bytes(self, param_bytes: int, grad_bytes: int, prefetch: int = 1) -> int:
+        """Stage-3 parameters materialised at the peak, beyond the shards: the root, the unit
+        in use and ``prefetch`` units gathered ahead (compute dtype), and the full gradient
+        of one unit before its reduce-scatter (gradient dtype)."""
+        return param_bytes * (self.root + (1 + prefetch) * self.largest) + grad_bytes * self.largest
+
+
+def unit_sizes(model: torch.nn.Module, unit_classes: Sequence[str] = ()) -> UnitSizes:
+    """Units as setup would choose them; reads only ``numel`` (works on the meta device)."""
+    from ._units import find_unit_modules
+
+    units = find_unit_modules(model, tuple(unit_classes))
+    seen: set[int] = set()
+    sizes = []
+    for _, module in units:
+        n = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel()
+        sizes.append(n)
+    total = sum(p.numel() for p in model.parameters())
+    return UnitSizes(root=total - sum(sizes), largest=max(sizes, default=0), count=len(sizes))

@@ -164,6 +164,14 @@ class ZeroAccelerator(Accelerator):
         self._compile_in_place(model)
         return model
 
+    def _adopt_auto_choice(self, model: nn.Module) -> None:
+        """``zero_auto``: the preset setup chose for the first model becomes this accelerator's
+        config (``zero_config``, checkpoint metadata, later models), so one run has one layout."""
+        if self._zero_config.auto:
+            self._zero_config = api.engine_of(model).config
+            if self.is_main_process:
+                logger.info("ZeroAccelerator: zero_auto chose %s", describe(self._zero_config))
+
     def _compile_in_place(self, model: nn.Module) -> None:
         """``dynamo_backend`` / ``--dynamo_backend``: compile the model *in place*.
 
@@ -222,6 +230,7 @@ class ZeroAccelerator(Accelerator):
             raw = [opt for _, opt, _ in entries]
             _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config,
                                  param_init_fn=self.param_init_fn)
+            self._adopt_auto_choice(model)
             zopts = zopts if isinstance(zopts, list) else [zopts]
             record = ZeroModelRecord(model)
             for (i, _, ids), zopt in zip(entries, zopts):
@@ -265,12 +274,21 @@ class ZeroAccelerator(Accelerator):
         if not _has_meta_tensors(model):
             model = model.to(self.device)
         api.setup(model, None, self._zero_config, param_init_fn=self.param_init_fn)
+        self._adopt_auto_choice(model)
         self._zero_records.append(ZeroModelRecord(model, frozen=True))
         if model not in self._models:
             self._models.append(model)
         model._is_accelerate_prepared = True
         self._compile_in_place(model)
         return model
+
+    def _adopt_auto_choice(self, model: nn.Module) -> None:
+        """``zero_auto``: the preset setup chose for the first model becomes this accelerator's
+        config (``zero_config``, checkpoint metadata, later models), so one run has one layout."""
+        if self._zero_config.auto:
+            self._zero_config = api.engine_of(model).config
+            if self.is_main_process:
+                logger.info("ZeroAccelerator: zero_auto chose %s", describe(self._zero_config))
 
     def _compile_in_place(self, model: nn.Module) -> None:
         """``dynamo_backend`` / ``--dynamo_backend``: compile the model *in place*.
