@@ -129,3 +129,41 @@ def test_replacing_a_unit_after_setup_is_refused_with_the_fix():
     with pytest.raises(RuntimeError, match=r"unit 'layers.0' was replaced.*block.compile\(\)"):
         model(batch(0, 0, 0)[0])
     zs.teardown(model)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_per_unit_compile_with_gradient_checkpointing_at_stage_3(reentrant):
+    """A Hugging Face Llama with ``gradient_checkpointing_enable`` (recomputation re-enters the
+    units' hooks inside backward) and each decoder layer compiled: equal to the eager run."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from _models import tiny_llama_config
+
+    import zero_strategy as zs
+
+    def train(compiled: bool):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config())
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model, zopt = zs.setup(model, torch.optim.AdamW(model.parameters()),
+                               zs.ZeroConfig.preset("zero3", param_persistence_threshold=0))
+        if compiled:
+            for block in model.model.layers:
+                block.compile(backend=AOT)
+        losses = []
+        for step in range(2):
+            tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+            zopt.backward(loss)
+            zopt.step()
+            zopt.zero_grad()
+            losses.append(loss.item())
+        weights = zs.full_state_dict(model)
+        zs.teardown(model)
+        return losses, weights
+
+    (eager_losses, eager_w), (losses, w) = train(False), train(True)
+    assert losses == pytest.approx(eager_losses, rel=TOL_EAGER)
+    for name, t in eager_w.items():
+        assert torch.allclose(w[name], t, rtol=TOL_EAGER, atol=1e-7), name
