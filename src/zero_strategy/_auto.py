@@ -97,10 +97,18 @@ def nvme_free_bytes(config: ZeroConfig) -> int | None:
     return None
 
 
+def measure_local(device: torch.device, config: ZeroConfig, local_ranks: int = 1) -> AvailableMemory:
+    """This process's share, without any collective: host and NVMe divided by ``local_ranks``."""
+    dev = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    nvme = nvme_free_bytes(config)
+    return AvailableMemory(device=dev, host=host_available_bytes() // local_ranks,
+                           nvme=None if nvme is None else nvme // local_ranks)
+
+
 def measure_available(comm, device: torch.device, config: ZeroConfig) -> AvailableMemory:
     """This rank's share of device, host and NVMe memory, the minimum over the group's ranks."""
-    dev = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    mine = (socket.gethostname(), dev, host_available_bytes(), nvme_free_bytes(config))
+    local = measure_local(device, config)
+    mine = (socket.gethostname(), local.device, local.host, local.nvme)
     everyone = comm.all_gather_object(mine)
     per_host = {}
     for host, *_ in everyone:

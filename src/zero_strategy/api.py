@@ -14,6 +14,7 @@ The model object is the user's own, sharded in place; no wrapper module.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -317,7 +318,9 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     """The config ``zero_auto`` would choose for ``model`` (materialised or on the meta device).
 
     ``available``: per-rank memory to plan for (an :class:`AvailableMemory`); default:
-    measured here, for this process, as ``setup`` does. ``world_size``: ranks to plan for
+    measured in this process alone (no collective, so one rank may call it), host memory and
+    NVMe space divided by ``LOCAL_WORLD_SIZE`` (set by torchrun) when set; ``setup`` instead
+    takes the minimum over the ranks. ``world_size``: ranks to plan for
     (default: the initialised process group's, else 1). Logs the table of candidates;
     raises ``MemoryError`` saying how much more host memory or NVMe space would make one
     fit when none does. See [Note: zero_auto] in _auto.py.
@@ -326,6 +329,6 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if available is None:
-        comm = Collectives(None, wait_timeout=cfg.collective_timeout)
-        available = _auto.measure_available(comm, single_device(model, None), cfg)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        available = _auto.measure_local(single_device(model, None), cfg, max(1, local_ranks))
     return _auto.choose(model, cfg, world_size, available, headroom=headroom)
