@@ -15,8 +15,6 @@ as test_parity_ddp.py). Each compiled run also reports that compilation was appl
 from __future__ import annotations
 
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch

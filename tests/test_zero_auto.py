@@ -114,7 +114,7 @@ def test_a_cpu_only_run_counts_device_and_host_as_one_pool():
 
 def test_when_nothing_fits_the_error_says_how_much_more_memory_would():
     d, layers, n = 8192, 80, 1
-    psi, d2 = layers * d * d, d * d
+    psi = layers * d * d
     mem = AvailableMemory(device=80 * GIB, host=16 * GIB, nvme=50 * GIB)
     with pytest.raises(MemoryError) as info:
         choose_preset(meta_stack(d, layers), {"preset": "zero_auto", "precision": "bf16"}, world_size=n,

@@ -282,33 +282,6 @@ class ZeroAccelerator(Accelerator):
         self._compile_in_place(model)
         return model
 
-    def _adopt_auto_choice(self, model: nn.Module) -> None:
-        """``zero_auto``: the preset setup chose for the first model becomes this accelerator's
-        config (``zero_config``, checkpoint metadata, later models), so one run has one layout."""
-        if self._zero_config.auto:
-            self._zero_config = api.engine_of(model).config
-            if self.is_main_process:
-                logger.info("ZeroAccelerator: zero_auto chose %s", describe(self._zero_config))
-
-    def _compile_in_place(self, model: nn.Module) -> None:
-        """``dynamo_backend`` / ``--dynamo_backend``: compile the model *in place*.
-
-        Accelerate's DDP path returns ``torch.compile(model)``, a wrapper whose state-dict
-        names gain ``_orig_mod.``; a sharded model must keep the object and the names it is
-        set up with (checkpoints, ``unwrap_model``), so here ``model.compile()`` is used, or,
-        with ``use_regional_compilation``, ``block.compile()`` on each repeated block
-        (Accelerate's own in-place variant for DeepSpeed). Compilation is lazy: tracing
-        starts at the first forward, after setup, with the engine's hooks run eagerly
-        around the compiled code (See [Note: torch.compile and the hooks] in _state.py).
-        """
-        plugin = self.state.dynamo_plugin
-        if plugin.backend == DynamoBackend.NO or is_compiled_module(model):
-            return
-        if plugin.use_regional_compilation:
-            compile_regions_deepspeed(model, **plugin.to_kwargs())
-        else:
-            model.compile(**plugin.to_kwargs())
-
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         return self.prepare(optimizer, device_placement=[device_placement])
 
