@@ -86,14 +86,18 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                       help="attention kernel (default: the config's, else sdpa as transformers picks)")
 
 
+def _no_transformers() -> ZeroConfigError:
+    return ZeroConfigError("--model", "needs the transformers package, which is not installed",
+                           "pip install transformers, or pass --params.")
+
+
 def _load_hf_config(path: str):
     """A model directory, its config.json, or a model name already in the Hugging Face cache
     (offline: nothing is downloaded)."""
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise ZeroConfigError("--model", "needs the transformers package, which is not installed",
-                              "pip install transformers, or pass --params.") from None
+        raise _no_transformers() from None
     target = Path(path)
     if not target.exists() and (target.is_absolute() or path.startswith(".") or path.count("/") > 1):
         raise ZeroConfigError("--model", f"{path} does not exist", "Pass a model directory or its config.json.")
@@ -111,10 +115,12 @@ def _load_hf_config(path: str):
 
 def _load_hf_model(path: str):
     """``(hf_config, model on the meta device)``: no weights are read or allocated."""
-    hf_config = _load_hf_config(path)  # first: it explains a missing transformers
+    hf_config = _load_hf_config(path)
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
-
+    try:
+        from transformers import AutoModel, AutoModelForCausalLM
+    except ImportError:
+        raise _no_transformers() from None
     with torch.device("meta"):
         try:
             return hf_config, AutoModelForCausalLM.from_config(hf_config)
