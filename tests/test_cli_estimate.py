@@ -121,3 +121,95 @@ def test_model_from_hugging_face_config(capsys, tmp_path):
     assert row["num_params"] == expected == 6800
     assert main(["estimate", "--model", str(tmp_path / "config.json"), "--stage", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["num_params"] == expected
+
+
+def _tiny_llama_dir(tmp_path, vocab=100, hidden=16, inter=32, layers=2):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                             num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                             tie_word_embeddings=True).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_per_node_totals_from_nodes_and_gpus_per_node(capsys):
+    """As DeepSpeed's estimator: --num-nodes x --gpus-per-node ranks; host and NVMe per node are a
+    rank's share times the ranks on the node. The preset is fp32 (ZeroConfig's default precision):
+    ZeRO-3 offload with Adam holds 4Ψ/N parameters (which are the master too), 8Ψ/N moments and
+    a 4Ψ/N fp32 gradient on the host per rank."""
+    psi, nodes, gpn = 7e9, 2, 4
+    assert main(["estimate", "--params", "7B", "--num-nodes", str(nodes), "--gpus-per-node", str(gpn),
+                 "--config", "zero3_offload", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["world_size"] == nodes * gpn
+    assert row["host_per_node"] == pytest.approx(16 * psi / (nodes * gpn) * gpn)
+    assert row["nvme_per_node"] == 0
+
+
+def test_nvme_per_node(capsys):
+    """fp32 NVMe offload: master 4 + Adam 8 + parameter shard 4 bytes per parameter, over N, on disk."""
+    psi, n = 7e9, 8
+    assert main(["estimate", "--params", "7B", "--num-nodes", "1", "--gpus-per-node", "8", "--config",
+                 "zero3_offload_nvme", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["nvme_per_node"] == pytest.approx((4 + 8 + 4) * psi / n * 8)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-nodes", "2"], "--num-nodes: needs --gpus-per-node"),
+    (["--num-nodes", "2", "--gpus-per-node", "8", "-n", "8"], "--world-size: 8 disagrees with --num-nodes x"),
+    (["--batch-size", "2", "--seq-len", "8"], "--batch-size: activations need the model's shape"),
+    (["--batch-size", "2"], None),  # needs --model first, then --seq-len: either error is a usage error
+])
+def test_node_and_activation_options_are_checked(capsys, argv, message):
+    assert main(["estimate", "--params", "1e9", *argv]) == 2
+    if message:
+        assert message in capsys.readouterr().err
+
+
+def test_largest_gathered_unit_from_a_model_directory(capsys, tmp_path):
+    """Stage 3 keeps the root (embeddings tied to the head, final norm), the unit in use and one
+    prefetched unit gathered in bf16, plus one unit's bf16 gradient: 2(root + 2u) + 2u bytes."""
+    vocab, hidden, inter = 100, 16, 32
+    path = _tiny_llama_dir(tmp_path, vocab, hidden, inter)
+    unit = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden   # one decoder layer
+    root = vocab * hidden + hidden
+    assert main(["estimate", "--model", str(path), "--stage", "3", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["largest_unit_params"] == unit
+    assert row["gathered_bytes"] == 2 * (root + 2 * unit) + 2 * unit
+
+
+def test_activations_in_the_table_and_json(capsys, tmp_path):
+    from zero_strategy.estimate import estimate_activations
+
+    transformers = pytest.importorskip("transformers")
+    path = _tiny_llama_dir(tmp_path)
+    assert main(["estimate", "--model", str(path), "--stage", "2", "--batch-size", "2", "--seq-len", "16",
+                 "--attention", "eager", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    expected = estimate_activations(transformers.AutoConfig.from_pretrained(path), 2, 16, "bf16", "eager")
+    assert row["activations"] == expected.to_dict()
+    assert main(["estimate", "--model", str(path), "--batch-size", "2", "--seq-len", "16"]) == 0
+    assert "without checkpointing" in capsys.readouterr().out
+
+
+def test_a_model_name_is_read_from_the_local_cache_only(tmp_path):
+    """A hub name resolves offline from the Hugging Face cache; an uncached one fails, downloading nothing."""
+    pytest.importorskip("transformers")
+    snapshot = tmp_path / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
+    _tiny_llama_dir(snapshot)
+    (tmp_path / "models--acme--tiny-llama" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    env_cache = {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli_env(env_cache, "estimate", "--model", "acme/tiny-llama", "--stage", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)[0]["num_params"] == 6800
+    proc = run_cli_env(env_cache, "estimate", "--model", "acme/not-downloaded")
+    assert proc.returncode == 2
+    assert "local Hugging Face cache (nothing is downloaded)" in proc.stderr
+
+
+def run_cli_env(extra_env, *args):
+    env = {**os.environ, **extra_env, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "zero_strategy.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=120)

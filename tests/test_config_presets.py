@@ -11,10 +11,11 @@ EXPECTED = {
     "zero3": (3, None, None),
     "zero3_offload": (3, CPUOffload(), CPUOffload()),
     "zero3_offload_nvme": (3, NVMeOffload(), NVMeOffload()),
+    "zero_auto": (3, None, None),  # until setup resolves it (test_zero_auto.py)
 }
 
 
-def test_preset_names_are_the_documented_six():
+def test_preset_names_are_the_documented_seven():
     assert preset_names() == list(EXPECTED)
     assert set(PRESETS) == set(EXPECTED)
 
@@ -23,8 +24,9 @@ def test_preset_names_are_the_documented_six():
 def test_preset_sets_stage_and_offload(name):
     cfg = ZeroConfig.preset(name)
     assert (cfg.stage, cfg.offload_optimizer, cfg.offload_params) == EXPECTED[name]
+    assert cfg.auto == (name == "zero_auto")
     # Everything else keeps the dataclass defaults.
-    assert cfg.replace(stage=3, offload_optimizer=None, offload_params=None) == ZeroConfig()
+    assert cfg.replace(stage=3, offload_optimizer=None, offload_params=None, auto=False) == ZeroConfig()
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

@@ -17,7 +17,9 @@ from ._collectives import CollectiveTimeout
 from .estimate import MemoryEstimate, estimate_memory
 from ._memory import MemoryReport
 from ._optimizer import ZeroOptimizer
+from ._auto import AvailableMemory
 from .api import (
+    choose_preset,
     comm_stats,
     engine_of,
     full_shapes,
@@ -39,7 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveTimeout", "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
-    "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "is_set_up", "memory_report",
+    "AvailableMemory", "choose_preset", "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "is_set_up", "memory_report",
     "no_sync", "reset_iter_state", "setup", "teardown", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "load_full_state_dict", "save_checkpoint",
 ]

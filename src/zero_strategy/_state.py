@@ -63,6 +63,28 @@ from ._units import Unit, build_units, missing_ranks_message
 _MAX_REDUCES_IN_FLIGHT = 4
 
 
+def compile_boundary(hook):
+    """``hook``, run eagerly even when torch.compile traces the module it is on.
+
+    [Note: torch.compile and the hooks]
+    The forward hooks gather and release units: collectives, ``param.data = view`` swaps
+    between the flat buffer and the placeholder, ``resize_`` of the buffer's storage,
+    autograd hooks on the unit's outputs, Python bookkeeping of the step. Traced, none
+    of it is faithful: Dynamo lowers ``param.data = t`` to ``Tensor.set_`` on a graph
+    input, which AOT autograd treats as an in-place mutation of that input and which
+    bumps the parameter's version counter, so the first backward of a stage-3 unit
+    (the parameter saved for backward, then swapped by the release) fails with "modified
+    by an inplace operation ... is at version 2; expected version 1". So every forward
+    hook is excluded from tracing (``torch.compiler.disable``, recursive, as FSDP2 does
+    for its own hooks): Dynamo graph-breaks at the hook, runs it eagerly, and the
+    compiled region in between starts with the unit gathered; its parameters enter the
+    graph as ordinary inputs (views of the gathered flat buffer). The backward hooks
+    (gradient hooks, the pre-backward and end-of-backward callbacks) run in the
+    autograd engine, outside any compiled graph, as they do in eager mode.
+    """
+    return torch.compiler.disable(hook, recursive=True, reason="zero_strategy gather/release hook")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -217,16 +239,19 @@ class ZeroEngine:
 
     # ------------------------------------------------------------- registration
     def _register_hooks(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post_forward, with_kwargs=True,
-                                                              always_call=True))
+        # every forward hook is a torch.compile boundary: See [Note: torch.compile and the hooks]
+        self._handles.append(self.model.register_forward_pre_hook(
+            compile_boundary(self._root_pre_forward), with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(
+            compile_boundary(self._root_post_forward), with_kwargs=True, always_call=True))
         if self.plan.shards_parameters:
             for unit in self.units[1:]:
                 if unit.sharded_groups:
                     self._handles.append(unit.module.register_forward_pre_hook(
-                        self._make_unit_pre_forward(unit), with_kwargs=True))
+                        compile_boundary(self._make_unit_pre_forward(unit)), with_kwargs=True))
                     self._handles.append(unit.module.register_forward_hook(
-                        self._make_unit_post_forward(unit), with_kwargs=True, always_call=True))
+                        compile_boundary(self._make_unit_post_forward(unit)), with_kwargs=True,
+                        always_call=True))
             # A submodule holding root-unit parameters may be called directly, not through the
             # root's forward (a GAN's discriminator in manual optimization): gather on demand.
             root_params = {id(s.param) for g in self.root.sharded_groups for s in g.slots}
@@ -281,6 +306,7 @@ class ZeroEngine:
         if self._root_forward_depth == 0 and not _in_backward():
             self._recover_if_abandoned()
             self._assert_state(TrainingState.IDLE)
+            self._check_units_in_place()
             self.training_state = TrainingState.FORWARD
             if self.plan.shards_parameters:
                 self.comm.enter("forward")
@@ -294,7 +320,33 @@ class ZeroEngine:
             return map_tensors(args, cast), map_tensors(kwargs, cast)
         return None
 
+    def _check_units_in_place(self) -> None:
+        """Refuse a unit module replaced in the model after setup (``model.layers[i] =
+        torch.compile(block)``): the engine's hooks stay on the old module object and the
+        parameters' names change under the engine, so checkpoints and state dicts would
+        disagree with the names recorded at setup. See [Note: torch.compile and the hooks]."""
+        for unit in self.units[1:]:
+            try:
+                found = self.model.get_submodule(unit.name)
+            except AttributeError:
+                found = None
+            if found is not unit.module:
+                raise RuntimeError(
+                    f"zero_strategy: unit {unit.name!r} was replaced in the model after setup (now "
+                    f"{type(found).__name__}), e.g. by model.layers[i] = torch.compile(block). The engine "
+                    "shards the module it found at setup and its parameter names. Compile in place "
+                    "instead (block.compile(), torchtitan-style, or torch.compile(model)), or replace "
+                    "blocks before zero_strategy.setup / Trainer / accelerator.prepare.")
+
     def _gather_root_on_demand(self, module, args) -> None:
+        """Inside the root's forward (the usual call) the root is gathered already: this test
+        is all torch.compile traces (a guard on the depth), so the model's forward is not cut
+        into pieces at every root-unit submodule. See [Note: torch.compile and the hooks]."""
+        if self._root_forward_depth == 0:
+            self._gather_root_now()
+
+    @compile_boundary
+    def _gather_root_now(self) -> None:
         if self.root.state is ShardState.SHARDED:
             self.root.gather(self.comm)  # released again at the end of backward or of a no-grad forward
 

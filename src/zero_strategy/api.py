@@ -14,6 +14,7 @@ The model object is the user's own, sharded in place; no wrapper module.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -21,10 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _auto
 from . import _model_integrations as model_integrations
 from ._collectives import Collectives
 from ._memory import MemoryReport, measure
 from ._optimizer import ZeroOptimizer, check_elementwise
+from ._placement import single_device
 from ._state import ZeroEngine
 from .config import ZeroConfig
 
@@ -54,6 +57,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
 
     ``config``: a :class:`ZeroConfig`, a preset name (``"zero3"``), a dict, or a path
     to a YAML/JSON file (ours or a DeepSpeed config). Default: ``ZeroConfig()``.
+    ``"zero_auto"`` picks the least-offloaded preset whose model states fit the memory
+    measured now (see :func:`choose_preset`).
     ``process_group``: the ranks to shard over (default: the whole world; a single
     process without ``torch.distributed`` initialized is a world of one).
 
@@ -74,6 +79,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     for opt in optimizers:
         check_elementwise(opt)
     comm = Collectives(process_group, wait_timeout=cfg.collective_timeout)
+    cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn)
@@ -305,3 +311,24 @@ def _groups_holding(engine: ZeroEngine, params: Iterable[nn.Parameter]):
             seen.add(id(g))
             out.append(g)
     return out
+
+
+def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto", *, world_size: int | None = None,
+                  available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM) -> ZeroConfig:
+    """The config ``zero_auto`` would choose for ``model`` (materialised or on the meta device).
+
+    ``available``: per-rank memory to plan for (an :class:`AvailableMemory`); default:
+    measured in this process alone (no collective, so one rank may call it), host memory and
+    NVMe space divided by ``LOCAL_WORLD_SIZE`` (set by torchrun) when set; ``setup`` instead
+    takes the minimum over the ranks. ``world_size``: ranks to plan for
+    (default: the initialised process group's, else 1). Logs the table of candidates;
+    raises ``MemoryError`` saying how much more host memory or NVMe space would make one
+    fit when none does. See [Note: zero_auto] in _auto.py.
+    """
+    cfg = ZeroConfig.load(config).replace(auto=True, offload_optimizer=None, offload_params=None)
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if available is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        available = _auto.measure_local(single_device(model, None), cfg, max(1, local_ranks))
+    return _auto.choose(model, cfg, world_size, available, headroom=headroom)

@@ -6,6 +6,7 @@ it. ``estimate`` prints per-rank model-state memory for each ZeRO stage::
 
     zero-strategy estimate --params 7e9 --world-size 8
     zero-strategy estimate --model ./llama-config-dir --stage 3 --offload-optimizer cpu --json
+    zero-strategy estimate --model ./llama-dir --num-nodes 2 --gpus-per-node 8 --batch-size 8 --seq-len 4096
 
 ``consolidate`` streams a sharded checkpoint into one full model::
 
@@ -61,7 +62,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                         help="Hugging Face model directory or config.json (needs transformers; built on the "
                              "meta device, no weights are read)")
     parser.add_argument("--frozen", type=parse_count, default=0, metavar="N", help="frozen parameters (default 0)")
-    parser.add_argument("--world-size", "-n", type=_positive_int, default=1, metavar="N", help="ranks (default 1)")
+    parser.add_argument("--world-size", "-n", type=_positive_int, default=None, metavar="N", help="ranks (default 1)")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
                         help="one stage (0 = DDP); default: a table of all stages and usual offloads")
     parser.add_argument("--precision", default=None, help="compute dtype: bf16 (default), fp16 or fp32")
@@ -73,37 +74,65 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", metavar="SPEC",
                         help="take stage/precision/offload from a preset name or a YAML/JSON/DeepSpeed config")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    nodes = parser.add_argument_group("per node (as DeepSpeed's estimate_zero3_model_states_mem_needs_all_live)")
+    nodes.add_argument("--num-nodes", type=_positive_int, default=None, metavar="N",
+                       help="nodes; with --gpus-per-node sets the world size and adds host/NVMe totals per node")
+    nodes.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="G", help="ranks per node")
+    acts = parser.add_argument_group("activations (needs --model: a Llama-style decoder)")
+    acts.add_argument("--batch-size", type=_positive_int, default=None, metavar="B",
+                      help="sequences per rank per micro-batch")
+    acts.add_argument("--seq-len", type=_positive_int, default=None, metavar="S", help="tokens per sequence")
+    acts.add_argument("--attention", choices=("eager", "sdpa"), default=None,
+                      help="attention kernel (default: the config's, else sdpa as transformers picks)")
 
 
-def _load_hf_model(path: str):
+def _no_transformers() -> ZeroConfigError:
+    return ZeroConfigError("--model", "needs the transformers package, which is not installed",
+                           "pip install transformers, or pass --params.")
+
+
+def _load_hf_config(path: str):
+    """A model directory, its config.json, or a model name already in the Hugging Face cache
+    (offline: nothing is downloaded)."""
     try:
-        import torch
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError:
-        raise ZeroConfigError("--model", "needs the transformers package, which is not installed",
-                              "pip install transformers, or pass --params.") from None
+        raise _no_transformers() from None
     target = Path(path)
-    if not target.exists():
+    if not target.exists() and (target.is_absolute() or path.startswith(".") or path.count("/") > 1):
         raise ZeroConfigError("--model", f"{path} does not exist", "Pass a model directory or its config.json.")
     try:
-        hf_config = AutoConfig.from_pretrained(str(target), local_files_only=True) if target.is_dir() else \
+        if not target.exists():  # a hub name: only from the local cache
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(str(target), local_files_only=True) if target.is_dir() else \
             AutoConfig.from_pretrained(str(target.parent), local_files_only=True) if target.name == "config.json" \
             else AutoConfig.from_pretrained(str(target))
     except Exception as err:  # transformers raises OSError/ValueError/KeyError variants
-        raise ZeroConfigError("--model", f"cannot read a Hugging Face config from {path}: {err}",
-                              "Pass a directory holding config.json.") from None
+        where = "in the local Hugging Face cache (nothing is downloaded)" if not target.exists() else f"from {path}"
+        raise ZeroConfigError("--model", f"cannot read a Hugging Face config {where}: {err}",
+                              "Pass a directory holding config.json, or a model name already downloaded.") from None
+
+
+def _load_hf_model(path: str):
+    """``(hf_config, model on the meta device)``: no weights are read or allocated."""
+    hf_config = _load_hf_config(path)
+    import torch
+    try:
+        from transformers import AutoModel, AutoModelForCausalLM
+    except ImportError:
+        raise _no_transformers() from None
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(hf_config)
+            return hf_config, AutoModelForCausalLM.from_config(hf_config)
         except ValueError:  # not a causal LM (e.g. an encoder): the base model has the same parameters
-            return AutoModel.from_config(hf_config)
+            return hf_config, AutoModel.from_config(hf_config)
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_memory, format_table
 
     optimizer: str | int = int(args.optimizer) if args.optimizer.isdigit() else args.optimizer
-    kwargs = dict(world_size=args.world_size, stage=args.stage, optimizer=optimizer,
+    kwargs = dict(world_size=args.world_size or 1, stage=args.stage, optimizer=optimizer,
                   frozen_params=args.frozen)
     names = ("precision", "reduce_dtype", "offload_optimizer", "offload_params")
     if args.config is not None:
@@ -118,14 +147,74 @@ def _run_estimate(args: argparse.Namespace) -> int:
                       offload_params=config.offload_params if stage == 3 else None)
     else:
         kwargs.update({name: getattr(args, name) for name in names})
-    model = _load_hf_model(args.model) if args.model else args.params
+    _apply_nodes(args, kwargs)
+    hf_config, model = _load_hf_model(args.model) if args.model else (None, args.params)
     result = estimate_memory(model, **kwargs)
     estimates = result if isinstance(result, list) else [result]
+    extras = _extras(args, hf_config, model, estimates, kwargs)
     if args.json:
-        print(json.dumps([e.to_dict() for e in estimates], indent=2))
+        print(json.dumps([{**e.to_dict(), **extra} for e, extra in zip(estimates, extras["rows"])], indent=2))
     else:
         print(format_table(estimates))
+        for line in extras["lines"]:
+            print(line)
     return 0
+
+
+def _apply_nodes(args: argparse.Namespace, kwargs: dict) -> None:
+    """--num-nodes x --gpus-per-node is the world size (and must agree with --world-size if given)."""
+    if (args.num_nodes is None) != (args.gpus_per_node is None):
+        raise ZeroConfigError("--num-nodes", "needs --gpus-per-node too (and the other way round)",
+                              "Pass both, e.g. --num-nodes 2 --gpus-per-node 8.")
+    if args.num_nodes is None:
+        return
+    world = args.num_nodes * args.gpus_per_node
+    if args.world_size is not None and args.world_size != world:
+        raise ZeroConfigError("--world-size", f"{args.world_size} disagrees with --num-nodes x --gpus-per-node "
+                              f"= {world}", "Drop --world-size, or make them agree.")
+    kwargs["world_size"] = world
+
+
+def _extras(args, hf_config, model, estimates, kwargs) -> dict:
+    """Per-node host/NVMe totals, the stage-3 gathered units and activations: extra keys per
+    JSON row and extra lines under the table."""
+    from .estimate import estimate_activations, unit_sizes
+
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    rows: list[dict] = [{} for _ in estimates]
+    lines: list[str] = []
+    if args.gpus_per_node is not None:
+        lines.append(f"per node ({args.num_nodes} node(s) x {args.gpus_per_node} ranks):")
+        for est, row in zip(estimates, rows):
+            row.update(host_per_node=est.total_host * args.gpus_per_node,
+                       nvme_per_node=est.nvme_bytes * args.gpus_per_node)
+            lines.append(f"  {est.label:<28} host {gib(row['host_per_node'])}, nvme {gib(row['nvme_per_node'])}")
+    if hf_config is not None:
+        units = unit_sizes(model)
+        lines.append(f"stage 3: {units.count} units, largest {units.largest:,} parameters, root (outside units) "
+                     f"{units.root:,}; gathered at the peak (root + unit in use + 1 prefetched, and one unit's "
+                     "full gradient), per rank beyond the shards:")
+        for est, row in zip(estimates, rows):
+            if est.stage == 3:
+                p = {"fp32": 4, "bf16": 2, "fp16": 2}[est.precision]
+                g = {"fp32": 4, "bf16": 2, "fp16": 2}[kwargs.get("reduce_dtype") or est.precision]
+                row.update(largest_unit_params=units.largest, gathered_bytes=units.live_bytes(p, g))
+                lines.append(f"  {est.label:<28} device +{gib(row['gathered_bytes'])}")
+    if (args.batch_size is None) != (args.seq_len is None):
+        raise ZeroConfigError("--batch-size", "needs --seq-len too (and the other way round)",
+                              "Pass both, e.g. --batch-size 8 --seq-len 4096.")
+    if args.batch_size is not None:
+        if hf_config is None:
+            raise ZeroConfigError("--batch-size", "activations need the model's shape",
+                                  "Pass --model DIR (a Hugging Face config) instead of --params.")
+        act = estimate_activations(hf_config, args.batch_size, args.seq_len, estimates[0].precision, args.attention)
+        for row in rows:
+            row["activations"] = act.to_dict()
+        lines.append(f"activations per rank ({act.batch_size} x {act.seq_len} tokens, {act.precision}, "
+                     f"{act.attention} attention): {gib(act.without_checkpointing)} without checkpointing, "
+                     f"{gib(act.with_checkpointing)} with one checkpoint per layer (peak: every layer's input "
+                     "+ one layer recomputed)")
+    return {"rows": rows, "lines": lines}
 
 
 # ------------------------------------------------------------------ consolidate

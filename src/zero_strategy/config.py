@@ -268,6 +268,11 @@ class ZeroConfig:
             to the process group's timeout (30 minutes by default). Raise it when a rank is
             legitimately that much slower than the others to reach a forward (a long
             rank-0-only evaluation or save between steps).
+        auto: the ``zero_auto`` preset: at setup, when the model is known, stage and
+            offload are replaced by the least-offloaded preset whose model states fit the
+            memory measured on this machine (see :mod:`zero_strategy._auto`); the other
+            fields are kept. Until then ``stage`` is 3 (a model built under a front end's
+            stage-3 meta-device context is counted without being materialised).
     """
 
     stage: int = 3
@@ -283,6 +288,7 @@ class ZeroConfig:
     cast_forward_inputs: bool = True
     overlap_step: bool = False
     collective_timeout: float | None = 300.0
+    auto: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -323,6 +329,9 @@ class ZeroConfig:
                 raise ZeroConfigError("overlap_step", "cannot combine with gradient_clipping or fp16: both "
                                       "need every gradient before the first group may step",
                                       "Drop overlap_step, or use bf16/fp32 without clipping.")
+        if _as_bool("auto", self.auto) and (self.offload_optimizer is not None or self.offload_params is not None):
+            raise ZeroConfigError("auto", "zero_auto chooses the offload itself; an offload was given too",
+                                  "Drop offload_optimizer/offload_params, or name a preset instead of zero_auto.")
         if self.collective_timeout is not None:
             timeout = _as_float("collective_timeout", self.collective_timeout)
             if not timeout > 0 or timeout == float("inf"):
@@ -365,6 +374,7 @@ class ZeroConfig:
             "cast_forward_inputs": self.cast_forward_inputs,
             "overlap_step": self.overlap_step,
             "collective_timeout": self.collective_timeout,
+            **({"auto": True} if self.auto else {}),
         }
 
     @classmethod
@@ -471,11 +481,13 @@ PRESETS: dict[str, tuple[str, dict]] = {
                       {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}),
     "zero3_offload_nvme": ("stage 3, optimizer state and parameter shards on NVMe",
                            {"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"}),
+    "zero_auto": ("the least-offloaded of the above whose model states fit the memory measured at setup",
+                  {"stage": 3, "auto": True}),
 }
 
 
 def preset_names() -> list[str]:
-    """Names accepted by :meth:`ZeroConfig.preset`, in order of increasing savings."""
+    """Names accepted by :meth:`ZeroConfig.preset`, in order of increasing savings (``zero_auto`` last)."""
     return list(PRESETS)
 
 

@@ -48,6 +48,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DynamoBackend
+from accelerate.utils.other import compile_regions_deepspeed, is_compiled_module
 from torch import nn
 
 from .. import api
@@ -109,9 +110,6 @@ class ZeroAccelerator(Accelerator):
         accelerator_kwargs["cpu"] = use_cpu_if_no_device(bool(accelerator_kwargs.get("cpu", False)))
         super().__init__(**accelerator_kwargs)
         check_after_init(self)
-        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-            raise ValueError("ZeroAccelerator: torch.compile through Accelerate (dynamo_backend) is not supported "
-                             "yet; launch with --dynamo_backend no")
         mixed_precision = str(self.mixed_precision)
         self._zero_config = apply_precision(parsed, mixed_precision, source)
         steps = deepspeed_accumulation_steps(spec, source)
@@ -205,6 +203,7 @@ class ZeroAccelerator(Accelerator):
             model = model.to(self.device)
         self._models.append(model)
         model._is_accelerate_prepared = True
+        self._compile_in_place(model)
         return model
 
     def _guard_pending(self, model: nn.Module) -> None:
@@ -218,6 +217,33 @@ class ZeroAccelerator(Accelerator):
     def _unguard(self, model: nn.Module) -> None:
         for handle in self._pending_guards.pop(id(model), []):
             handle.remove()
+
+    def _adopt_auto_choice(self, model: nn.Module) -> None:
+        """``zero_auto``: the preset setup chose for the first model becomes this accelerator's
+        config (``zero_config``, checkpoint metadata, later models), so one run has one layout."""
+        if self._zero_config.auto:
+            self._zero_config = api.engine_of(model).config
+            if self.is_main_process:
+                logger.info("ZeroAccelerator: zero_auto chose %s", describe(self._zero_config))
+
+    def _compile_in_place(self, model: nn.Module) -> None:
+        """``dynamo_backend`` / ``--dynamo_backend``: compile the model *in place*.
+
+        Accelerate's DDP path returns ``torch.compile(model)``, a wrapper whose state-dict
+        names gain ``_orig_mod.``; a sharded model must keep the object and the names it is
+        set up with (checkpoints, ``unwrap_model``), so here ``model.compile()`` is used, or,
+        with ``use_regional_compilation``, ``block.compile()`` on each repeated block
+        (Accelerate's own in-place variant for DeepSpeed). Compilation is lazy: tracing
+        starts at the first forward, after setup, with the engine's hooks run eagerly
+        around the compiled code (See [Note: torch.compile and the hooks] in _state.py).
+        """
+        plugin = self.state.dynamo_plugin
+        if plugin.backend == DynamoBackend.NO or is_compiled_module(model):
+            return
+        if plugin.use_regional_compilation:
+            compile_regions_deepspeed(model, **plugin.to_kwargs())
+        else:
+            model.compile(**plugin.to_kwargs())
 
     def _already_prepared_optimizer(self, optimizer: AcceleratedOptimizer) -> AcceleratedOptimizer:
         if isinstance(optimizer, ZeroAcceleratedOptimizer):
@@ -259,6 +285,7 @@ class ZeroAccelerator(Accelerator):
             self._unguard(model)
             _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config,
                                  param_init_fn=self.param_init_fn)
+            self._adopt_auto_choice(model)
             zopts = zopts if isinstance(zopts, list) else [zopts]
             record = ZeroModelRecord(model)
             for (i, _, ids), zopt in zip(entries, zopts):
@@ -302,10 +329,12 @@ class ZeroAccelerator(Accelerator):
         if not _has_meta_tensors(model):
             model = model.to(self.device)
         api.setup(model, None, self._zero_config, param_init_fn=self.param_init_fn)
+        self._adopt_auto_choice(model)
         self._zero_records.append(ZeroModelRecord(model, frozen=True))
         if model not in self._models:
             self._models.append(model)
         model._is_accelerate_prepared = True
+        self._compile_in_place(model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
