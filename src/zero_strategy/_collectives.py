@@ -42,26 +42,32 @@ At stage 3 every forward, ``state_dict()`` and ``gathered_parameters`` all-gathe
 a call made on some ranks only (``if rank == 0: model.generate(...)``, a rank-0-only
 ``save_pretrained``) leaves the ranks that made it waiting for the process group's
 timeout: 30 minutes by default, with no word of why. ``Collectives(wait_timeout=s)``
-bounds every wait on a gather or reduce-scatter handle: ``work.wait(timeout)`` raises
+bounds every wait, of every collective issued here (gathers, reduce-scatters, the
+loss-scale and gradient-norm all-reduces, broadcasts, and the object collectives,
+which are built on tensor collectives for that reason): ``work.wait(timeout)`` raises
 after ``s`` seconds (gloo abandons the operation; the group should not be used
-again), and :class:`CollectiveTimeout` goes up to the layer that knows what the
-collective was for. To say *which* ranks did not come, each rank counts the calls
-that make it gather (:class:`EntryLedger`) in the c10d store the process group was
-rendezvoused through: the store answers without the other ranks' help, so a rank
-stuck in a collective can read how far the others got. A rank whose count is below
-ours never began the call we are stuck in. Counting costs one store round trip per
-call (not per collective), only at stage 3 with more than one rank.
+again), and :class:`CollectiveTimeout` goes up. A peer that exits or is killed closes
+its connections and ends the wait at once with :class:`CollectiveError`. Either
+message names the collective (what it was for, its sequence number, the step), the
+ranks that never began it or reported a failure, and the last collectives of each
+rank: See [Note: naming the rank that failed] in _faults.py. Counting calls costs one
+store round trip per call (a forward, a ``state_dict()``), not per collective.
 """
 
 from __future__ import annotations
 
 import datetime
+import pickle
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ._faults import (CollectiveError, CollectiveTimeout, FlightRecorder, Ledger, Record, diagnosis,
+                      is_timeout)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -107,111 +113,42 @@ class CommStats:
         return out
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective this rank waited on did not complete within the engine's bound.
-
-    Raised by :meth:`Handle.wait`; the layer that knows what the collective was for
-    (units, the engine) catches it and raises an error that names the unit and the
-    ranks that did not come (see [Note: bounded waits]).
-    """
-
-
 class Handle:
     """An in-flight collective. ``wait()`` is idempotent and keeps tensors alive until then."""
 
-    __slots__ = ("_work", "_keep", "_timeout")
+    __slots__ = ("_work", "_keep", "_comm", "_record")
 
-    def __init__(self, work=None, keep: tuple = (), timeout: datetime.timedelta | None = None):
+    def __init__(self, work=None, keep: tuple = (), comm: "Collectives | None" = None,
+                 record: Record | None = None):
         self._work = work
         self._keep = keep
-        self._timeout = timeout
+        self._comm = comm
+        self._record = record
 
     def wait(self) -> None:
-        """Wait for the collective; past the bound it was started with, raise
-        :class:`CollectiveTimeout` (see [Note: bounded waits])."""
+        """Wait for the collective; past the engine's bound, or when a peer is gone, raise
+        :class:`CollectiveTimeout` / :class:`CollectiveError` (see [Note: bounded waits])."""
         if self._work is not None:
-            if self._timeout is None:
-                self._work.wait()
-            else:
-                try:
-                    self._work.wait(self._timeout)
-                except RuntimeError as e:
-                    if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
-                        raise
-                    self._work = None  # gloo abandons a timed-out operation; never wait on it again
-                    self._keep = ()
-                    raise CollectiveTimeout(str(e)) from e
-            self._work = None
+            work, self._work = self._work, None  # a failed operation is abandoned: never waited on again
+            try:
+                if self._comm is None or self._comm.handle_timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self._comm.handle_timeout)
+            except RuntimeError as e:
+                self._keep = ()
+                raise self._comm.failure(self._record, e) from e
+            FlightRecorder.finish(self._record, ok=True)
         self._keep = ()
 
 
-class EntryLedger:
-    """How many gathering calls (forwards, ``state_dict`` calls, ...) each rank of a group has
-    begun, kept in the c10d store; see [Note: bounded waits]."""
-
-    def __init__(self, group_ranks: tuple[int, ...], rank: int, namespace: str):
-        """``namespace``: the same on every rank of the group, and new for every engine."""
-        self.rank = rank
-        self.world_size = len(group_ranks)
-        self.count = 0
-        self.last_kind = ""
-        self._prefix = f"zero_strategy/entries/{'-'.join(map(str, group_ranks))}/{namespace}/"
-        self._store = _default_store()
-
-    def enter(self, kind: str) -> None:
-        """This rank begins a call that gathers (``kind``: "forward", "state_dict", ...)."""
-        self.count += 1
-        self.last_kind = kind
-        if self._store is not None:
-            try:
-                self._store.add(self._prefix + str(self.rank), 1)
-            except Exception:  # noqa: BLE001 - its host (rank 0) is gone; the collective will say so
-                self._store = None
-
-    def counts(self) -> list[int] | None:
-        """Every rank's count now (``add(key, 0)`` reads without waiting); None without a store."""
-        if self._store is None:
-            return None
-        try:
-            return [int(self._store.add(self._prefix + str(r), 0)) for r in range(self.world_size)]
-        except Exception:  # noqa: BLE001 - the store's host may be the rank that died
-            return None
-
-    def describe(self) -> str:
-        """Which ranks did not begin the call this rank is in, for an error message."""
-        counts = self.counts()
-        here = f"this rank (group rank {self.rank}) is in its call #{self.count} ({self.last_kind or 'gather'})"
-        if counts is None:
-            return here + "; how far the other ranks got is unknown (no c10d store)"
-        behind = [r for r, c in enumerate(counts) if c < self.count]
-        ahead = [r for r, c in enumerate(counts) if c > self.count]
-        parts = [here]
-        if behind:
-            parts.append("group ranks " + ", ".join(f"{r} (at call #{counts[r]})" for r in behind)
-                         + " never began it")
-        if ahead:
-            parts.append("group ranks " + ", ".join(f"{r} (at call #{counts[r]})" for r in ahead)
-                         + " are already past it")
-        if not behind and not ahead:
-            parts.append("every rank began it, so a rank is stuck or slow inside it")
-        return "; ".join(parts)
-
-
-def _default_store():
-    """The store the default process group rendezvoused through (None if unavailable)."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a private accessor: degrade to messages without rank names
-        return None
-
-
 class Collectives:
-    """Collectives over one process group, with byte counters.
+    """Collectives over one process group, with byte counters and a flight recorder.
 
     ``small_tensor_ops`` (scalars for overflow checks and norms) go through
     ``all_reduce``; they are counted too so the volume test sees everything.
-    ``wait_timeout``: seconds a wait on a gather or reduce-scatter may take before
-    :class:`CollectiveTimeout` (None: the process group's own timeout).
+    ``wait_timeout``: seconds any wait may take before :class:`CollectiveTimeout`
+    (None: the process group's own timeout).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, wait_timeout: float | None = None):
@@ -229,21 +166,43 @@ class Collectives:
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
             ranks = (0,)
         self.wait_timeout = wait_timeout
-        #: the bound every async handle waits with, converted once (handles are made per collective)
-        self._handle_timeout = None if wait_timeout is None else datetime.timedelta(seconds=wait_timeout)
+        #: the bound every handle waits with, converted once (handles are made per collective)
+        self.handle_timeout = None if wait_timeout is None else datetime.timedelta(seconds=wait_timeout)
         self.stats = CommStats()
+        self.recorder = FlightRecorder()
+        #: set once a collective failed here: the group must not be used again (no teardown gather)
+        self.failed = False
         self.ledger = None
-        if self.world_size > 1:  # group rank 0's fresh token names this engine's counters everywhere
-            namespace = self.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None)
-            self.ledger = EntryLedger(ranks, self.rank, namespace)
+        if self.world_size > 1:  # group rank 0's fresh token names this engine's records everywhere
+            namespace = self.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None, label="setup")
+            self.ledger = Ledger(ranks, self.rank, namespace)
 
     def enter(self, kind: str) -> None:
-        """A call that gathers begins on this rank (counted for error messages; see the Note)."""
+        """A call that issues collectives begins on this rank (counted for error messages; see the Note)."""
         if self.ledger is not None:
             self.ledger.enter(kind)
 
     def who_is_missing(self) -> str:
         return self.ledger.describe() if self.ledger is not None else "single rank"
+
+    def on_step(self) -> None:
+        """An optimizer step finished: later records carry the next step number."""
+        self.recorder.step += 1
+
+    def failure(self, record: Record | None, error: BaseException) -> CollectiveError:
+        """The error for a failed wait; publishes this rank's failure and flight recorder first."""
+        FlightRecorder.finish(record, ok=False)
+        self.failed = True
+        message = diagnosis(self.ledger, self.recorder, record, self.rank, self.wait_timeout, error)
+        self.report_failure(message.splitlines()[0])
+        return (CollectiveTimeout if is_timeout(error) else CollectiveError)(message)
+
+    def report_failure(self, why: str) -> None:
+        """Tell the other ranks (through the store) that this rank gives up, and why."""
+        self.failed = True
+        if self.ledger is not None:
+            self.ledger.report_failure(f"{why} (at {time.strftime('%H:%M:%S')}, step {self.recorder.step})",
+                                       self.recorder)
 
     # ------------------------------------------------------------------ helpers
     def _count(self, counter: OpCounter, t: torch.Tensor, numel: int, ring_factor: float) -> None:
@@ -252,8 +211,21 @@ class Collectives:
         counter.volume_bytes += numel * t.element_size()
         counter.sent_bytes += int(numel * t.element_size() * ring_factor)
 
+    def _issue(self, op: str, label: str, t: torch.Tensor, numel: int, async_op: bool, keep: tuple, call) -> Handle:
+        """Record, launch asynchronously, and return a bounded handle (waited now unless ``async_op``)."""
+        record = self.recorder.issue(op, label, numel, numel * t.element_size())
+        try:
+            work = call()
+        except RuntimeError as e:  # gloo may fail at launch when a peer is already gone
+            raise self.failure(record, e) from e
+        handle = Handle(work, keep, self, record)
+        if not async_op:
+            handle.wait()
+        return handle
+
     # --------------------------------------------------------------- collectives
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True) -> Handle:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = True,
+                   label: str = "") -> Handle:
         """output[N*S] <- concat over ranks of shard[S]. ``shard`` may be a view of output's own slot."""
         n = self.world_size
         assert output.numel() == shard.numel() * n, (output.numel(), shard.numel(), n)
@@ -262,10 +234,11 @@ class Collectives:
                 output.copy_(shard)
             return Handle()
         self._count(self.stats.all_gather, output, output.numel(), (n - 1) / n)
-        work = _all_gather_single(output, shard, group=self.group, async_op=async_op)
-        return Handle(work, (output, shard), self._handle_timeout) if async_op else Handle()
+        return self._issue("all_gather", label, output, output.numel(), async_op, (output, shard),
+                           lambda: _all_gather_single(output, shard, group=self.group, async_op=True))
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = True) -> Handle:
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = True,
+                       label: str = "") -> Handle:
         """shard[S] <- sum over ranks of this rank's slot of full[N*S] (callers pre-divide to average)."""
         n = self.world_size
         assert full.numel() == shard.numel() * n, (full.numel(), shard.numel(), n)
@@ -273,48 +246,75 @@ class Collectives:
             shard.copy_(full)
             return Handle()
         self._count(self.stats.reduce_scatter, full, full.numel(), (n - 1) / n)
-        if self.backend == "gloo":
-            work = dist.reduce_scatter(shard, list(full.chunk(n)), group=self.group, async_op=async_op)
+        if self.backend == "gloo":  # See [Note: which reduce-scatter]
+            call = lambda: dist.reduce_scatter(shard, list(full.chunk(n)), group=self.group, async_op=True)  # noqa: E731
         else:
-            work = _reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
-        return Handle(work, (shard, full), self._handle_timeout) if async_op else Handle()
+            call = lambda: _reduce_scatter_single(shard, full, group=self.group, async_op=True)  # noqa: E731
+        return self._issue("reduce_scatter", label, full, full.numel(), async_op, (shard, full), call)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
+                   label: str = "", count: bool = True) -> Handle:
         """In-place all-reduce; ``op`` is "sum" or "max"."""
         n = self.world_size
         if n == 1:
             return Handle()
-        self._count(self.stats.all_reduce, tensor, tensor.numel(), 2 * (n - 1) / n)
+        if count:
+            self._count(self.stats.all_reduce, tensor, tensor.numel(), 2 * (n - 1) / n)
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        work = dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
-        return Handle(work, (tensor,)) if async_op else Handle()
+        return self._issue(f"all_reduce_{op}", label, tensor, tensor.numel(), async_op, (tensor,),
+                           lambda: dist.all_reduce(tensor, op=red, group=self.group, async_op=True))
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of ``group_rank``; see [Note: group ranks]."""
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def broadcast(self, tensor: torch.Tensor, src_rank: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, src_rank: int, label: str = "") -> None:
         """Broadcast from ``src_rank`` (rank within the group): initial weights, user edits of gathered params."""
         if self.world_size == 1:
             return
-        dist.broadcast(tensor, src=self.global_rank(src_rank), group=self.group)
+        src = self.global_rank(src_rank)
+        self._issue("broadcast", label, tensor, tensor.numel(), False, (tensor,),
+                    lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
 
     # ------------------------------------------------------------- small objects
-    def broadcast_object(self, obj: Any, src_rank: int = 0) -> Any:
+    # [Note: bounded object collectives] torch's broadcast_object_list / all_gather_object
+    # wait without a bound; these pickle into byte tensors and use the bounded calls above.
+    # Like torch's, they unpickle what the other ranks of this job sent.
+    def _object_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast_object(self, obj: Any, src_rank: int = 0, label: str = "object") -> Any:
         """Group rank ``src_rank``'s picklable ``obj`` on every rank (checkpoint decisions)."""
         if self.world_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.global_rank(src_rank), group=self.group)
-        return box[0]
+        device = self._object_device()
+        data = pickle.dumps(obj) if self.rank == src_rank else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        self.broadcast(size, src_rank, label=label)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if self.rank == src_rank
+               else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+        self.broadcast(buf, src_rank, label=label)
+        return obj if self.rank == src_rank else pickle.loads(buf.cpu().numpy().tobytes())
 
-    def all_gather_object(self, obj: Any) -> list:
+    def all_gather_object(self, obj: Any, label: str = "object") -> list:
         """Every rank's picklable ``obj``, in group-rank order."""
-        if self.world_size == 1:
+        n = self.world_size
+        if n == 1:
             return [obj]
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        device = self._object_device()
+        data = pickle.dumps(obj)
+        sizes = torch.zeros(n, dtype=torch.int64, device=device)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        self._issue("all_gather", label, sizes, n, False, (), lambda: _all_gather_single(
+            sizes, size, group=self.group, async_op=True))
+        width = int(sizes.max().item())
+        mine = torch.zeros(width, dtype=torch.uint8, device=device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = torch.empty(width * n, dtype=torch.uint8, device=device)
+        self._issue("all_gather", label, everyone, everyone.numel(), False, (), lambda: _all_gather_single(
+            everyone, mine, group=self.group, async_op=True))
+        raw = everyone.cpu().numpy().tobytes()
+        return [pickle.loads(raw[r * width:r * width + int(sizes[r])]) for r in range(n)]
 
 
 def _check_member(group: dist.ProcessGroup | None) -> None:

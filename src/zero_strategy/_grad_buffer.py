@@ -288,7 +288,7 @@ class GradBuffer:
             full.div_(comm.world_size)  # fp16: divide before summing so the sum cannot overflow
         out = layout.own(full) if in_place else torch.empty(layout.shard_numel, dtype=self.grad_dtype,
                                                             device=self.device)
-        handle = comm.reduce_scatter(out, full, async_op=True)
+        handle = comm.reduce_scatter(out, full, async_op=True, label=layout.name)
         self.reduced_this_backward = True
         self.state = GradState.REDUCING
         return handle, out
