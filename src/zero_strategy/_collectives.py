@@ -27,6 +27,19 @@ stage 3 moves 3x. ``sent_bytes`` is what a bandwidth-optimal (ring) algorithm
 actually sends from each rank: (N-1)/N of the volume for all-gather and
 reduce-scatter, 2(N-1)/N for all-reduce.
 
+[Note: a failed group]
+A gloo group whose collective failed still has operations pending on its worker
+threads (waiting for a peer that is stuck or gone), and its C++ destructor joins those
+threads: the interpreter's exit would block until the group's own timeout, 30 minutes
+by default, so the rank that raised stays alive and a launcher waiting for it
+(torchrun, SLURM) with it. ``ProcessGroup.abort()`` does not unblock gloo, and
+``destroy_process_group`` blocks in the same destructor (both measured on torch 2.13).
+So after a failure the group is unregistered (``destroy_process_group``, so nothing
+uses it again and ``dist.is_initialized()`` says False) while one reference to it is
+deliberately leaked: it is never destructed, and the process exits at once. The
+group cannot be used after a failed collective anyway; NCCL's watchdog tears the whole
+process down on a timeout by default.
+
 [Note: group ranks]
 ``process_group`` may be a subgroup (``dist.new_group([2, 3])``,
 ``dist.new_subgroups()``): each subgroup shards and trains on its own, like
@@ -56,8 +69,11 @@ store round trip per call (a forward, a ``state_dict()``), not per collective.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import pickle
+import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -116,14 +132,16 @@ class CommStats:
 class Handle:
     """An in-flight collective. ``wait()`` is idempotent and keeps tensors alive until then."""
 
-    __slots__ = ("_work", "_keep", "_comm", "_record")
+    __slots__ = ("_work", "_keep", "_comm", "_record", "_unbounded")
 
     def __init__(self, work=None, keep: tuple = (), comm: "Collectives | None" = None,
-                 record: Record | None = None):
+                 record: Record | None = None, unbounded: bool = False):
+        """``unbounded``: the work's own ``wait(timeout)`` ignores the timeout; See [Note: unbounded works]."""
         self._work = work
         self._keep = keep
         self._comm = comm
         self._record = record
+        self._unbounded = unbounded
 
     def wait(self) -> None:
         """Wait for the collective; past the engine's bound, or when a peer is gone, raise
@@ -133,6 +151,8 @@ class Handle:
             try:
                 if self._comm is None or self._comm.handle_timeout is None:
                     work.wait()
+                elif self._unbounded:
+                    _wait_on_thread(work, self._comm.wait_timeout)
                 else:
                     work.wait(self._comm.handle_timeout)
             except RuntimeError as e:
@@ -140,6 +160,35 @@ class Handle:
                 raise self._comm.failure(self._record, e) from e
             FlightRecorder.finish(self._record, ok=True)
         self._keep = ()
+
+
+def _wait_on_thread(work, seconds: float) -> None:
+    """``work.wait()`` on a daemon thread, given up after ``seconds``.
+
+    [Note: unbounded works]
+    gloo's reduce-scatter (both the list form and ``reduce_scatter_tensor``, torch 2.13)
+    returns a wrapper work whose ``wait(timeout)`` waits on the inner operation without
+    the timeout, and whose ``is_completed()`` stays False, so neither a bounded wait nor
+    polling can give up on it. The wait runs on a daemon thread instead, which this rank
+    waits for with a bound; a thread left blocked by a failed collective dies with the
+    process (daemon threads are not joined at exit). One thread per wait costs ~0.1 ms,
+    small beside a gloo reduce-scatter.
+    """
+    done = threading.Event()
+    box: list[BaseException] = []
+
+    def run():
+        try:
+            work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box.append(e)
+        done.set()
+
+    threading.Thread(target=run, name="zero_strategy_wait", daemon=True).start()
+    if not done.wait(seconds):
+        raise RuntimeError(f"Operation timed out after {seconds:g} s (reduce-scatter)")
+    if box:
+        raise box[0]
 
 
 class Collectives:
@@ -195,7 +244,18 @@ class Collectives:
         self.failed = True
         message = diagnosis(self.ledger, self.recorder, record, self.rank, self.wait_timeout, error)
         self.report_failure(message.splitlines()[0])
+        self._abort()
         return (CollectiveTimeout if is_timeout(error) else CollectiveError)(message)
+
+    def _abort(self) -> None:
+        """Unregister the failed group so that this process can exit; See [Note: a failed group]."""
+        try:
+            pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed: see the Note
+            dist.destroy_process_group(self.group)
+        except Exception as e:  # noqa: BLE001 - best effort: the error message matters more
+            print(f"zero_strategy: could not release the process group after a failed collective: {e!r}",
+                  file=sys.stderr)
 
     def report_failure(self, why: str) -> None:
         """Tell the other ranks (through the store) that this rank gives up, and why."""
@@ -218,7 +278,7 @@ class Collectives:
             work = call()
         except RuntimeError as e:  # gloo may fail at launch when a peer is already gone
             raise self.failure(record, e) from e
-        handle = Handle(work, keep, self, record)
+        handle = Handle(work, keep, self, record, unbounded=op == "reduce_scatter" and self.backend == "gloo")
         if not async_op:
             handle.wait()
         return handle

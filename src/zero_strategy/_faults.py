@@ -41,6 +41,8 @@ import torch.distributed as dist
 FLIGHT_RECORDS = 16
 #: of those, how many the error message shows per rank
 SHOWN_RECORDS = 6
+#: seconds a failing rank waits for the other ranks' flight recorders (they fail within moments)
+GRACE = 3.0
 
 
 class CollectiveError(RuntimeError):
@@ -93,7 +95,7 @@ class FlightRecorder:
     def __init__(self, size: int = FLIGHT_RECORDS):
         self.records: collections.deque[Record] = collections.deque(maxlen=size)
         self.seq = 0
-        self.step = 0
+        self.step = 1  # the optimizer step the next collectives belong to, counted from 1
 
     def issue(self, op: str, label: str, numel: int, nbytes: int) -> Record:
         self.seq += 1
@@ -141,15 +143,20 @@ class Ledger:
         """Every rank's count now (``add(key, 0)`` reads without waiting); None without a store."""
         return self._try(lambda s: [int(s.add(self._key("entries", r), 0)) for r in range(self.world_size)])
 
-    def published(self, what: str) -> dict[int, str]:
-        """Group rank -> what it published under ``what`` ("failed", "flight"); ``check`` never waits."""
+    def published(self, what: str, grace: float = 0.0) -> dict[int, str]:
+        """Group rank -> what it published under ``what`` ("failed", "flight"), waiting up to ``grace``
+        seconds for every other rank (ranks that hit the same bound publish within moments)."""
         def read(s):
-            out = {}
-            for r in range(self.world_size):
-                key = self._key(what, r)
-                if r != self.rank and s.check([key]):
-                    out[r] = s.get(key).decode(errors="replace")
-            return out
+            out: dict[int, str] = {}
+            deadline = time.monotonic() + grace
+            while True:
+                for r in range(self.world_size):
+                    key = self._key(what, r)
+                    if r != self.rank and r not in out and s.check([key]):
+                        out[r] = s.get(key).decode(errors="replace")
+                if len(out) == self.world_size - 1 or time.monotonic() >= deadline:
+                    return out
+                time.sleep(0.05)
         return self._try(read) or {}
 
     def describe(self) -> str:
@@ -208,22 +215,41 @@ def diagnosis(ledger: Ledger | None, recorder: FlightRecorder, record: Record | 
     else:
         how = (f"lost {what}: a peer closed its connection or failed (it exited, was killed, or raised)")
     lines = [f"zero_strategy: rank {rank} {how}."]
+    flights: dict[int, list[Record]] = {}
     if ledger is not None:
         lines.append("Progress: " + ledger.describe() + ".")
-        for r, why in sorted(ledger.published("failed").items()):
-            lines.append(f"Group rank {r} reported: {why}")
-    lines.append(f"Last collectives of group rank {rank} (oldest first):")
-    lines += ["  " + r.line() for r in list(recorder.records)[-SHOWN_RECORDS:]]
-    if ledger is not None:
-        for r, text in sorted(ledger.published("flight").items()):
+        for r, text in ledger.published("flight", grace=min(GRACE, waited or GRACE)).items():
             try:
-                theirs = [Record(**d) for d in json.loads(text)][-SHOWN_RECORDS:]
+                flights[r] = [Record(**d) for d in json.loads(text)]
             except (ValueError, TypeError):
                 continue
-            lines.append(f"Last collectives of group rank {r} (published when it gave up):")
-            lines += ["  " + x.line() for x in theirs]
+        reports = ledger.published("failed")
+        for r, why in sorted(reports.items()):
+            lines.append(f"Group rank {r} reported: {why}")
+        silent = [r for r in range(ledger.world_size) if r != rank and r not in reports and r not in flights]
+        if silent:
+            lines.append(f"Group ranks {', '.join(map(str, silent))} reported nothing: stuck outside this "
+                         "engine's collectives (a hang, a long rank-only task) or dead (killed, out of memory).")
+        lines += [_desync(recorder, r, theirs) for r, theirs in sorted(flights.items()) if _desync(recorder, r, theirs)]
+    lines.append(f"Last collectives of group rank {rank} (oldest first):")
+    lines += ["  " + r.line() for r in list(recorder.records)[-SHOWN_RECORDS:]]
+    for r, theirs in sorted(flights.items()):
+        lines.append(f"Last collectives of group rank {r} (published when it gave up):")
+        lines += ["  " + x.line() for x in theirs[-SHOWN_RECORDS:]]
     lines.append(f"({type(error).__name__}: {str(error).strip()[:500]})")
     return "\n".join(lines)
+
+
+def _desync(mine: FlightRecorder, rank: int, theirs: list[Record]) -> str:
+    """The first collective number at which ``rank`` issued something else than this rank, if any."""
+    ours = {r.seq: r for r in mine.records}
+    for other in theirs:
+        here = ours.get(other.seq)
+        if here is not None and (here.op, here.label, here.numel) != (other.op, other.label, other.numel):
+            return (f"Desync: collective #{other.seq} is {here.op} {here.label!r} ({here.numel} elements, "
+                    f"step {here.step}) on this rank but {other.op} {other.label!r} ({other.numel} elements, "
+                    f"step {other.step}) on group rank {rank}: the ranks issued different collectives.")
+    return ""
 
 
 def failing_exception() -> BaseException | None:

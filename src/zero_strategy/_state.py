@@ -462,7 +462,7 @@ class ZeroEngine:
                 handle.wait()
             except CollectiveError as e:
                 raise missing_ranks_message(
-                    self.comm, f"the gradient reduce-scatter of {group.name!r} in backward", e) from e
+                    self.comm, f"the gradient reduce-scatter of {group.name!r}", e, gather=False) from e
         group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
         if stepping_allowed and self._overlapping() and _in_backward():
             for zopt in self.optimizers():  # See [Note: overlap_step] in _optimizer.py

@@ -145,12 +145,16 @@ def _unit_class_hint(root: nn.Module) -> str:
             f"{shown}.")
 
 
-def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError) -> CollectiveError:
+def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError,
+                          gather: bool = True) -> CollectiveError:
     """The error for a wait on a unit's collective that failed, naming the unit (see [Note: bounded
-    waits] in _collectives.py); a timeout adds what usually causes it."""
+    waits] in _collectives.py); a timed-out ``gather`` adds what usually causes it."""
     head = f"zero_strategy: rank {comm.rank} gave up on {what}."
     if not isinstance(error, CollectiveTimeout):
         return CollectiveError(f"{head}\n{error}")
+    if not gather:
+        return CollectiveTimeout(f"{head} If a rank is only slow to get there, raise "
+                                 f"ZeroConfig(collective_timeout=...).\n{error}")
     return CollectiveTimeout(
         f"{head} At stage 3 every forward (each generate() step too), "
         "state_dict() / save_pretrained() and gathered_parameters() all-gathers parameters, so "

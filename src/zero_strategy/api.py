@@ -232,6 +232,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     """
     engine = engine_of(model)
     comm = engine.comm
+    comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _faults.py
     values: dict[int, torch.Tensor] = {}
     for g in engine.groups:
         with g.resident(write_back=False):
