@@ -34,11 +34,10 @@ threads: the interpreter's exit would block until the group's own timeout, 30 mi
 by default, so the rank that raised stays alive and a launcher waiting for it
 (torchrun, SLURM) with it. ``ProcessGroup.abort()`` does not unblock gloo, and
 ``destroy_process_group`` blocks in the same destructor (both measured on torch 2.13).
-So after a failure the group is unregistered (``destroy_process_group``, so nothing
-uses it again and ``dist.is_initialized()`` says False) while one reference to it is
-deliberately leaked: it is never destructed, and the process exits at once. The
-group cannot be used after a failed collective anyway; NCCL's watchdog tears the whole
-process down on a timeout by default.
+So after a failure one reference to the group is deliberately leaked: it is never
+destructed, and the process exits at once. It stays registered, so the user's
+``dist.get_rank()`` in an error handler still works; its collectives must not be used
+again (NCCL's watchdog tears the whole process down on a timeout by default).
 
 [Note: group ranks]
 ``process_group`` may be a subgroup (``dist.new_group([2, 3])``,
@@ -248,11 +247,11 @@ class Collectives:
         return (CollectiveTimeout if is_timeout(error) else CollectiveError)(message)
 
     def _abort(self) -> None:
-        """Unregister the failed group so that this process can exit; See [Note: a failed group]."""
+        """Keep the failed group from being destructed, so that this process can exit; See [Note: a
+        failed group]."""
         try:
             pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed: see the Note
-            dist.destroy_process_group(self.group)
         except Exception as e:  # noqa: BLE001 - best effort: the error message matters more
             print(f"zero_strategy: could not release the process group after a failed collective: {e!r}",
                   file=sys.stderr)
