@@ -241,6 +241,8 @@ class Collectives:
         """The error for a failed wait; publishes this rank's failure and flight recorder first."""
         FlightRecorder.finish(record, ok=False)
         self.failed = True
+        if self.ledger is not None:
+            self.ledger.publish_flight(self.recorder)
         message = diagnosis(self.ledger, self.recorder, record, self.rank, self.wait_timeout, error)
         self.report_failure(message.splitlines()[0])
         self._abort()

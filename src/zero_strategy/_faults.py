@@ -133,10 +133,15 @@ class Ledger:
         self.last_kind = kind
         self._try(lambda s: s.add(self._key("entries", self.rank), 1))
 
-    def report_failure(self, why: str, recorder: FlightRecorder) -> None:
-        """Say why this rank gives up, and publish its flight recorder, for the other ranks' messages."""
-        self._try(lambda s: s.set(self._key("failed", self.rank), why[:2000]))
+    def publish_flight(self, recorder: FlightRecorder) -> None:
+        """Publish this rank's flight recorder, first thing when it gives up: the other ranks wait a
+        moment for it (:data:`GRACE`) while they write their messages."""
         self._try(lambda s: s.set(self._key("flight", self.rank), json.dumps(recorder.dump())))
+
+    def report_failure(self, why: str, recorder: FlightRecorder) -> None:
+        """Say why this rank gives up, for the other ranks' messages."""
+        self.publish_flight(recorder)
+        self._try(lambda s: s.set(self._key("failed", self.rank), why[:2000]))
 
     # ---------------------------------------------------------------- reading
     def counts(self) -> list[int] | None:
