@@ -24,7 +24,7 @@ COLLECTIVE = re.compile(r"collective #\d+ \((all_gather|reduce_scatter|all_reduc
 
 
 def run(case: str, engine: str, tmp_path) -> tuple[dict, float, dict]:
-    result = launch_faulty("faults.py", 2, {"case": case, "engine": engine, "timeout": BOUND},
+    result = launch_faulty("faults.py", 2, {"case": case, "engine": engine, "timeout": BOUND, "pg_timeout": 90},
                            survivors=[0], out=tmp_path, timeout=ALLOWED + 60)
     failed_at = float((tmp_path / "fail_time").read_text())
     return result, failed_at, result["reports"][0]

@@ -17,17 +17,17 @@ reports the error, its message, and the time it left, then exits.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from _worker import start
 
 import zero_strategy as zs
 
@@ -73,6 +73,17 @@ def misbehave(out, case: str, model) -> None:
         time.sleep(3600)
     if case == "desync":
         zs.full_state_dict(model)
+
+
+def start() -> tuple[dict, Path]:
+    """Join the gloo group with ``args["pg_timeout"]`` seconds, or torch's default (30 minutes) as a
+    user's script would (the DDP baseline in benchmarks/fault_bench.py)."""
+    out = Path(sys.argv[1])
+    args = json.loads((out / "args.json").read_text())
+    torch.set_num_threads(1)
+    timeout = args.get("pg_timeout")
+    dist.init_process_group("gloo", **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))
+    return args, out
 
 
 def main() -> None:
