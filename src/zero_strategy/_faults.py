@@ -223,7 +223,8 @@ def diagnosis(ledger: Ledger | None, recorder: FlightRecorder, record: Record | 
     flights: dict[int, list[Record]] = {}
     if ledger is not None:
         lines.append("Progress: " + ledger.describe() + ".")
-        for r, text in ledger.published("flight", grace=min(GRACE, waited or GRACE)).items():
+        grace = min(GRACE, waited or GRACE) if is_timeout(error) else GRACE / 3  # a dead peer sends nothing
+        for r, text in ledger.published("flight", grace=grace).items():
             try:
                 flights[r] = [Record(**d) for d in json.loads(text)]
             except (ValueError, TypeError):

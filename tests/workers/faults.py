@@ -9,7 +9,7 @@ collective_timeout). Cases:
 * ``sigkill``: rank 1 SIGKILLs itself.
 * ``stuck``: rank 1 sleeps for an hour (a hung data loader, a deadlock).
 * ``desync``: rank 1 calls ``zs.full_state_dict(model)`` alone (a rank-1-only save): it
-  issues collectives the others never issue.
+  issues collectives the others never issue (DDP: one extra ``all_reduce``).
 
 Rank 1 writes the time it misbehaved into ``fail_time``; every rank that leaves its loop
 reports the error, its message, and the time it left, then exits.
@@ -72,7 +72,10 @@ def misbehave(out, case: str, model) -> None:
     if case == "stuck":
         time.sleep(3600)
     if case == "desync":
-        zs.full_state_dict(model)
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            dist.all_reduce(torch.zeros(1))  # the baseline's own extra collective
+        else:
+            zs.full_state_dict(model)
 
 
 def start() -> tuple[dict, Path]:

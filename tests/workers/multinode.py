@@ -40,10 +40,16 @@ def data(world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
 
 
-def reference(world: int) -> dict[str, torch.Tensor]:
+def reference(world: int, lightning_order: bool = False) -> dict[str, torch.Tensor]:
+    """``lightning_order``: the Trainer always gives a training DataLoader a shuffling
+    DistributedSampler (seed 0, epoch 0), so each step's global batch is the next slice
+    of that permutation."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     x, y = data(world)
+    if lightning_order:
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        x, y = x[perm], y[perm]
     for step in range(STEPS):
         sl = slice(step * PER_RANK * world, (step + 1) * PER_RANK * world)
         nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
@@ -86,9 +92,9 @@ def train_lightning(args: dict) -> tuple[dict, object]:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])
     lit = Lit()
-    trainer = pl.Trainer(accelerator="cpu", num_nodes=2, devices=2, strategy=f"zero{args['stage']}", max_steps=STEPS,
+    trainer = pl.Trainer(accelerator="cpu", num_nodes=2, devices=2, strategy=args.get("lightning_strategy") or f"zero{args['stage']}", max_steps=STEPS,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True)
     trainer.fit(lit, DataLoader(TensorDataset(*data(world)), batch_size=PER_RANK))
@@ -127,11 +133,12 @@ def main() -> None:
     args = json.loads((out / "args.json").read_text())
     torch.set_num_threads(1)
     place = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                            "NODE_RANK", "SLURM_PROCID", "SLURM_NODEID")}
+                                            "NODE_RANK", "SLURM_PROCID", "SLURM_NODEID", "SLURM_LOCALID")}
     report = dict(place=place)
     try:
         full, extra = {"plain": train_plain, "lightning": train_lightning, "accelerate": train_accelerate}[mode](args)
-        report["diff"] = worst(full, reference(int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))))
+        world = int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])
+        report["diff"] = worst(full, reference(world, lightning_order=mode == "lightning"))
         report["save"] = save(args, extra)
         report["environment"] = extra if isinstance(extra, str) else ""
         import torch.distributed as dist
