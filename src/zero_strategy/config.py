@@ -261,13 +261,16 @@ class ZeroConfig:
             that every backward outside ``no_sync()`` ends an accumulation and is followed
             by ``optimizer.step()``; it cannot combine with clipping or fp16, which need
             every gradient before the first update.
-        collective_timeout: seconds a rank waits on a parameter all-gather or gradient
-            reduce-scatter before it raises :class:`~zero_strategy.CollectiveTimeout`
-            naming the unit and the ranks that never began the call (a forward,
-            ``generate()`` or ``state_dict()`` run on some ranks only); ``None`` leaves it
-            to the process group's timeout (30 minutes by default). Raise it when a rank is
-            legitimately that much slower than the others to reach a forward (a long
-            rank-0-only evaluation or save between steps).
+        collective_timeout: seconds a rank waits on any collective of the engine (gathers,
+            reduce-scatters, the overflow and gradient-norm all-reduces, broadcasts,
+            checkpoint agreement) before it raises :class:`~zero_strategy.CollectiveTimeout`
+            naming the collective, the step, the ranks that never began the call or failed,
+            and the last collectives of each rank (a peer stuck or hung, a forward,
+            ``generate()`` or ``state_dict()`` run on some ranks only, a desync); a peer
+            that exits or is killed is noticed at once (:class:`~zero_strategy.CollectiveError`).
+            ``None`` leaves it to the process group's timeout (30 minutes by default). Raise
+            it when a rank is legitimately that much slower than the others to reach a
+            collective (a long rank-0-only evaluation or save between steps).
     """
 
     stage: int = 3
