@@ -103,28 +103,36 @@ class CommStats:
     all_gather: OpCounter = field(default_factory=OpCounter)
     reduce_scatter: OpCounter = field(default_factory=OpCounter)
     all_reduce: OpCounter = field(default_factory=OpCounter)
+    #: hybrid sharding: the all-reduce of gradient shards across the shard groups
+    inter_all_reduce: OpCounter = field(default_factory=OpCounter)
+
+    KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
     def reset(self) -> None:
         self.all_gather = OpCounter()
         self.reduce_scatter = OpCounter()
         self.all_reduce = OpCounter()
+        self.inter_all_reduce = OpCounter()
 
     @property
     def volume_elements(self) -> int:
-        return sum(c.volume_elements for c in (self.all_gather, self.reduce_scatter, self.all_reduce))
+        return sum(getattr(self, k).volume_elements for k in self.KINDS)
 
     @property
     def sent_bytes(self) -> int:
-        return sum(c.sent_bytes for c in (self.all_gather, self.reduce_scatter, self.all_reduce))
+        """Bytes sent inside the shard group (the whole group when not hybrid)."""
+        return sum(getattr(self, k).sent_bytes for k in self.KINDS)
 
     def as_dict(self) -> dict:
         out = {}
-        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        for kind in self.KINDS + ("inter_all_reduce",):
             c = getattr(self, kind)
             out[kind] = dict(calls=c.calls, volume_elements=c.volume_elements,
                              volume_bytes=c.volume_bytes, sent_bytes=c.sent_bytes)
         out["volume_elements"] = self.volume_elements
         out["sent_bytes"] = self.sent_bytes
+        out["intra_group_sent_bytes"] = self.sent_bytes
+        out["inter_group_sent_bytes"] = self.inter_all_reduce.sent_bytes
         return out
 
 
@@ -199,7 +207,10 @@ class Collectives:
     (None: the process group's own timeout).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, wait_timeout: float | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, wait_timeout: float | None = None,
+                 replicate_group: dist.ProcessGroup | None = None):
+        """``replicate_group``: hybrid sharding, the ranks holding the same shard in the other shard
+        groups (See [Note: hybrid sharding] in _hybrid.py); None: ``group`` is the whole data parallel."""
         if dist.is_available() and dist.is_initialized():
             _check_member(group)
             self.group = group
@@ -213,6 +224,10 @@ class Collectives:
                 raise ValueError("a process_group was given but torch.distributed is not initialized")
             self.group, self.rank, self.world_size, self.backend = None, 0, 1, "none"
             ranks = (0,)
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        #: every rank training the model: the gradient average divides by it
+        self.data_parallel_size = self.world_size * self.replicas
         self.wait_timeout = wait_timeout
         #: the bound every handle waits with, converted once (handles are made per collective)
         self.handle_timeout = None if wait_timeout is None else datetime.timedelta(seconds=wait_timeout)
@@ -330,12 +345,26 @@ class Collectives:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def broadcast(self, tensor: torch.Tensor, src_rank: int, label: str = "") -> None:
-        """Broadcast from ``src_rank`` (rank within the group): initial weights, user edits of gathered params."""
-        if self.world_size == 1:
+        """Broadcast from ``src_rank`` (rank within the group): initial weights, user edits of gathered params.
+
+        Hybrid: within every shard group, then from the first shard group to the others."""
+        if self.world_size > 1:
+            src = self.global_rank(src_rank)
+            self._issue("broadcast", label, tensor, tensor.numel(), False, (tensor,),
+                        lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
+        if self.replicas > 1:
+            first = dist.get_global_rank(self.replicate_group, 0)
+            self._issue("broadcast", label, tensor, tensor.numel(), False, (tensor,),
+                        lambda: dist.broadcast(tensor, src=first, group=self.replicate_group, async_op=True))
+
+    def all_reduce_replicas(self, shard: torch.Tensor, label: str = "") -> None:
+        """Hybrid sharding: sum a gradient shard over the shard groups (no-op when not hybrid)."""
+        n = self.replicas
+        if n == 1:
             return
-        src = self.global_rank(src_rank)
-        self._issue("broadcast", label, tensor, tensor.numel(), False, (tensor,),
-                    lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
+        self._count(self.stats.inter_all_reduce, shard, shard.numel(), 2 * (n - 1) / n)
+        self._issue("all_reduce_inter", label, shard, shard.numel(), False, (shard,),
+                    lambda: dist.all_reduce(shard, group=self.replicate_group, async_op=True))
 
     # ------------------------------------------------------------- small objects
     # [Note: bounded object collectives] torch's broadcast_object_list / all_gather_object

@@ -25,6 +25,7 @@ from torch import nn
 from . import _model_integrations as model_integrations
 from ._collectives import Collectives
 from ._faults import failing_exception
+from ._hybrid import hybrid_groups
 from ._memory import MemoryReport, measure
 from ._optimizer import ZeroOptimizer, check_elementwise
 from ._state import ZeroEngine
@@ -75,7 +76,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
                          "(call zero_strategy.teardown(model) first to start over)")
     for opt in optimizers:
         check_elementwise(opt)
-    comm = Collectives(process_group, wait_timeout=cfg.collective_timeout)
+    shard_group, replicate_group = hybrid_groups(cfg.shard_group_size, process_group)
+    comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn)

@@ -271,6 +271,10 @@ class ZeroConfig:
             ``None`` leaves it to the process group's timeout (30 minutes by default). Raise
             it when a rank is legitimately that much slower than the others to reach a
             collective (a long rank-0-only evaluation or save between steps).
+        shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
+            and replicate across the groups (``"node"``: ``LOCAL_WORLD_SIZE``); gradients are
+            reduce-scattered in the group and all-reduced across groups. ``None``: shard over
+            all ranks. See [Note: hybrid sharding] in _hybrid.py.
     """
 
     stage: int = 3
@@ -286,6 +290,7 @@ class ZeroConfig:
     cast_forward_inputs: bool = True
     overlap_step: bool = False
     collective_timeout: float | None = 300.0
+    shard_group_size: int | str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -326,6 +331,9 @@ class ZeroConfig:
                 raise ZeroConfigError("overlap_step", "cannot combine with gradient_clipping or fp16: both "
                                       "need every gradient before the first group may step",
                                       "Drop overlap_step, or use bf16/fp32 without clipping.")
+        if self.shard_group_size is not None and self.shard_group_size != "node":
+            size = _as_int("shard_group_size", self.shard_group_size, 1)
+            set_("shard_group_size", size)
         if self.collective_timeout is not None:
             timeout = _as_float("collective_timeout", self.collective_timeout)
             if not timeout > 0 or timeout == float("inf"):
@@ -368,6 +376,7 @@ class ZeroConfig:
             "cast_forward_inputs": self.cast_forward_inputs,
             "overlap_step": self.overlap_step,
             "collective_timeout": self.collective_timeout,
+            "shard_group_size": self.shard_group_size,
         }
 
     @classmethod

@@ -169,7 +169,8 @@ def _run_case(case: dict) -> dict:
                         gradient_clipping=case.get("clip") if case.get("clip_in_config") else None,
                         offload_optimizer=_offload(case.get("offload_optimizer"), case),
                         offload_params=_offload(case.get("offload_params"), case),
-                        overlap_step=case.get("overlap_step", False))
+                        overlap_step=case.get("overlap_step", False),
+                        shard_group_size=case.get("shard_group_size"))
     model, zopt = zs.setup(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
 

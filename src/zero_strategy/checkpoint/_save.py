@@ -52,6 +52,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = engine_of(model)
     comm = engine.comm
+    refuse_hybrid(comm, "save_checkpoint")
     zopts = resolve_zero_optimizers(engine, optimizer)
     path = Path(path).absolute()
     decision: tuple[str, str] | None = None
@@ -294,3 +295,13 @@ def _write_metadata(tmp: Path, meta: Metadata) -> None:
         f.write(meta.to_json())
         f.flush()
         os.fsync(f.fileno())
+
+
+def refuse_hybrid(comm, what: str) -> None:
+    """Sharded checkpoints of hybrid sharding are not written or read yet: say so on every rank
+    (no collective), instead of N/k shard groups racing for one directory."""
+    if comm.replicas > 1:
+        raise CheckpointError(
+            f"{what} with ZeroConfig(shard_group_size=...) is not supported yet. Save the full weights "
+            "instead (zs.full_state_dict(model, rank0_only=True) on every rank, rank 0 writes them), or "
+            "train with shard_group_size=None")
