@@ -4,9 +4,8 @@ laid out as 2x2, 1x4 (k=4: flat) and 4x1 (k=1: replicated), at every stage.
 Issue #15. The worker is the DDP parity worker (tests/workers/parity.py): DDP on the
 same per-rank data is the reference, fp32 within 1e-5 (losses and final full weights).
 SGD with momentum (which exposes a wrong gradient scale, where Adam hides it) and
-gradient accumulation are included; CPU optimizer offload at k=2. The shards held and
-the bytes sent inside and across groups are checked against the theory by counting
-tensor sizes independently in tests/test_hybrid_comm.py (not written yet).
+gradient accumulation are included; CPU optimizer offload at k=2. The bytes sent inside
+and across groups are checked against the theory in tests/test_hybrid_comm.py.
 """
 
 from __future__ import annotations
