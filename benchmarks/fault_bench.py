@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +51,7 @@ def run(engine: str, case: str, timeout: float, cap: float) -> dict:
     result = launch_faulty("faults.py", 2, {"case": case, "engine": engine, "timeout": timeout},
                            survivors=[0], out=out, timeout=cap)
     failed_at = float((out / "fail_time").read_text())
+    shutil.rmtree(out, ignore_errors=True)
     exited = result["exited"][0]
     return dict(engine=engine, case=case, seconds=None if exited is None else round(exited - failed_at, 1),
                 message=first_line(result["reports"][0], result["logs"][0]))

@@ -58,8 +58,8 @@ def run_nodes(commands: list[tuple[list[str], dict]], out: Path, timeout: float 
     return reports
 
 
-def prepare(tmp_path: Path, ckpt: dict | None = None) -> Path:
-    (tmp_path / "args.json").write_text(json.dumps({"stage": 3, "ckpt": ckpt}))
+def prepare(tmp_path: Path, ckpt: dict | None = None, **extra) -> Path:
+    (tmp_path / "args.json").write_text(json.dumps({"stage": 3, "ckpt": ckpt, **extra}))
     return tmp_path
 
 
@@ -158,3 +158,39 @@ def test_accelerate_launch_two_machines(tmp_path):
     reports = run_nodes(commands, out)
     assert_trained_like_the_reference(reports)
     assert_two_nodes_of_two(reports, "GROUP_RANK", "LOCAL_RANK")
+
+
+# Hybrid sharding through each front end's own knob: shard within the node (LOCAL_WORLD_SIZE=2),
+# replicate across the two nodes; the same reference.
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_per_node_under_torchrun(tmp_path):
+    out, port = prepare(tmp_path, shard_group_size="node"), free_port()
+    reports = run_nodes([(torchrun(n, port, out, "plain"), env()) for n in (0, 1)], out)
+    assert_trained_like_the_reference(reports)
+    assert {rep["replicas"] for rep in reports} == {2}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_through_lightning_strategy(tmp_path):
+    pytest.importorskip("lightning")
+    out, port = prepare(tmp_path, shard_group_size="node"), free_port()
+    reports = run_nodes([(torchrun(n, port, out, "lightning"), env()) for n in (0, 1)], out)
+    assert_trained_like_the_reference(reports)
+    assert {rep["replicas"] for rep in reports} == {2}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_through_accelerate_config(tmp_path):
+    pytest.importorskip("accelerate")
+    out, port = prepare(tmp_path, shard_group_size=2), free_port()
+    config = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
+    commands = [([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                  "--num_machines", "2", "--machine_rank", str(n), "--num_processes", "4",
+                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), WORKER, str(out), "accelerate"],
+                 env()) for n in (0, 1)]
+    reports = run_nodes(commands, out)
+    assert_trained_like_the_reference(reports)
+    assert {rep["replicas"] for rep in reports} == {2}

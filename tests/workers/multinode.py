@@ -2,7 +2,8 @@
 
 ``argv``: OUT MODE where MODE is "plain" (zero_strategy.setup), "lightning"
 (``Trainer(num_nodes=2, devices=2)``) or "accelerate" (ZeroAccelerator). ``args.json``:
-``stage``, ``ckpt`` (a checkpoint path per node: {"0": path, "1": path}, optional).
+``stage``, ``ckpt`` (a checkpoint path per node: {"0": path, "1": path}, optional),
+``shard_group_size`` (hybrid sharding through each front end's own knob, optional).
 
 The reference is computed on every rank, in one process: the same model trained with
 plain torch AdamW on each step's whole global batch (the mean of the ranks' equal-sized
@@ -68,7 +69,8 @@ def train_plain(args: dict) -> tuple[dict, object]:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=LR), zs.ZeroConfig(stage=args["stage"]))
+    config = zs.ZeroConfig(stage=args["stage"], shard_group_size=args.get("shard_group_size"))
+    model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=LR), config)
     x, y = data(world)
     for step in range(STEPS):
         lo = (step * world + rank) * PER_RANK
@@ -87,6 +89,7 @@ def train_lightning(args: dict) -> tuple[dict, object]:
             self.net = make_model()
 
         def training_step(self, batch, batch_idx):
+            self.replicas = zs.engine_of(self).comm.replicas
             return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self):
@@ -94,17 +97,21 @@ def train_lightning(args: dict) -> tuple[dict, object]:
 
     world = int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])
     lit = Lit()
-    trainer = pl.Trainer(accelerator="cpu", num_nodes=2, devices=2, strategy=args.get("lightning_strategy") or f"zero{args['stage']}", max_steps=STEPS,
+    strategy = f"zero{args['stage']}"
+    if args.get("shard_group_size"):
+        from zero_strategy.lightning import ZeroStrategy
+        strategy = ZeroStrategy(stage=args["stage"], shard_group_size=args["shard_group_size"])
+    trainer = pl.Trainer(accelerator="cpu", num_nodes=2, devices=2, strategy=strategy, max_steps=STEPS,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True)
     trainer.fit(lit, DataLoader(TensorDataset(*data(world)), batch_size=PER_RANK))
     env = type(trainer.strategy.cluster_environment).__name__
-    return {k: v.detach().clone() for k, v in lit.net.state_dict().items()}, env
+    return {k: v.detach().clone() for k, v in lit.net.state_dict().items()}, (env, lit.replicas)
 
 
 def train_accelerate(args: dict) -> tuple[dict, object]:
     from zero_strategy.accelerate import ZeroAccelerator
-    acc = ZeroAccelerator(zero_config=f"zero{args['stage']}")
+    acc = ZeroAccelerator(zero_config={"stage": args["stage"], "shard_group_size": args.get("shard_group_size")})
     world = acc.num_processes
     model = make_model()
     model, opt, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR),
@@ -118,7 +125,7 @@ def train_accelerate(args: dict) -> tuple[dict, object]:
 
 def save(args: dict, trained) -> str:
     """Save to this node's checkpoint path; the error text, or "" when it saved."""
-    if not args.get("ckpt") or not isinstance(trained, tuple):
+    if not args.get("ckpt") or isinstance(trained[0], str):
         return "not tried"
     node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
     try:
@@ -140,9 +147,10 @@ def main() -> None:
         world = int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])
         report["diff"] = worst(full, reference(world, lightning_order=mode == "lightning"))
         report["save"] = save(args, extra)
-        report["environment"] = extra if isinstance(extra, str) else ""
+        report["environment"] = extra[0] if mode == "lightning" else ""
         import torch.distributed as dist
         report["global_rank"] = dist.get_rank()
+        report["replicas"] = extra[1] if mode == "lightning" else zs.engine_of(extra[0]).comm.replicas
     except Exception:  # noqa: BLE001 - reported to the test
         report["error"] = traceback.format_exc()
     rank = report.get("global_rank", place["RANK"] or place["SLURM_PROCID"])
