@@ -226,6 +226,8 @@ class Collectives:
             ranks = (0,)
         self.replicate_group = replicate_group
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        #: which shard group this rank is in (0: the one that writes checkpoints)
+        self.replica_index = dist.get_rank(replicate_group) if replicate_group is not None else 0
         #: every rank training the model: the gradient average divides by it
         self.data_parallel_size = self.world_size * self.replicas
         self.wait_timeout = wait_timeout
@@ -344,15 +346,16 @@ class Collectives:
         """The global rank of ``group_rank``; see [Note: group ranks]."""
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def broadcast(self, tensor: torch.Tensor, src_rank: int, label: str = "") -> None:
+    def broadcast(self, tensor: torch.Tensor, src_rank: int, label: str = "", across_groups: bool = True) -> None:
         """Broadcast from ``src_rank`` (rank within the group): initial weights, user edits of gathered params.
 
-        Hybrid: within every shard group, then from the first shard group to the others."""
+        Hybrid: within every shard group, then (``across_groups``) from the first shard group to
+        the others; the object collectives, which agree within a group, pass False."""
         if self.world_size > 1:
             src = self.global_rank(src_rank)
             self._issue("broadcast", label, tensor, tensor.numel(), False, (tensor,),
                         lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=True))
-        if self.replicas > 1:
+        if self.replicas > 1 and across_groups:
             first = dist.get_global_rank(self.replicate_group, 0)
             self._issue("broadcast", label, tensor, tensor.numel(), False, (tensor,),
                         lambda: dist.broadcast(tensor, src=first, group=self.replicate_group, async_op=True))
@@ -380,11 +383,27 @@ class Collectives:
         device = self._object_device()
         data = pickle.dumps(obj) if self.rank == src_rank else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        self.broadcast(size, src_rank, label=label)
+        self.broadcast(size, src_rank, label=label, across_groups=False)
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if self.rank == src_rank
                else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-        self.broadcast(buf, src_rank, label=label)
+        self.broadcast(buf, src_rank, label=label, across_groups=False)
         return obj if self.rank == src_rank else pickle.loads(buf.cpu().numpy().tobytes())
+
+    def broadcast_object_across_groups(self, obj: Any, label: str = "object") -> Any:
+        """Hybrid: the first shard group's ``obj`` on the same place of every shard group."""
+        if self.replicas == 1:
+            return obj
+        device, group = self._object_device(), self.replicate_group
+        first, is_src = dist.get_global_rank(group, 0), self.replica_index == 0
+        data = pickle.dumps(obj) if is_src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        self._issue("broadcast", label, size, 1, False, (size,),
+                    lambda: dist.broadcast(size, src=first, group=group, async_op=True))
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if is_src
+               else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+        self._issue("broadcast", label, buf, buf.numel(), False, (buf,),
+                    lambda: dist.broadcast(buf, src=first, group=group, async_op=True))
+        return obj if is_src else pickle.loads(buf.cpu().numpy().tobytes())
 
     def all_gather_object(self, obj: Any, label: str = "object") -> list:
         """Every rank's picklable ``obj``, in group-rank order."""

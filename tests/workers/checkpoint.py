@@ -45,7 +45,8 @@ def build(case: dict):
     model = TinyLM(layers=2)
     opt = torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
-                        loss_scale=zs.LossScaleConfig(growth_interval=2))
+                        loss_scale=zs.LossScaleConfig(growth_interval=2),
+                        shard_group_size=case.get("shard_group_size"))
     return zs.setup(model, opt, cfg)
 
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from ..api import engine_of
-from ._save import refuse_hybrid
 from ._layout import (BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata,
                       resolve_zero_optimizers)
 from ._safetensors_stream import verify_file
@@ -107,7 +106,6 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     side (with a warning) instead of raising.
     """
     engine = engine_of(model)
-    refuse_hybrid(engine.comm, "load_checkpoint")
     comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
     error, meta, extra, reader, hyper = None, None, None, None, []

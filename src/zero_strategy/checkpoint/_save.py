@@ -52,7 +52,25 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = engine_of(model)
     comm = engine.comm
-    refuse_hybrid(comm, "save_checkpoint")
+    if comm.replicas == 1:
+        _save_in_group(path, model, engine, optimizer, extra_state)
+        return
+    # [Note: hybrid checkpoints] every shard group holds the same shards: the first one writes
+    # the checkpoint (a flat one of its k ranks, loadable at any world size, hybrid or not),
+    # and tells its replicas in the other groups how it went, so every rank returns or raises.
+    outcome = None
+    if comm.replica_index == 0:
+        try:
+            _save_in_group(path, model, engine, optimizer, extra_state)
+        except CheckpointError as err:
+            outcome = str(err)
+    outcome = comm.broadcast_object_across_groups(outcome, label="checkpoint outcome")
+    if outcome is not None:
+        raise CheckpointError(outcome)
+
+
+def _save_in_group(path, model, engine, optimizer, extra_state) -> None:
+    comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
     path = Path(path).absolute()
     decision: tuple[str, str] | None = None
@@ -296,12 +314,3 @@ def _write_metadata(tmp: Path, meta: Metadata) -> None:
         f.flush()
         os.fsync(f.fileno())
 
-
-def refuse_hybrid(comm, what: str) -> None:
-    """Sharded checkpoints of hybrid sharding are not written or read yet: say so on every rank
-    (no collective), instead of N/k shard groups racing for one directory."""
-    if comm.replicas > 1:
-        raise CheckpointError(
-            f"{what} with ZeroConfig(shard_group_size=...) is not supported yet. Save the full weights "
-            "instead (zs.full_state_dict(model, rank0_only=True) on every rank, rank 0 writes them), or "
-            "train with shard_group_size=None")
