@@ -121,3 +121,13 @@ def test_model_from_hugging_face_config(capsys, tmp_path):
     assert row["num_params"] == expected == 6800
     assert main(["estimate", "--model", str(tmp_path / "config.json"), "--stage", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["num_params"] == expected
+
+
+def test_shard_group_size_estimates_the_group_not_the_world(capsys):
+    """Hybrid sharding (issue #15): 8 ranks in groups of 2 hold what flat ZeRO on 2 ranks holds;
+    the ZeRO paper's stage-3 mixed-precision Adam figure is 16Ψ/k."""
+    assert main(["estimate", "--params", "1e6", "-n", "8", "--shard-group-size", "2", "--stage", "3",
+                 "--json"]) == 0
+    (est,) = json.loads(capsys.readouterr().out)
+    assert est["total_device"] == pytest.approx(16 * 1e6 / 2)
+    assert main(["estimate", "--params", "1e6", "-n", "8", "--shard-group-size", "3", "--stage", "3"]) != 0
