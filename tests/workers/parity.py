@@ -135,11 +135,11 @@ def deferred_collectives(enabled: bool):
     def wrap(name):
         original = originals[name]
 
-        def deferred(self, out, inp, async_op=True):
+        def deferred(self, out, inp, async_op=True, **kw):  # kw: the collective's label
             if not async_op:
-                return original(self, out, inp, async_op=False)
+                return original(self, out, inp, async_op=False, **kw)
             _poison_except(out, inp)
-            return _DeferredHandle(lambda: original(self, out, inp, async_op=False))
+            return _DeferredHandle(lambda: original(self, out, inp, async_op=False, **kw))
         return deferred
 
     for name in originals:
