@@ -99,8 +99,9 @@ def test_torchrun_c10d_rendezvous_two_nodes_and_a_shared_checkpoint(tmp_path):
     assert_trained_like_the_reference(reports)
     assert_two_nodes_of_two(reports, "GROUP_RANK", "LOCAL_RANK")
     assert all(rep["save"] == "" for rep in reports), [rep["save"] for rep in reports]
-    assert sorted(p.name for p in Path(shared).glob("rank*")) == [f"rank{r}-of-4.safetensors" for r in range(4)] \
-        or len(list(Path(shared).iterdir())) >= 4
+    # every rank's shard, written on both "nodes", in the one directory, and published
+    assert sorted(p.name for p in Path(shared).glob("rank*")) == [f"rank{r:05d}-of-00004.safetensors" for r in range(4)]
+    assert (Path(shared) / "metadata.json").is_file()
 
 
 @pytest.mark.multiprocess

@@ -27,7 +27,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from typing_extensions import override
 
 from .. import api as zs
 from . import _checkpoint, _summary, _toggle
@@ -163,14 +162,12 @@ class ZeroStrategy(DDPStrategy):
         with meta_init_context(meta_init_enabled(self.meta_init, self._base_config.stage)):
             yield
 
-    @override
     def on_exception(self, exception: BaseException) -> None:
         """Remember the error: the teardown that follows must not gather (See [Note: no collective
         on the error path] in api.py); the healthy ranks are waiting in another collective."""
         self._error = exception
         super().on_exception(exception)
 
-    @override
     def teardown(self) -> None:
         module = self.lightning_module
         error, self._error = self._error, None
