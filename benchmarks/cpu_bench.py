@@ -57,6 +57,8 @@ SETUPS = {
     "zero3_offload_nvme": (3, "nvme", "nvme"),
     "ds1": (1, None, None), "ds2": (2, None, None), "ds3": (3, None, None),
     "ds2_offload": (2, "cpu", None), "ds3_offload": (3, "cpu", "cpu"), "ds3_nvme": (3, "nvme", "nvme"),
+    # hybrid sharding over groups of --hybrid ranks (see README "Hybrid sharding")
+    "hzero1": (1, None, None), "hzero2": (2, None, None), "hzero3": (3, None, None),
 }
 #: each of our systems beside DeepSpeed's same setup (the "vs DS" column)
 PEERS = {"zero1": "ds1", "zero2": "ds2", "zero3": "ds3", "zero2_offload": "ds2_offload",
@@ -95,6 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--threshold", type=int, default=None,
                    help="stage-3 param_persistence_threshold (default: ZeroConfig's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hybrid", type=int, default=None, metavar="K",
+                   help="also run hzero1-3: ZeroConfig(shard_group_size=K) (e.g. --nproc 4 --hybrid 2)")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--timeout", type=int, default=1800, help="seconds before the launcher gives up")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -111,6 +115,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _without_nproc(argv: list) -> list:
+    """The workers' arguments: torchrun would take ``--nproc`` after the script for its own
+    (ambiguous) ``--nproc-per-node``, and the workers do not need it."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def launch(args, argv) -> int:
     """Run this script under torch.distributed.run and judge success by the JSON rank 0 writes."""
     run_id = uuid.uuid4().hex
@@ -121,7 +139,7 @@ def launch(args, argv) -> int:
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           os.path.abspath(__file__), "--worker", *argv]
+           os.path.abspath(__file__), "--worker", *_without_nproc(argv)]
     t0 = time.perf_counter()
     try:
         rc = subprocess.run(cmd, env=env, timeout=args.timeout).returncode
@@ -249,6 +267,8 @@ class ZeroSystem(System):
                       offload_params=zs.NVMeOffload(path=_nvme_dir(args, name)))
         else:
             kw.update(offload_optimizer=off_opt, offload_params=off_par)
+        if name.startswith("hzero"):
+            kw["shard_group_size"] = args.hybrid
         cfg = zs.ZeroConfig(stage=stage, precision=args.precision, **kw)
         self.threshold = cfg.param_persistence_threshold
         self.theory = comm_theory(model, stage, self.threshold)
@@ -373,6 +393,8 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.hybrid:
+        wanted = [s for s in wanted if not s.startswith("ds")] + [f"hzero{s}" for s in (1, 2, 3)]
     unknown = [s for s in wanted if s not in ALL_SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {ALL_SYSTEMS}")
@@ -500,12 +522,13 @@ def summarize(args, results, skipped, world, ds_version, tf_version, torch_versi
         if ddp_losses and name != "ddp":
             n = min(len(ddp_losses), len(r["losses"]))
             row["max_abs_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(ddp_losses[:n], r["losses"][:n]))
-        stage = 0 if name == "ddp" else (SETUPS[name][0] if name.startswith("zero") else None)
+        stage = 0 if name == "ddp" else (SETUPS[name][0] if name.startswith(("zero", "hzero")) else None)
         if stage is not None:
             off_opt, off_par = (None, None) if name == "ddp" else SETUPS[name][1:]
             est = zs.estimate_memory(psi, world_size=world, stage=stage, precision=args.precision,
                                      optimizer="adamw", offload_optimizer=off_opt, offload_params=off_par,
-                                     device="cpu")
+                                     device="cpu",
+                                     shard_group_size=args.hybrid if name.startswith("hzero") else None)
             # model states only: NVMe staging buffers are not model states (memory_report lists them apart)
             row["memory_formula_bytes"] = est.total_device + est.total_host - est.host_staging
             if r["memory"]:
@@ -515,7 +538,16 @@ def summarize(args, results, skipped, world, ds_version, tf_version, torch_versi
                 row["memory_measured_by_category"] = bwd["by_category"]
                 row["memory_peak_bytes"] = peak["total"]
                 row["memory_probes"] = r["memory"]
-        if name.startswith("zero"):
+        if name.startswith("hzero"):  # inside the shard group as flat ZeRO; across: the gradient shards
+            k, elem = args.hybrid, 4 if args.precision == "fp32" else 2
+            groups = world // k
+            row["comm_inter_sent_bytes"] = r["comm"].get("inter_group_sent_bytes")
+            row["comm_inter_theory_bytes"] = int(psi / k * elem * 2 * (groups - 1) / groups)
+            row["comm_intra_sent_bytes"] = r["comm"].get("intra_group_sent_bytes")
+            flat = results.get(f"zero{stage}")
+            if flat is not None and flat["times_s"]:
+                row["ratio_vs_flat_zero"] = paired_ratio(r, flat)
+        if name.startswith(("zero", "hzero")):
             row["comm"] = r["comm"]
             row["comm_elements"] = r["comm"].get("volume_elements")
             row["comm_sent_bytes"] = r["comm"].get("sent_bytes")
@@ -610,6 +642,17 @@ def format_table(rep: dict) -> str:
                "per step (full-buffer convention); theory: 2x params, stage 3 + params re-gathered in "
                "backward (block params >= persistence threshold); extra = padding/waste. "
                "DDP comm not instrumented (n/i). Ratios are only meaningful side by side in one run.")
+    hybrid = [r for r in rep["rows"] if r["system"].startswith("hzero") and "skipped" not in r]
+    if hybrid:
+        out.append("")
+        out.append("hybrid (shard_group_size=k): bytes per step per rank inside the shard group and across groups "
+                   "(theory across: an all-reduce of the gradient shard, params/k elements, 2(R-1)/R in a ring)")
+        out.append("system   vs DDP  vs flat  intra sent MB  inter sent MB  inter theory MB")
+        for r in hybrid:
+            flat = r.get("ratio_vs_flat_zero")
+            out.append(f"{r['system']:<8} {r['ratio_vs_ddp']:>6.3f}  {'-' if flat is None else f'{flat:.3f}':>7}  "
+                       f"{r['comm_intra_sent_bytes'] / 1e6:>13.2f}  {r['comm_inter_sent_bytes'] / 1e6:>13.2f}  "
+                       f"{r['comm_inter_theory_bytes'] / 1e6:>15.2f}")
     return "\n".join(out)
 
 

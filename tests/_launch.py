@@ -74,3 +74,42 @@ def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) ->
             raise AssertionError(f"rank {rank} of {worker} reported nothing:\n{logs}")
         reports.append(json.loads(path.read_text()))
     return reports
+
+
+def launch_faulty(worker: str, world_size: int, args: dict, survivors: list[int], out: Path,
+                  timeout: float = 120.0, env: dict | None = None) -> dict:
+    """Run a worker in which some rank misbehaves; wait only for the ``survivors`` to exit.
+
+    Returns ``{"reports": {rank: report or None}, "exited": {rank: time.time() of exit or None},
+    "codes": {rank: exit code}, "logs": {rank: log tail}}``; ranks still running when the
+    survivors are done (a stuck rank) or at ``timeout`` are killed, so nothing is left behind.
+    """
+    (out / "args.json").write_text(json.dumps(args))
+    port = free_port()
+    procs = {}
+    for rank in range(world_size):
+        penv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                    PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
+                    **(env or {}))
+        log = open(out / f"rank{rank}.log", "w")
+        procs[rank] = (subprocess.Popen([sys.executable, str(HERE / "workers" / worker), str(out)],
+                                        env=penv, stdout=log, stderr=subprocess.STDOUT), log)
+    deadline = time.monotonic() + timeout
+    exited: dict[int, float | None] = {r: None for r in procs}
+    try:
+        while time.monotonic() < deadline and any(exited[r] is None for r in survivors):
+            for r, (p, _) in procs.items():
+                if exited[r] is None and p.poll() is not None:
+                    exited[r] = time.time()
+            time.sleep(0.05)
+    finally:
+        for r, (p, log) in procs.items():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    reports = {r: (json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None)
+               for r in procs}
+    logs = {r: (out / f"rank{r}.log").read_text()[-4000:] for r in procs}
+    return dict(reports=reports, exited=exited, codes={r: p.returncode for r, (p, _) in procs.items()}, logs=logs)

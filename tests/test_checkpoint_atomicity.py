@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from _launch import launch
+from _launch import launch, launch_faulty
 from _models import TinyLM, param_groups
 
 
@@ -41,6 +41,24 @@ def _crashed_second_save(tmp_path, crash: str, stage: int, nproc: int):
                 crash=crash, sd_at_save=str(tmp_path / "sd"))
     launch("checkpoint.py", nproc, {"cases": [case]}, timeout=120)
     return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_peer_killed_while_writing_leaves_the_previous_checkpoint_and_no_partial_one(tmp_path):
+    """Only rank 1 dies mid-write; rank 0 must not hang in the save's agreement, must not publish
+    the half-written checkpoint, and must remove its temporary directory (issue #15)."""
+    path = tmp_path / "ckpt"
+    case = dict(name="crash", stage=3, precision="fp32", start=0, end=2, save={"1": str(path), "2": str(path)},
+                crash="peer_write", sd_at_save=str(tmp_path / "sd"))
+    (tmp_path / "run").mkdir()
+    result = launch_faulty("checkpoint.py", 2, {"cases": [case]}, survivors=[0], out=tmp_path / "run", timeout=150)
+    assert result["codes"][1] == -9, "rank 1 was not killed mid-save"
+    assert result["exited"][0] is not None, result["logs"][0]
+    error = result["reports"][0]["results"][-1].get("error", "")
+    assert "CollectiveError" in error and "Group ranks 1 reported nothing" in error, error
+    assert not list(tmp_path.glob("ckpt.tmp-*")), "the partial checkpoint directory was left behind"
+    _assert_loads_as(path, tmp_path / "sd-1.pt")  # intact: the previous one, bit for bit
 
 
 @pytest.mark.multiprocess

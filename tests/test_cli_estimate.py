@@ -213,3 +213,13 @@ def run_cli_env(extra_env, *args):
     env = {**os.environ, **extra_env, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "zero_strategy.cli", *args], capture_output=True, text=True,
                           env=env, timeout=120)
+
+
+def test_shard_group_size_estimates_the_group_not_the_world(capsys):
+    """Hybrid sharding (issue #15): 8 ranks in groups of 2 hold what flat ZeRO on 2 ranks holds;
+    the ZeRO paper's stage-3 mixed-precision Adam figure is 16Ψ/k."""
+    assert main(["estimate", "--params", "1e6", "-n", "8", "--shard-group-size", "2", "--stage", "3",
+                 "--json"]) == 0
+    (est,) = json.loads(capsys.readouterr().out)
+    assert est["total_device"] == pytest.approx(16 * 1e6 / 2)
+    assert main(["estimate", "--params", "1e6", "-n", "8", "--shard-group-size", "3", "--stage", "3"]) != 0

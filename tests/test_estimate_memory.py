@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import zero_strategy as zs
 from zero_strategy.config import NVMeOffload, ZeroConfig, ZeroConfigError
 from zero_strategy.estimate import MemoryEstimate, count_parameters, estimate_memory, format_table
 
@@ -186,3 +187,17 @@ def test_str_and_to_dict():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         estimate_memory(kwargs.pop("model_or_num_params"), **kwargs)
+
+
+def test_hybrid_sharding_shards_model_states_over_the_group_only():
+    """Issue #15: with shard_group_size=k of N ranks each rank holds what flat ZeRO on k ranks holds
+    (ZeRO paper, mixed-precision Adam: stage 3 16Ψ/k, stage 2 2Ψ + 14Ψ/k, stage 1 4Ψ + 12Ψ/k)."""
+    psi, k = 1_000_000, 2
+    for stage, want in ((3, 16 * psi / k), (2, 2 * psi + 14 * psi / k), (1, 4 * psi + 12 * psi / k)):
+        est = zs.estimate_memory(psi, world_size=8, stage=stage, precision="bf16", shard_group_size=k)
+        assert est.total_device == pytest.approx(want), stage
+    via_config = zs.estimate_memory(psi, world_size=8, config=zs.ZeroConfig(stage=3, precision="bf16",
+                                                                           shard_group_size=k))
+    assert via_config.total_device == pytest.approx(16 * psi / k)
+    with pytest.raises(zs.ZeroConfigError, match="shard_group_size"):
+        zs.estimate_memory(psi, world_size=8, stage=3, shard_group_size=3)

@@ -234,7 +234,7 @@ class FlatGroup:
     def _gather_from_shard(self, comm: Collectives) -> Handle:
         with _preserve_version(self.full):
             source = self.params.gather_source(self.own(self.full), self.transfers)
-            return comm.all_gather(self.full, source, async_op=True)
+            return comm.all_gather(self.full, source, async_op=True, label=self.name)
 
     def finish_gather(self) -> None:
         if self.state is ShardState.SHARDED:
@@ -284,7 +284,7 @@ class FlatGroup:
             with _preserve_version(self.full):
                 if own.data_ptr() != self.param_shard.data_ptr():  # the shard rests elsewhere (offload)
                     own.copy_(self.param_shard)
-                return comm.all_gather(self.full, own, async_op=True)
+                return comm.all_gather(self.full, own, async_op=True, label=self.name)
 
     def stage_master_upload(self):
         """Offloaded step, on the CPU worker: master -> compute-dtype parameter shard.
@@ -301,7 +301,7 @@ class FlatGroup:
         if self.shard_params:
             return None
         with _preserve_version(self.full):
-            return comm.all_gather(self.full, self.own(self.full), async_op=True)
+            return comm.all_gather(self.full, self.own(self.full), async_op=True, label=self.name)
 
     def write_back_gathered(self, loaded: Mapping[int, torch.Tensor] | None = None) -> None:
         """The gathered ``full`` was changed (a load, a modification inside ``gathered_parameters``):

@@ -284,19 +284,20 @@ class GradBuffer:
                     self.full_grad[s.offset:s.offset + s.numel].zero_()
             self.full_grad[layout.numel:].zero_()
         full = self.full_grad
-        if comm.world_size > 1 and full.dtype == torch.float16:
-            full.div_(comm.world_size)  # fp16: divide before summing so the sum cannot overflow
+        if comm.data_parallel_size > 1 and full.dtype == torch.float16:
+            full.div_(comm.data_parallel_size)  # fp16: divide before summing so the sum cannot overflow
         out = layout.own(full) if in_place else torch.empty(layout.shard_numel, dtype=self.grad_dtype,
                                                             device=self.device)
-        handle = comm.reduce_scatter(out, full, async_op=True)
+        handle = comm.reduce_scatter(out, full, async_op=True, label=layout.name)
         self.reduced_this_backward = True
         self.state = GradState.REDUCING
         return handle, out
 
     def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
         """Average the reduced slice into ``grad_shard``; free ``full_grad`` unless it persists."""
-        if comm.world_size > 1 and out.dtype != torch.float16:
-            out.div_(comm.world_size)  # on the shard: 1/N of the work of dividing the full buffer
+        comm.all_reduce_replicas(out, label=self.layout.name)  # hybrid: See [Note: hybrid sharding]
+        if comm.data_parallel_size > 1 and out.dtype != torch.float16:
+            out.div_(comm.data_parallel_size)  # on the shard: 1/N of the work of dividing the full buffer
         self._written = [False] * len(self._written)
         if in_place:
             if self._carry is not None:

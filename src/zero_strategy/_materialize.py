@@ -79,7 +79,7 @@ def materialize_unit(
             "_init_weights) to setup")
     for m in modules:  # every rank starts from rank 0's values, as for a materialized model
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            comm.broadcast(t.data, src_rank=0)
+            comm.broadcast(t.data, src_rank=0, label="initial weights")
 
 
 def unit_modules(root: nn.Module, unit_module: nn.Module, other_units: list[nn.Module]) -> list[nn.Module]:

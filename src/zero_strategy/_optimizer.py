@@ -182,7 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local_inf = torch.zeros(1, dtype=torch.float32, device=self.engine.device)
             for g in self._shards():
                 local_inf = torch.maximum(local_inf, (~torch.isfinite(g)).any().float().reshape(1))
-            self.engine.comm.all_reduce(local_inf, op="max")
+            self.engine.comm.all_reduce(local_inf, op="max", label="fp16 overflow check")
             self._found_inf = bool(local_inf.item())
         self._prepared = True
 
@@ -207,13 +207,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local = torch.zeros(1, dtype=torch.float32, device=device)
             for x in shards:
                 local = torch.maximum(local, x.abs().max().float().reshape(1))
-            self.engine.comm.all_reduce(local, op="max")
+            self.engine.comm.all_reduce(local, op="max", label="gradient norm (inf)")
             total = local[0] * self._factor
         else:
             local = torch.zeros(1, dtype=torch.float32, device=device)
             for x in shards:
                 local += x.float().abs().pow(norm_type).sum()
-            self.engine.comm.all_reduce(local, op="sum")
+            self.engine.comm.all_reduce(local, op="sum", label="gradient norm")
             total = local[0].pow(1.0 / norm_type) * self._factor
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         self._factor = self._factor * coef
@@ -298,6 +298,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._scaled_backward = False
             self.engine.last_step_comm = self.engine.comm.stats.as_dict()
             self.engine.comm.stats.reset()
+            self.engine.comm.on_step()
 
     def _device_step(self) -> None:
         groups = self.groups

@@ -49,7 +49,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .config import NVMeOffload
 
-from ._collectives import CollectiveTimeout, Collectives, Handle
+from ._collectives import CollectiveError, Collectives, Handle
 from ._flat import FlatGroup, ParamSlot, ShardState
 from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
@@ -186,6 +186,11 @@ class ZeroEngine:
                 f"units={len(self.units)} ({sharded} sharded), groups={len(self.groups)}, "
                 f"params={sum(g.numel for g in self.groups)}, state={self.training_state.value})")
 
+    @property
+    def is_idle(self) -> bool:
+        """Between iterations: no forward or backward running or abandoned."""
+        return self.training_state is TrainingState.IDLE and self._root_forward_depth == 0
+
     def optimizers(self) -> list:
         """The live ZeroOptimizers stepping this engine's masters."""
         return [z for z in (ref() for ref in self.optimizer_refs) if z is not None]
@@ -308,8 +313,7 @@ class ZeroEngine:
             self._assert_state(TrainingState.IDLE)
             self._check_units_in_place()
             self.training_state = TrainingState.FORWARD
-            if self.plan.shards_parameters:
-                self.comm.enter("forward")
+            self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
             self._forward_order = []
             self._forward_seen: set[int] = set()
         self._root_forward_depth += 1
@@ -508,9 +512,9 @@ class ZeroEngine:
         with torch.profiler.record_function(f"zero::reduce_wait::{group.name}"):
             try:
                 handle.wait()
-            except CollectiveTimeout as e:
-                raise CollectiveTimeout(missing_ranks_message(
-                    self.comm, f"the gradient reduce-scatter of {group.name!r} in backward", e)) from e
+            except CollectiveError as e:
+                raise missing_ranks_message(
+                    self.comm, f"the gradient reduce-scatter of {group.name!r}", e, gather=False) from e
         group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
         if stepping_allowed and self._overlapping() and _in_backward():
             for zopt in self.optimizers():  # See [Note: overlap_step] in _optimizer.py

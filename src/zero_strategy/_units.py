@@ -42,7 +42,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ._collectives import CollectiveTimeout, Collectives, Handle
+from ._collectives import CollectiveError, CollectiveTimeout, Collectives, Handle
 from ._flat import FlatGroup, ShardState
 from ._materialize import materialize_unit
 from ._materialize import unit_modules as unit_scope
@@ -145,16 +145,24 @@ def _unit_class_hint(root: nn.Module) -> str:
             f"{shown}.")
 
 
-def missing_ranks_message(comm: Collectives, what: str, error: Exception) -> str:
-    """The error for a bounded wait that ran out (see [Note: bounded waits] in _collectives.py)."""
-    return (f"zero_strategy: rank {comm.rank} waited {comm.wait_timeout:g} s for {what}: "
-            f"{comm.who_is_missing()}. At stage 3 every forward (each generate() step too), "
-            "state_dict() / save_pretrained() and gathered_parameters() all-gathers parameters, so "
-            "every rank of the group must make the same calls in the same order: run them on all "
-            "ranks (save_pretrained writes on one rank when given is_main_process=...), not under "
-            "`if rank == 0:`. If a rank is only slow to get there, raise "
-            "ZeroConfig(collective_timeout=...). The process group should not be used after this. "
-            f"({error})")
+def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError,
+                          gather: bool = True) -> CollectiveError:
+    """The error for a wait on a unit's collective that failed, naming the unit (see [Note: bounded
+    waits] in _collectives.py); a timed-out ``gather`` adds what usually causes it."""
+    head = f"zero_strategy: rank {comm.rank} gave up on {what}."
+    if not isinstance(error, CollectiveTimeout):
+        return CollectiveError(f"{head}\n{error}")
+    if not gather:
+        return CollectiveTimeout(f"{head} If a rank is only slow to get there, raise "
+                                 f"ZeroConfig(collective_timeout=...).\n{error}")
+    return CollectiveTimeout(
+        f"{head} At stage 3 every forward (each generate() step too), "
+        "state_dict() / save_pretrained() and gathered_parameters() all-gathers parameters, so "
+        "every rank of the group must make the same calls in the same order: run them on all "
+        "ranks (save_pretrained writes on one rank when given is_main_process=...), not under "
+        "`if rank == 0:`. If a rank is only slow to get there, raise "
+        "ZeroConfig(collective_timeout=...). The process group should not be used after this.\n"
+        f"{error}")
 
 
 class Unit:
@@ -197,10 +205,9 @@ class Unit:
             if handle is not None:
                 try:
                     handle.wait()
-                except CollectiveTimeout as e:
+                except CollectiveError as e:
                     self._gather_handles = None
-                    raise CollectiveTimeout(missing_ranks_message(
-                        self._comm, f"the all-gather of unit {self.name!r}", e)) from e
+                    raise missing_ranks_message(self._comm, f"the all-gather of unit {self.name!r}", e) from e
             group.finish_gather()
         self._gather_handles = None
 

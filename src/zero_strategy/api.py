@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -25,6 +26,8 @@ from torch import nn
 from . import _auto
 from . import _model_integrations as model_integrations
 from ._collectives import Collectives
+from ._faults import failing_exception
+from ._hybrid import hybrid_groups
 from ._memory import MemoryReport, measure
 from ._optimizer import ZeroOptimizer, check_elementwise
 from ._placement import single_device
@@ -78,7 +81,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
                          "(call zero_strategy.teardown(model) first to start over)")
     for opt in optimizers:
         check_elementwise(opt)
-    comm = Collectives(process_group, wait_timeout=cfg.collective_timeout)
+    shard_group, replicate_group = hybrid_groups(cfg.shard_group_size, process_group)
+    comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
@@ -119,7 +123,7 @@ def _sync_module_states(model: nn.Module, comm: Collectives) -> None:
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             if not t.is_meta:  # meta tensors are broadcast when materialized, unit by unit
-                comm.broadcast(t.data, src_rank=0)
+                comm.broadcast(t.data, src_rank=0, label="initial weights")
 
 
 def is_set_up(model: nn.Module) -> bool:
@@ -134,15 +138,35 @@ def engine_of(model: nn.Module) -> ZeroEngine:
     return engine
 
 
-def teardown(model: nn.Module, keep_weights: bool = True) -> None:
+def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseException | None = None) -> None:
     """Undo ``setup``: remove hooks, free shards, gradients and offload/NVMe buffers.
 
     ``keep_weights=True`` first gathers the full weights so the model is a plain,
     usable module again (every rank holds the whole model afterwards).
     ``keep_weights=False`` only releases: no gathering, so it is safe for models too
     big for one rank; stage-3 parameters stay empty. Every rank must call it.
+
+    [Note: no collective on the error path]
+    Teardown while an exception is being handled (inside an ``except`` block: Lightning's
+    and Accelerate's clean-up after a failed step), after a collective of this engine
+    failed, or in the middle of an iteration never gathers, whatever ``keep_weights``
+    says: the other ranks are waiting in a different collective (or are gone), so a
+    gather here would hang this rank until the timeout and hide the real error. It
+    tells the other ranks why this rank leaves instead (their error message quotes it)
+    and releases like ``keep_weights=False``. ``error``: the exception that ended training,
+    for a caller that tears down outside its ``except`` block (a front end's teardown).
     """
     engine = engine_of(model)
+    failing = error if error is not None else failing_exception()
+    if failing is not None or engine.comm.failed or not engine.is_idle:
+        why = (f"raised {type(failing).__name__}: {str(failing)[:300]}" if failing is not None
+               else "tore down after a failed collective or in the middle of an iteration")
+        engine.comm.report_failure(f"rank {engine.comm.rank} {why}")
+        if keep_weights and engine.plan.shards_parameters:
+            warnings.warn("zero_strategy.teardown on the error path does not gather the weights (see "
+                          "[Note: no collective on the error path]); the stage-3 parameters stay empty",
+                          stacklevel=2)
+        keep_weights = False
     full = full_state_dict(model) if keep_weights else {}
     engine.remove_hooks()
     for undo in engine.undo_on_teardown:
@@ -216,6 +240,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     """
     engine = engine_of(model)
     comm = engine.comm
+    comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _faults.py
     values: dict[int, torch.Tensor] = {}
     for g in engine.groups:
         with g.resident(write_back=False):
@@ -226,7 +251,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
                 if source.device != engine.device and comm.backend == "nccl":
                     source = source.to(engine.device)  # offloaded: NCCL gathers device tensors
                 full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
-                comm.all_gather(full, source, async_op=False)
+                comm.all_gather(full, source, async_op=False, label=g.name)
         if rank0_only and comm.rank != 0:
             continue
         for s in g.slots:
@@ -262,7 +287,7 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
                 with torch.no_grad():
                     for g in groups:
                         g.adopt_replaced_data()
-                        engine.comm.broadcast(g.full, src_rank=modifier_rank)
+                        engine.comm.broadcast(g.full, src_rank=modifier_rank, label=g.name)
                         g.write_back_gathered()
 
 

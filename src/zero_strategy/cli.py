@@ -63,6 +63,8 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                              "meta device, no weights are read)")
     parser.add_argument("--frozen", type=parse_count, default=0, metavar="N", help="frozen parameters (default 0)")
     parser.add_argument("--world-size", "-n", type=_positive_int, default=None, metavar="N", help="ranks (default 1)")
+    parser.add_argument("--shard-group-size", type=_positive_int, default=None, metavar="K",
+                        help="hybrid sharding: shard over groups of K ranks (default: all ranks)")
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
                         help="one stage (0 = DDP); default: a table of all stages and usual offloads")
     parser.add_argument("--precision", default=None, help="compute dtype: bf16 (default), fp16 or fp32")
@@ -133,7 +135,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
 
     optimizer: str | int = int(args.optimizer) if args.optimizer.isdigit() else args.optimizer
     kwargs = dict(world_size=args.world_size or 1, stage=args.stage, optimizer=optimizer,
-                  frozen_params=args.frozen)
+                  frozen_params=args.frozen, shard_group_size=args.shard_group_size)
     names = ("precision", "reduce_dtype", "offload_optimizer", "offload_params")
     if args.config is not None:
         for name in names:
@@ -142,6 +144,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
                                       "Use one of them (the config already sets it).")
         config = ZeroConfig.load(args.config)
         stage = config.stage if args.stage is None else args.stage  # --stage overrides the config
+        if args.shard_group_size is None and isinstance(config.shard_group_size, int):
+            kwargs["shard_group_size"] = config.shard_group_size
         kwargs.update(stage=stage, precision=config.precision, reduce_dtype=config.reduce_dtype,
                       offload_optimizer=config.offload_optimizer if stage else None,
                       offload_params=config.offload_params if stage == 3 else None)

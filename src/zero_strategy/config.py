@@ -261,13 +261,20 @@ class ZeroConfig:
             that every backward outside ``no_sync()`` ends an accumulation and is followed
             by ``optimizer.step()``; it cannot combine with clipping or fp16, which need
             every gradient before the first update.
-        collective_timeout: seconds a rank waits on a parameter all-gather or gradient
-            reduce-scatter before it raises :class:`~zero_strategy.CollectiveTimeout`
-            naming the unit and the ranks that never began the call (a forward,
-            ``generate()`` or ``state_dict()`` run on some ranks only); ``None`` leaves it
-            to the process group's timeout (30 minutes by default). Raise it when a rank is
-            legitimately that much slower than the others to reach a forward (a long
-            rank-0-only evaluation or save between steps).
+        collective_timeout: seconds a rank waits on any collective of the engine (gathers,
+            reduce-scatters, the overflow and gradient-norm all-reduces, broadcasts,
+            checkpoint agreement) before it raises :class:`~zero_strategy.CollectiveTimeout`
+            naming the collective, the step, the ranks that never began the call or failed,
+            and the last collectives of each rank (a peer stuck or hung, a forward,
+            ``generate()`` or ``state_dict()`` run on some ranks only, a desync); a peer
+            that exits or is killed is noticed at once (:class:`~zero_strategy.CollectiveError`).
+            ``None`` leaves it to the process group's timeout (30 minutes by default). Raise
+            it when a rank is legitimately that much slower than the others to reach a
+            collective (a long rank-0-only evaluation or save between steps).
+        shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
+            and replicate across the groups (``"node"``: ``LOCAL_WORLD_SIZE``); gradients are
+            reduce-scattered in the group and all-reduced across groups. ``None``: shard over
+            all ranks. See [Note: hybrid sharding] in _hybrid.py.
         auto: the ``zero_auto`` preset: at setup, when the model is known, stage and
             offload are replaced by the least-offloaded preset whose model states fit the
             memory measured on this machine (see :mod:`zero_strategy._auto`); the other
@@ -289,6 +296,7 @@ class ZeroConfig:
     overlap_step: bool = False
     collective_timeout: float | None = 300.0
     auto: bool = False
+    shard_group_size: int | str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -332,6 +340,13 @@ class ZeroConfig:
         if _as_bool("auto", self.auto) and (self.offload_optimizer is not None or self.offload_params is not None):
             raise ZeroConfigError("auto", "zero_auto chooses the offload itself; an offload was given too",
                                   "Drop offload_optimizer/offload_params, or name a preset instead of zero_auto.")
+        if self.auto and self.shard_group_size is not None:
+            raise ZeroConfigError("shard_group_size", "zero_auto does not plan hybrid sharding yet (each shard "
+                                  "group would measure and choose on its own)",
+                                  "Name a preset (e.g. zero3) with shard_group_size, or drop shard_group_size.")
+        if self.shard_group_size is not None and self.shard_group_size != "node":
+            size = _as_int("shard_group_size", self.shard_group_size, 1)
+            set_("shard_group_size", size)
         if self.collective_timeout is not None:
             timeout = _as_float("collective_timeout", self.collective_timeout)
             if not timeout > 0 or timeout == float("inf"):
@@ -374,6 +389,7 @@ class ZeroConfig:
             "cast_forward_inputs": self.cast_forward_inputs,
             "overlap_step": self.overlap_step,
             "collective_timeout": self.collective_timeout,
+            "shard_group_size": self.shard_group_size,
             **({"auto": True} if self.auto else {}),
         }
 

@@ -225,6 +225,7 @@ def estimate_memory(
     frozen_params: int | float = 0,
     config: ZeroConfig | None = None,
     device: str = "cuda",
+    shard_group_size: int | None = None,
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Estimate per-rank model-state bytes (see the module docstring for the formulas).
 
@@ -245,6 +246,9 @@ def estimate_memory(
         device: ``"cuda"`` (a GPU beside host memory, the default) or ``"cpu"`` (a
             CUDA-less machine: device and host share one memory, so fp32 offload keeps
             no second master or gradient copy).
+        shard_group_size: hybrid sharding over groups of k of the N ranks: model states
+            are sharded over k (the estimate is N=k's, reported with world_size k); an int
+            dividing ``world_size``. Taken from ``config`` when it sets an int.
     """
     if device not in ("cuda", "cpu"):
         raise ZeroConfigError("device", f"must be 'cuda' or 'cpu', got {device!r}",
@@ -262,6 +266,8 @@ def estimate_memory(
                                   "Pass either config or those arguments, or use config.replace(...).")
         stage, precision, reduce_dtype = config.stage, config.precision, config.reduce_dtype
         offload_optimizer, offload_params = config.offload_optimizer, config.offload_params
+        if shard_group_size is None and isinstance(config.shard_group_size, int):
+            shard_group_size = config.shard_group_size
     if isinstance(model_or_num_params, torch.nn.Module):
         psi, psi_f = count_parameters(model_or_num_params)
         psi_f += _count("frozen_params", frozen_params)
@@ -271,6 +277,12 @@ def estimate_memory(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ZeroConfigError("world_size", f"must be an integer >= 1, got {world_size!r}",
                               "Pass the number of ranks, e.g. 8.")
+    if shard_group_size is not None:  # hybrid: states are sharded over the group only
+        if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or \
+                shard_group_size < 1 or world_size % shard_group_size:
+            raise ZeroConfigError("shard_group_size", f"must be an integer dividing world_size={world_size}, "
+                                  f"got {shard_group_size!r}", "Pass the ranks per node, e.g. 8.")
+        world_size = shard_group_size
     precision = _as_dtype_name("precision", "bf16" if precision is None else precision)
     grad_name = precision if reduce_dtype is None else _as_dtype_name("reduce_dtype", reduce_dtype)
     p, g = _DTYPE_BYTES[precision], _DTYPE_BYTES[grad_name]

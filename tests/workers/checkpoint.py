@@ -8,7 +8,8 @@ args["cases"]: list of dicts with
   name, stage, precision, start, end (steps [start, end)), load (checkpoint path),
   save ({"<step>": path}: save after finishing that many steps), sd_out (rank 0
   torch.saves full_state_dict(dtype=None) at the end), crash ("write" | "rename":
-  the save of the last entry of ``save`` is killed midway, after the report is written),
+  the save of the last entry of ``save`` is killed midway, after the report is written;
+  "peer_write": only rank 1 is SIGKILLed midway through writing, rank 0 goes on),
   sd_at_save (rank 0 torch.saves full_state_dict(dtype=None) to "<sd_at_save>-<step>.pt"
   after each save).
 Reports per case: global losses per step, loss-scaler state after each step, extra state.
@@ -17,6 +18,7 @@ Reports per case: global losses per step, loss-scaler state after each step, ext
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
@@ -43,7 +45,8 @@ def build(case: dict):
     model = TinyLM(layers=2)
     opt = torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
-                        loss_scale=zs.LossScaleConfig(growth_interval=2))
+                        loss_scale=zs.LossScaleConfig(growth_interval=2),
+                        shard_group_size=case.get("shard_group_size"))
     return zs.setup(model, opt, cfg)
 
 
@@ -51,12 +54,14 @@ def _arm_crash(kind: str) -> None:
     """Make this process die inside the next save: mid-file, or between the two renames."""
     from zero_strategy.checkpoint import _safetensors_stream, _save
 
-    if kind == "write":
+    if kind in ("write", "peer_write"):
         original = _safetensors_stream.StreamWriter.write
 
         def write(self, name, piece):
             original(self, name, piece)
             self._file.flush()
+            if kind == "peer_write":
+                os.kill(os.getpid(), signal.SIGKILL)  # a peer dies while the others go on saving
             os._exit(17)  # a rank killed after part of its file is on disk
         _safetensors_stream.StreamWriter.write = write
     else:
@@ -99,7 +104,8 @@ def run_case(case: dict, out, report: dict) -> dict:
                 report["results"].append(result)
                 _write_report(out, report)
                 dist.barrier()
-                _arm_crash(case["crash"])
+                if case["crash"] != "peer_write" or rank == 1:
+                    _arm_crash(case["crash"])
             zs.save_checkpoint(saves[done], model, zopt, extra_state=extra_state)
             if case.get("sd_at_save"):
                 sd_now = zs.full_state_dict(model, dtype=None)

@@ -135,11 +135,11 @@ def deferred_collectives(enabled: bool):
     def wrap(name):
         original = originals[name]
 
-        def deferred(self, out, inp, async_op=True):
+        def deferred(self, out, inp, async_op=True, **kw):  # kw: the collective's label
             if not async_op:
-                return original(self, out, inp, async_op=False)
+                return original(self, out, inp, async_op=False, **kw)
             _poison_except(out, inp)
-            return _DeferredHandle(lambda: original(self, out, inp, async_op=False))
+            return _DeferredHandle(lambda: original(self, out, inp, async_op=False, **kw))
         return deferred
 
     for name in originals:
@@ -169,7 +169,8 @@ def _run_case(case: dict) -> dict:
                         gradient_clipping=case.get("clip") if case.get("clip_in_config") else None,
                         offload_optimizer=_offload(case.get("offload_optimizer"), case),
                         offload_params=_offload(case.get("offload_params"), case),
-                        overlap_step=case.get("overlap_step", False))
+                        overlap_step=case.get("overlap_step", False),
+                        shard_group_size=case.get("shard_group_size"))
     model, zopt = zs.setup(model, opt, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
 

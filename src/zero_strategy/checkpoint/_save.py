@@ -52,6 +52,25 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = engine_of(model)
     comm = engine.comm
+    if comm.replicas == 1:
+        _save_in_group(path, model, engine, optimizer, extra_state)
+        return
+    # [Note: hybrid checkpoints] every shard group holds the same shards: the first one writes
+    # the checkpoint (a flat one of its k ranks, loadable at any world size, hybrid or not),
+    # and tells its replicas in the other groups how it went, so every rank returns or raises.
+    outcome = None
+    if comm.replica_index == 0:
+        try:
+            _save_in_group(path, model, engine, optimizer, extra_state)
+        except CheckpointError as err:
+            outcome = str(err)
+    outcome = comm.broadcast_object_across_groups(outcome, label="checkpoint outcome")
+    if outcome is not None:
+        raise CheckpointError(outcome)
+
+
+def _save_in_group(path, model, engine, optimizer, extra_state) -> None:
+    comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
     path = Path(path).absolute()
     decision: tuple[str, str] | None = None
@@ -72,6 +91,13 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
 
 
 def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedDir | None) -> None:
+    """[Note: one filesystem for all ranks]
+    Each rank writes its own shard file into the directory rank 0 creates, and rank 0
+    publishes the directory once every file is there, so all ranks must see one
+    filesystem at ``path`` (multi-node: a shared mount). A rank that does not see rank
+    0's new directory says so, the ranks agree on the error, and nothing is published,
+    instead of each node keeping a part of the checkpoint that no node can load.
+    """
     comm = engine.comm
     kind, value = broadcast_object(comm, decision)
     if kind == "error":
@@ -83,6 +109,11 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
     records: list[FileRecord] = []
     error = extra_meta = None
     try:
+        if not tmp.is_dir():  # See [Note: one filesystem for all ranks]
+            raise CheckpointError(
+                f"this rank cannot see {tmp}, the directory rank 0 created for the checkpoint just now: "
+                "save_checkpoint needs one filesystem shared by every rank (NFS, Lustre, a mounted bucket) "
+                "and the same path on each; on nodes without one, give every rank a path on a shared mount")
         records.append(_write_rank_file(tmp, engine, zopts, groups))
         if comm.rank == 0:
             records.append(_write_buffers(tmp, model, engine))
@@ -282,3 +313,4 @@ def _write_metadata(tmp: Path, meta: Metadata) -> None:
         f.write(meta.to_json())
         f.flush()
         os.fsync(f.fileno())
+

@@ -145,6 +145,7 @@ class ZeroStrategy(DDPStrategy):
         self._in_call = False  # between setup and teardown of one Trainer call
         self._keep_engine = False  # whether that call's teardown keeps the engine
         self._param_dtypes: dict = {}  # parameter dtypes before setup, restored at release under *-mixed
+        self._error: Optional[BaseException] = None  # what interrupted fit/validate, if anything
 
     # ------------------------------------------------------------- precision
     @property
@@ -214,6 +215,12 @@ class ZeroStrategy(DDPStrategy):
         with meta_init_context(meta_init_enabled(self.meta_init, self._base_config.stage)):
             yield
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Remember the error: the teardown that follows must not gather (See [Note: no collective
+        on the error path] in api.py); the healthy ranks are waiting in another collective."""
+        self._error = exception
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         """End of a Trainer call: keep the engine after a ``fit`` that finished; otherwise release it.
 
@@ -221,13 +228,18 @@ class ZeroStrategy(DDPStrategy):
         ``trainer.strategy.teardown()``, on every rank) always releases.
         """
         module = self.lightning_module
+        error, self._error = self._error, None
         trainer = getattr(module, "_trainer", None) if module is not None else None
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-        keep = self._in_call and self._keep_engine and not interrupted and module is not None and is_set_up(module)
+        keep = (self._in_call and self._keep_engine and error is None and not interrupted
+                and module is not None and is_set_up(module))
         self._in_call = False
         if keep:
             self._teardown_lightning_only()
             return
+        if module is not None and is_set_up(module) and (error is not None or interrupted):
+            # See [Note: no collective on the error path] in api.py: release without gathering
+            zs.teardown(module, error=error)
         if module is not None:
             self._release(module)
         super().teardown()
