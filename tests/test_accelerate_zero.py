@@ -222,7 +222,7 @@ def test_precision_comes_from_mixed_precision():
     assert apply_precision(ZeroConfig.preset("zero2"), "fp16", "s").precision == "fp16"
     assert apply_precision(ZeroConfig.preset("zero2"), "no", "s").precision == "fp32"
     assert apply_precision(ZeroConfig.preset("zero2", precision="bf16"), "bf16", "s").precision == "bf16"
-    with pytest.raises(ZeroConfigError, match="mixed_precision is 'fp16'"):
+    with pytest.raises(ZeroConfigError, match=r"says 'bf16' but Accelerate's mixed_precision='fp16'"):
         apply_precision(ZeroConfig.preset("zero2", precision="bf16"), "fp16", "s")
     with pytest.raises(ValueError, match="fp8"):
         apply_precision(ZeroConfig.preset("zero2"), "fp8", "s")

@@ -35,7 +35,8 @@ class Flat(pl.LightningModule):
 def main() -> None:
     args, out = start()
     logging.basicConfig(level=logging.INFO)
-    ds_config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10}
+    ds_config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                       "reduce_bucket_size": 5e8}, "steps_per_print": 10}
     strategy = zero_strategy.ZeroStrategy(config=ds_config, overlap_comm=True)
     data = DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=2)
     trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=2,
