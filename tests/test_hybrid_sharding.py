@@ -50,3 +50,24 @@ def test_hybrid_sharding_matches_ddp(case):
             assert abs(lz - lr) <= TOL * max(abs(lr), 1e-12), f"rank {rank} step {step}: {lz} vs DDP {lr}"
         assert res["weight_rel_diff"] <= TOL, (rank, res["weight_rel_diff"], res["worst_tensor"])
     assert per_rank[0]["losses_ref"][0] != per_rank[0]["losses_ref"][-1]
+
+
+NVME_CASES = [dict(stage=2, precision="fp32", accum=2, optimizer="adamw", shard_group_size=2, offload_optimizer="nvme"),
+              dict(stage=3, precision="fp32", accum=1, optimizer="sgd", shard_group_size=2,
+                   offload_optimizer="nvme", offload_params="nvme")]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_hybrid_sharding_with_nvme_offload_matches_ddp(tmp_path):
+    """The NVMe policies under hybrid sharding (2 groups of 2): each rank swaps its own shard
+    of its group; replicas across groups hold equal shards in separate files."""
+    cases = [dict(c, nvme_path=str(tmp_path)) for c in NVME_CASES]
+    reports = launch("parity.py", 4, {"cases": cases}, timeout=400)
+    for rank, rep in enumerate(reports):
+        assert len(rep["results"]) == len(cases)
+        for res in rep["results"]:
+            assert "error" not in res, f"rank {rank}, {res['case']}:\n{res['error']}"
+            for step, (lz, lr) in enumerate(zip(res["losses_zero"], res["losses_ref"])):
+                assert abs(lz - lr) <= TOL * max(abs(lr), 1e-12), f"rank {rank} step {step}: {lz} vs DDP {lr}"
+            assert res["weight_rel_diff"] <= TOL, (rank, res["case"], res["weight_rel_diff"])
