@@ -45,6 +45,10 @@ def assert_names_collective_and_history(survivor: dict):
 
 
 STAGES = ["zero1", "zero2", "zero3"]
+#: the timed-out cases (a stuck rank, a desync) wait out the bound: run at the stage that reduces at
+#: the step (1) and the one that gathers parameters (3); stage 2's backward reduce-scatter path is
+#: covered by the raising and SIGKILLed cases, which end at once
+TIMED_OUT_STAGES = ["zero1", "zero3"]
 
 
 @pytest.mark.multiprocess
@@ -74,7 +78,7 @@ def test_a_sigkilled_rank_is_named_as_silent(engine, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("engine", STAGES)
+@pytest.mark.parametrize("engine", TIMED_OUT_STAGES)
 def test_a_stuck_rank_times_out_the_others_within_the_bound(engine, tmp_path):
     result, failed_at, survivor = run("stuck", engine, tmp_path)
     assert_left_in_time(result, failed_at)
@@ -87,7 +91,7 @@ def test_a_stuck_rank_times_out_the_others_within_the_bound(engine, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("engine", STAGES)
+@pytest.mark.parametrize("engine", TIMED_OUT_STAGES)
 def test_a_desync_is_named_with_both_ranks_collectives(engine, tmp_path):
     result, failed_at, survivor = run("desync", engine, tmp_path)
     assert_left_in_time(result, failed_at)
