@@ -37,6 +37,20 @@ def run_cases(cases: list, run: Callable[[object], dict], key: str = "case") -> 
     return results
 
 
+def run_named_cases(cases: list, run: Callable[[dict], dict], barrier: bool = False) -> dict:
+    """``{case["name"]: run(case)}``; a failing case reports its error and the next cases still run
+    (each builds its own Trainer/Fabric). ``barrier``: all ranks finish a case before the next starts."""
+    reports = {}
+    for case in cases:
+        try:
+            reports[case["name"]] = run(case)
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            reports[case["name"]] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
+        if barrier:
+            dist.barrier()
+    return reports
+
+
 def worst_rel_diff(full: dict, ref: dict) -> tuple[float, str]:
     """Largest per-tensor max|a - b| / max|ref| over ``ref``'s keys, and that tensor's name."""
     worst, worst_name = 0.0, ""

@@ -17,12 +17,11 @@ reports metrics, predictions and losses.
 from __future__ import annotations
 
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from _worker import finish, start
+from _worker import finish, run_named_cases, start
 from _models import SEQ, VOCAB, loss_fn
 from lightning_trainer import LitLM, make_strategy
 
@@ -113,14 +112,7 @@ def run_case(case: dict, world: int) -> dict:
 def main() -> None:
     args, out = start()
     world = dist.get_world_size()
-    reports = {}
-    for case in args["cases"]:
-        try:
-            reports[case["name"]] = run_case(case, world)
-        except Exception as err:  # noqa: BLE001 - reported to the test
-            reports[case["name"]] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
-        dist.barrier()
-    finish(out, reports)
+    finish(out, run_named_cases(args["cases"], lambda case: run_case(case, world), barrier=True))
 
 
 if __name__ == "__main__":

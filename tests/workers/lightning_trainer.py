@@ -14,12 +14,11 @@ to <save_dir>/<name>.pt.
 from __future__ import annotations
 
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
 
-from _worker import finish, start
+from _worker import finish, run_named_cases, start
 from _models import SEQ, VOCAB, TinyLM, loss_fn, param_groups
 
 import zero_strategy  # noqa: F401 - registers the presets
@@ -206,13 +205,7 @@ def run_case(case: dict, out, world: int) -> dict:
 def main() -> None:
     args, out = start()
     world = dist.get_world_size()
-    reports = {}
-    for case in args["cases"]:
-        try:
-            reports[case["name"]] = run_case(case, out, world)
-        except Exception as err:  # noqa: BLE001 - reported to the test
-            reports[case["name"]] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-3000:]}
-    finish(out, reports)
+    finish(out, run_named_cases(args["cases"], lambda case: run_case(case, out, world)))
 
 
 if __name__ == "__main__":
