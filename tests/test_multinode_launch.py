@@ -165,19 +165,13 @@ def test_accelerate_launch_two_machines(tmp_path):
 # replicate across the two nodes; the same reference.
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_hybrid_sharding_per_node_under_torchrun(tmp_path):
+@pytest.mark.parametrize("front_end", ["plain", "lightning"])
+def test_hybrid_sharding_per_node_under_torchrun(front_end, tmp_path):
+    """The plain API's ZeroConfig and the Lightning strategy's argument, shard_group_size='node'."""
+    if front_end == "lightning":
+        pytest.importorskip("lightning")
     out, port = prepare(tmp_path, shard_group_size="node"), free_port()
-    reports = run_nodes([(torchrun(n, port, out, "plain"), env()) for n in (0, 1)], out)
-    assert_trained_like_the_reference(reports)
-    assert {rep["replicas"] for rep in reports} == {2}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_hybrid_sharding_through_lightning_strategy(tmp_path):
-    pytest.importorskip("lightning")
-    out, port = prepare(tmp_path, shard_group_size="node"), free_port()
-    reports = run_nodes([(torchrun(n, port, out, "lightning"), env()) for n in (0, 1)], out)
+    reports = run_nodes([(torchrun(n, port, out, front_end), env()) for n in (0, 1)], out)
     assert_trained_like_the_reference(reports)
     assert {rep["replicas"] for rep in reports} == {2}
 
