@@ -205,10 +205,22 @@ class SlotPool:
                     raise NVMeError(f"no NVMe staging buffer came free in {SLOT_TIMEOUT_S:.0f} s (all "
                                     f"{self.count} held); a write-back or read did not finish")
                 self._cv.wait(left)
-            buf = self._free.pop()
+            buf = self._free.pop(self._best_fit(nbytes))
         if buf is None or buf.numel() < nbytes:
             buf = aligned_empty(nbytes, self._pin)  # grows to the largest swap set seen
         return buf
+
+    def _best_fit(self, nbytes: int) -> int:
+        """Index of the smallest free buffer that holds ``nbytes``; else an unallocated one; else
+        the largest (replaced). A small set taking a large buffer would make the next large set
+        allocate again, so over a step every slot would grow to the largest set's size."""
+        fits = [(b.numel(), i) for i, b in enumerate(self._free) if b is not None and b.numel() >= nbytes]
+        if fits:
+            return min(fits)[1]
+        unallocated = [i for i, b in enumerate(self._free) if b is None]
+        if unallocated:
+            return unallocated[-1]
+        return max(range(len(self._free)), key=lambda i: self._free[i].numel())
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cv:
@@ -270,6 +282,7 @@ class NVMeStore:
         s = self._set(group, kind)
         self._check_healthy(s)  # a set resident for a step that ran on: its slot goes back too
         try:
+            self._cancel_prefetch(s)  # a read started before these new values exist would bring old ones
             self._adopt(s, self._meta[(id(group), kind)], tensors, replace)
         except BaseException as e:
             self._fail(e, s)
@@ -331,8 +344,12 @@ class NVMeStore:
             if other.slot is not None and not other.resident:
                 self._evict(other, only_if_idle=True)
 
-    def prefetch(self, group, kind: str) -> None:
-        """Start reading the set into a slot (no-op if resident or already reading)."""
+    def prefetch(self, group, kind: str, read: bool = True) -> None:
+        """Start reading the set into a slot (no-op if resident or already reading).
+
+        ``read=False`` only takes the slot: for a caller that overwrites every tensor of
+        the set (see ``swap_in``).
+        """
         s = self._sets[(id(group), kind)]
         self._check_healthy(s)
         with s.lock:
@@ -344,7 +361,7 @@ class NVMeStore:
             try:
                 if self._failed is not None:  # failed while we waited: _fail's sweep may have missed us
                     raise NVMeError(f"NVMe offload stopped: {self._failed}")
-                for key, (dt, n) in meta.items():
+                for key, (dt, n) in (meta.items() if read else ()):
                     size = _round_up(dt.itemsize * n)
                     s.reads.extend(self.file.submit(False, f"{s.name}:{key}", s.slot[offset:offset + size]))
                     offset += size
@@ -354,10 +371,30 @@ class NVMeStore:
                 self._fail(e)
                 raise
 
-    def swap_in(self, group, kind: str) -> None:
-        """Make the set resident (waiting for its read) with tensors viewing the slot."""
+    def cancel_prefetch(self, group, kind: str) -> None:
+        """Give up a ``prefetch`` that will not be used (no-op if none is pending)."""
+        s = self._sets.get((id(group), kind))
+        if s is not None:
+            self._cancel_prefetch(s)
+
+    def _cancel_prefetch(self, s: _SwapSet) -> None:
+        """Drop a read started but not yet made resident (its slot goes back)."""
+        with s.lock:
+            reads, pending = s.reads, s.slot is not None and not s.resident
+            s.reads = []
+        if pending:
+            wait_all(reads, self.file.path)
+            self._evict(s)
+
+    def swap_in(self, group, kind: str, read: bool = True) -> None:
+        """Make the set resident (waiting for its read) with tensors viewing the slot.
+
+        ``read=False``: the caller overwrites every tensor of the set before anything
+        reads it (the step's new parameter shard), so the disk read is skipped and the
+        slot's stale bytes are never seen; a read already in flight is still waited for.
+        """
         s = self._sets[(id(group), kind)]
-        self.prefetch(group, kind)
+        self.prefetch(group, kind, read=read)
         with s.lock:
             if s.resident:
                 return
@@ -444,7 +481,10 @@ class NVMeStore:
         return self.file.size
 
     def staging_tensors(self) -> list[torch.Tensor]:
-        return self.pool.buffers()
+        """Every staging buffer this rank holds that no model state views: the free ones and
+        those a read is filling (resident slots are counted as the states they hold)."""
+        reading = [s.slot for s in self._sets.values() if s.slot is not None and not s.resident]
+        return self.pool.buffers() + reading
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

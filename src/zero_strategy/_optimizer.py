@@ -257,6 +257,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._early[id(group)] = self.engine.transfers.pool.submit(self._cpu_step_group, group, 1.0)
         self.steps_overlapped += 1
 
+    def prefetch_step_state(self) -> None:
+        """A synced backward began: start reading the state the step will need first.
+
+        [Note: NVMe state read during backward]
+        With the optimizer state on NVMe the step used to begin with a read of its first
+        group's state (master and moments, 12 bytes per parameter): the disk was idle
+        through backward, then the step waited on it. Backward now starts the reads of the
+        first ``read_ahead + 1`` groups in step order (at stage 3 the first is the root,
+        the embeddings: often most of the bytes), so they arrive under backward's compute.
+        When: as soon as backward needs nothing more from the disk (the engine's
+        ``_read_step_state_ahead``): at its start, or at stage 3 with parameters on NVMe
+        once its last gathers have begun, so that the step's large reads do not queue
+        ahead of the parameter reads backward waits on.
+
+        This holds those slots from backward to the step: the pool keeps ``read_ahead + 4``
+        slots beyond what stage-3 parameters need (NVMeStore), so backward's own parameter
+        reads never wait on them. Only for a synced backward (a ``no_sync`` micro-batch is
+        not followed by a step) and not with overlap_step (its steps start in backward and
+        read their own state). A read whose step does not come keeps its slot until the
+        next step uses it; a group that gets no gradient gives its read up in the step. A
+        set read here is only ever used if nothing wrote it since: every writer (a step, a
+        checkpoint load) goes through NVMeStore, which drops a read in flight before it
+        writes (``_cancel_prefetch``).
+        """
+        if self.engine.swap is None:
+            return
+        first = [g for g in self.groups if g.masters is not None]
+        for g in first[:self.engine.swap.policy.read_ahead + 1]:
+            g.masters.prefetch()
+
     def stepped_early(self, group) -> bool:
         """Whether ``group`` already stepped during the last backward (its gradients are final)."""
         return id(group) in self._early
@@ -325,6 +355,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         factor = float(self._factor)
         groups = [g for g in self.groups if g.grads.grad_shard is not None]
+        for g in self.groups:  # state read during backward for a group with no gradient: not needed
+            if g.grads.grad_shard is None and g.masters is not None:
+                g.masters.cancel_prefetch()
         pool = self.engine.transfers.pool
         read_ahead = self.engine.swap.policy.read_ahead if self.engine.swap is not None else 0
         early, self._early = self._early, {}

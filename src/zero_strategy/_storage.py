@@ -108,7 +108,7 @@ class NVMeParamShard(HostParamShard):
         return own
 
     def take_master(self, master: torch.Tensor, transfers: Transfers):
-        self.swap.swap_in(self.owner, "param")
+        self.swap.swap_in(self.owner, "param", read=False)  # overwritten whole: reading it back is waste
         self.tensor.copy_(master)
         self.swap.swap_out(self.owner, "param", write=True, wait=False)
         return None
@@ -145,6 +145,9 @@ class DeviceMaster:
 
     def prefetch(self) -> None:
         """Start reading the state the next step needs (only NVMe has anything to read)."""
+
+    def cancel_prefetch(self) -> None:
+        """A ``prefetch`` whose step will not come (the group got no gradient): give it up."""
 
     def begin_step(self) -> None:
         """Make master and optimizer state resident for the step."""
@@ -225,10 +228,14 @@ class NVMeMaster(HostMaster):
     def __init__(self, master: nn.Parameter, transfers: Transfers, swap, owner):
         super().__init__(master, aliases_params=False, transfers=transfers)
         self.swap, self.owner = swap, owner
+        self.numel = master.numel()  # the master's .data is empty while evicted
         swap.adopt(owner, "opt", {"master": master})
 
     def prefetch(self) -> None:
         self.swap.prefetch(self.owner, "opt")
+
+    def cancel_prefetch(self) -> None:
+        self.swap.cancel_prefetch(self.owner, "opt")
 
     def begin_step(self) -> None:
         self.swap.swap_in(self.owner, "opt")
@@ -242,7 +249,7 @@ class NVMeMaster(HostMaster):
 
     def track_optimizer_state(self, optimizer_state: dict, replace: bool = False) -> None:
         elementwise = {f"state.{k}": v for k, v in optimizer_state.items()
-                       if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == self.master.numel()}
+                       if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == self.numel}
         new = elementwise if replace else self.swap.needs_adopt(self.owner, "opt", elementwise)
         if new:
             self.swap.adopt(self.owner, "opt", new, replace=replace)
