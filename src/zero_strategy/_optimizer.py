@@ -134,6 +134,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
         self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
         self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
+        if self.engine.swap is not None:  # slots of its own for the reads backward starts
+            pool = self.engine.swap.pool  # See [Note: NVMe state read during backward]
+            pool.grow_to(pool.count + self.engine.swap.policy.read_ahead + 1)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -271,9 +274,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         once its last gathers have begun, so that the step's large reads do not queue
         ahead of the parameter reads backward waits on.
 
-        This holds those slots from backward to the step: the pool keeps ``read_ahead + 4``
-        slots beyond what stage-3 parameters need (NVMeStore), so backward's own parameter
-        reads never wait on them. Only for a synced backward (a ``no_sync`` micro-batch is
+        This holds those slots from backward to the step. Each optimizer adds
+        ``read_ahead + 1`` slots to the pool for them, so neither backward's own parameter
+        reads nor another optimizer's step (several optimizers over one model) wait on a
+        slot that only this optimizer's step would give back. Only for a synced backward (a ``no_sync`` micro-batch is
         not followed by a step) and not with overlap_step (its steps start in backward and
         read their own state). A read whose step does not come keeps its slot until the
         next step uses it; a group that gets no gradient gives its read up in the step. A
