@@ -44,16 +44,97 @@ def launch(worker: str, world_size: int, args: dict, timeout: float = 240.0, out
         shutil.rmtree(out, ignore_errors=True)
 
 
+# [Note: warm worker start]
+# A worker process used to start as a fresh interpreter and spend ~2 s of CPU importing
+# torch before anything else; with 2 ranks on 2 cores and over a hundred launches that
+# was minutes of the suite. Ranks now fork from a forkserver that imported torch once
+# (with OMP_NUM_THREADS=1, which OpenMP reads when torch loads it): the same script runs
+# as __main__ via runpy with the same environment, argv, sys.path, log file and kill on
+# timeout. Nothing but torch is preloaded, so the import-order tests (what importing
+# zero_strategy or the Lightning hook pulls in) still see a clean import of everything
+# else; those that need a fresh interpreter run their own subprocess.
+# ZS_TEST_COLD_START=1 restores the fresh-interpreter start.
+_WARM = os.environ.get("ZS_TEST_COLD_START") != "1"
+_FORKSERVER = None
+
+
+def _forkserver():
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+        import multiprocessing.forkserver
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch"])
+        import multiprocessing.util
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment at start: OpenMP reads it at load
+        session_tmp = tempfile.tempdir  # conftest's per-session directory, made inside the usual one
+        tempfile.tempdir = os.path.dirname(session_tmp) if session_tmp else None
+        try:
+            # its socket directory outside the session's temporary directory, which conftest
+            # removes before multiprocessing's own exit-time cleanup of that directory runs
+            multiprocessing.util.get_temp_dir()
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            tempfile.tempdir = session_tmp
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _FORKSERVER = ctx
+    return _FORKSERVER
+
+
+def _run_script(script: str, out: str, env: dict, log_path: str) -> None:
+    """In the forked rank: become ``python <script> <out>`` with ``env``, logging to ``log_path``."""
+    import runpy
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered: workers leave with os._exit
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = [str(SRC), str(HERE), str(Path(script).parent)]
+    sys.argv = [script, out]
+    runpy.run_path(script, run_name="__main__")
+
+
+class _WarmRank:
+    """A forked rank with the part of ``subprocess.Popen``'s interface ``_run`` uses."""
+
+    def __init__(self, script: str, out: Path, env: dict, log_path: Path):
+        self.proc = _forkserver().Process(target=_run_script, args=(script, str(out), env, str(log_path)))
+        self.proc.start()
+
+    def wait(self, timeout: float) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired("rank", timeout)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+
+
 def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) -> list[dict]:
     (out / "args.json").write_text(json.dumps(args))
     port = free_port()
     procs = []
+    script = str(HERE / "workers" / worker)
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]))
+        if _WARM:
+            procs.append((_WarmRank(script, out, env, out / f"rank{rank}.log"), None))
+            continue
         log = open(out / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(HERE / "workers" / worker), str(out)],
+        procs.append((subprocess.Popen([sys.executable, script, str(out)],
                                        env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + timeout
     for p, log in procs:
@@ -65,7 +146,8 @@ def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) ->
             logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
             raise AssertionError(f"{worker} on {world_size} ranks did not finish in {timeout}s:\n{logs}")
         finally:
-            log.close()
+            if log is not None:
+                log.close()
     reports = []
     for rank in range(world_size):
         path = out / f"rank{rank}.json"
