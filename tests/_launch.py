@@ -116,6 +116,13 @@ class _WarmRank:
             raise subprocess.TimeoutExpired("rank", timeout)
         return self.proc.exitcode
 
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join(5)
@@ -174,6 +181,9 @@ def launch_faulty(worker: str, world_size: int, args: dict, survivors: list[int]
                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                     PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
                     **(env or {}))
+        if _WARM:
+            procs[rank] = (_WarmRank(str(HERE / "workers" / worker), out, penv, out / f"rank{rank}.log"), None)
+            continue
         log = open(out / f"rank{rank}.log", "w")
         procs[rank] = (subprocess.Popen([sys.executable, str(HERE / "workers" / worker), str(out)],
                                         env=penv, stdout=log, stderr=subprocess.STDOUT), log)
@@ -189,8 +199,9 @@ def launch_faulty(worker: str, world_size: int, args: dict, survivors: list[int]
         for r, (p, log) in procs.items():
             if p.poll() is None:
                 p.kill()
-                p.wait()
-            log.close()
+                p.wait(timeout=30)
+            if log is not None:
+                log.close()
     reports = {r: (json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None)
                for r in procs}
     logs = {r: (out / f"rank{r}.log").read_text()[-4000:] for r in procs}
