@@ -50,9 +50,11 @@ def launch(worker: str, world_size: int, args: dict, timeout: float = 240.0, out
 # was minutes of the suite. Ranks now fork from a forkserver that imported torch once
 # (with OMP_NUM_THREADS=1, which OpenMP reads when torch loads it): the same script runs
 # as __main__ via runpy with the same environment, argv, sys.path, log file and kill on
-# timeout. Nothing but torch is preloaded, so the import-order tests (what importing
-# zero_strategy or the Lightning hook pulls in) still see a clean import of everything
-# else; those that need a fresh interpreter run their own subprocess.
+# timeout. Only torch and torch._dynamo are preloaded: every worker imports both anyway
+# (zero_strategy's hooks are torch.compiler.disable boundaries, which import dynamo), and
+# neither reads anything a launch sets per rank. Lightning is not: it fixes
+# rank_zero_only.rank from the environment at import. The import-order tests (what
+# importing zero_strategy or the Lightning hook pulls in) run their own subprocess.
 # ZS_TEST_COLD_START=1 restores the fresh-interpreter start.
 _WARM = os.environ.get("ZS_TEST_COLD_START") != "1"
 _FORKSERVER = None
@@ -64,7 +66,7 @@ def _forkserver():
         import multiprocessing
         import multiprocessing.forkserver
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch"])
+        ctx.set_forkserver_preload(["torch", "torch._dynamo"])
         import multiprocessing.util
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment at start: OpenMP reads it at load
