@@ -130,21 +130,26 @@ class _WarmRank:
         self.proc.join(5)
 
 
+def _start_rank(worker: str, rank: int, world_size: int, port: int, out: Path, extra_env: dict | None = None):
+    """Start one rank of ``tests/workers/<worker>`` logging to ``<out>/rank<r>.log``.
+
+    Returns ``(process, log file or None)``; the process has ``wait``/``poll``/``kill``/``returncode``.
+    """
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
+               **(extra_env or {}))
+    script, log_path = str(HERE / "workers" / worker), out / f"rank{rank}.log"
+    if _WARM:
+        return _WarmRank(script, out, env, log_path), None
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, script, str(out)], env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
 def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) -> list[dict]:
     (out / "args.json").write_text(json.dumps(args))
     port = free_port()
-    procs = []
-    script = str(HERE / "workers" / worker)
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]))
-        if _WARM:
-            procs.append((_WarmRank(script, out, env, out / f"rank{rank}.log"), None))
-            continue
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, script, str(out)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    procs = [_start_rank(worker, rank, world_size, port, out) for rank in range(world_size)]
     deadline = time.monotonic() + timeout
     for p, log in procs:
         try:
@@ -177,18 +182,7 @@ def launch_faulty(worker: str, world_size: int, args: dict, survivors: list[int]
     """
     (out / "args.json").write_text(json.dumps(args))
     port = free_port()
-    procs = {}
-    for rank in range(world_size):
-        penv = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                    PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
-                    **(env or {}))
-        if _WARM:
-            procs[rank] = (_WarmRank(str(HERE / "workers" / worker), out, penv, out / f"rank{rank}.log"), None)
-            continue
-        log = open(out / f"rank{rank}.log", "w")
-        procs[rank] = (subprocess.Popen([sys.executable, str(HERE / "workers" / worker), str(out)],
-                                        env=penv, stdout=log, stderr=subprocess.STDOUT), log)
+    procs = {rank: _start_rank(worker, rank, world_size, port, out, env) for rank in range(world_size)}
     deadline = time.monotonic() + timeout
     exited: dict[int, float | None] = {r: None for r in procs}
     try:
