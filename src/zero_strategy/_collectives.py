@@ -64,10 +64,44 @@ message names the collective (what it was for, its sequence number, the step), t
 ranks that never began it or reported a failure, and the last collectives of each
 rank: See [Note: naming the rank that failed] in _faults.py. Counting calls costs one
 store round trip per call (a forward, a ``state_dict()``), not per collective.
+
+[Note: two streams of collectives]
+A backend pairs the k-th collective of every rank of a group, so each rank must issue
+its collectives in one order. At stage 3 backward issues two kinds: the all-gathers
+of units about to run backward (in the gather schedule's order, see [Note: gather
+schedule] in _schedule.py) and the reduce-scatters of groups whose gradients are
+complete (in the reduce order, see [Note: reduce order] in _reduce.py). Each kind is
+in a fixed order on every rank, but how the two interleave depends on when this
+rank's gradients arrive, which depends on what its batch used (an expert its samples
+never reached). So at stage 3 the reduce-scatters go to a group of their own over the
+same ranks (:meth:`Collectives.split_gradient_stream`, ``dist.new_group`` with local
+synchronization), a second *stream* with its own sequence numbers in the flight
+recorder and its own checksum: each stream is in lock-step by itself. On NCCL this
+also lets a gather and a reduce-scatter run at once, as on two communicators.
+
+[Note: the collective signature]
+The flight recorder folds every collective it records (op, label, elements) into a
+running CRC-32 per stream. Once per optimizer step (:meth:`Collectives.agree_on_step`,
+which also tells which groups any rank has gradients for) every rank adds its
+checksums to that small all-reduce, as ``max(c)`` and ``max(-c)``: they are equal on
+every rank exactly when every rank issued the same collectives since the last step.
+Two collectives of one size that paired across ranks complete without a word (a
+gather of expert 2 on one rank summed with a gather of expert 0 on another); this
+catches them before the step applies what they computed, on every rank at once.
+
+[Note: desync while waiting]
+A desync of collectives of different sizes, or of counts, hangs instead. A gloo wait
+that has not finished within :data:`DESYNC_CHECK_AFTER` seconds publishes this rank's
+flight recorder and compares it with the ones the other ranks published: when a rank
+issued a different collective under the same sequence number, every waiting rank
+raises :class:`CollectiveDesync` within seconds, naming both collectives (their labels
+are unit and group names), instead of waiting ``collective_timeout``. A rank that is
+only slow publishes nothing that differs, and the wait goes on to the bound.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import datetime
 import pickle
@@ -81,8 +115,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._faults import (CollectiveError, CollectiveTimeout, FlightRecorder, Ledger, Record, diagnosis,
-                      is_timeout)
+from ._faults import (MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger,
+                      Record, desync_diagnosis, diagnosis, find_desync, is_timeout)
+
+#: seconds a gloo wait runs before it looks for a desync; See [Note: desync while waiting]
+DESYNC_CHECK_AFTER = 2.0
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -158,10 +195,13 @@ class Handle:
             try:
                 if self._comm is None or self._comm.handle_timeout is None:
                     work.wait()
-                elif self._unbounded:
-                    _wait_on_thread(work, self._comm.wait_timeout)
+                elif self._comm.backend == "gloo" and (self._unbounded or not work.is_completed()):
+                    _wait_on_thread(work, self._comm.wait_timeout, self._comm.check_desync)
                 else:
                     work.wait(self._comm.handle_timeout)
+            except CollectiveDesync:
+                self._keep = ()
+                raise
             except RuntimeError as e:
                 self._keep = ()
                 raise self._comm.failure(self._record, e) from e
@@ -169,8 +209,10 @@ class Handle:
         self._keep = ()
 
 
-def _wait_on_thread(work, seconds: float) -> None:
-    """``work.wait()`` on a daemon thread, given up after ``seconds``.
+def _wait_on_thread(work, seconds: float, check_desync=None) -> None:
+    """``work.wait()`` on a daemon thread, given up after ``seconds``; after
+    :data:`DESYNC_CHECK_AFTER` seconds ``check_desync()`` runs every second and may raise
+    (See [Note: desync while waiting]).
 
     [Note: unbounded works]
     gloo's reduce-scatter (both the list form and ``reduce_scatter_tensor``, torch 2.13)
@@ -192,8 +234,15 @@ def _wait_on_thread(work, seconds: float) -> None:
         done.set()
 
     threading.Thread(target=run, name="zero_strategy_wait", daemon=True).start()
-    if not done.wait(seconds):
-        raise RuntimeError(f"Operation timed out after {seconds:g} s (reduce-scatter)")
+    deadline = time.monotonic() + seconds
+    step = min(seconds, DESYNC_CHECK_AFTER)
+    while not done.wait(step):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"Operation timed out after {seconds:g} s")
+        if check_desync is not None:
+            check_desync()
+        step = min(left, 1.0)
     if box:
         raise box[0]
 
@@ -238,9 +287,27 @@ class Collectives:
         #: set once a collective failed here: the group must not be used again (no teardown gather)
         self.failed = False
         self.ledger = None
+        #: the stream this object's collectives are recorded under; See [Note: two streams of collectives]
+        self.stream = MAIN
+        #: where gradient reduce-scatters go: this object, or its twin on a group of their own
+        self.gradients: Collectives = self
+        self._twin_of: Collectives | None = None
         if self.world_size > 1:  # group rank 0's fresh token names this engine's records everywhere
             namespace = self.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None, label="setup")
             self.ledger = Ledger(ranks, self.rank, namespace)
+
+    def split_gradient_stream(self) -> None:
+        """Give gradient reduce-scatters a group of their own; See [Note: two streams of collectives]."""
+        if self.world_size == 1 or self.gradients is not self:
+            return
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        twin = copy.copy(self)  # shares the counters, the flight recorder and the ledger
+        twin.group = dist.new_group(ranks, backend=self.backend, use_local_synchronization=True)
+        twin.stream, twin.gradients, twin._twin_of = "grads", twin, self
+        self.gradients = twin
+
+    def streams(self) -> tuple[str, ...]:
+        return (MAIN,) if self.gradients is self else (MAIN, self.gradients.stream)
 
     def enter(self, kind: str) -> None:
         """A call that issues collectives begins on this rank (counted for error messages; see the Note)."""
@@ -257,7 +324,7 @@ class Collectives:
     def failure(self, record: Record | None, error: BaseException) -> CollectiveError:
         """The error for a failed wait; publishes this rank's failure and flight recorder first."""
         FlightRecorder.finish(record, ok=False)
-        self.failed = True
+        self._mark_failed()
         if self.ledger is not None:
             self.ledger.publish_flight(self.recorder)
         message = diagnosis(self.ledger, self.recorder, record, self.rank, self.wait_timeout, error)
@@ -265,19 +332,69 @@ class Collectives:
         self._abort()
         return (CollectiveTimeout if is_timeout(error) else CollectiveError)(message)
 
+    def _mark_failed(self) -> None:
+        self.failed = True
+        for other in (self._twin_of, self.gradients):
+            if other is not None:
+                other.failed = True
+
     def _abort(self) -> None:
-        """Keep the failed group from being destructed, so that this process can exit; See [Note: a
-        failed group]."""
-        try:
-            pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed: see the Note
-        except Exception as e:  # noqa: BLE001 - best effort: the error message matters more
-            print(f"zero_strategy: could not release the process group after a failed collective: {e!r}",
-                  file=sys.stderr)
+        """Keep the failed groups (both streams) from being destructed, so that this process can exit;
+        See [Note: a failed group]."""
+        main = self._twin_of or self
+        for comm in {id(c): c for c in (main, main.gradients)}.values():
+            try:
+                pg = comm.group if comm.group is not None else dist.distributed_c10d._get_default_group()
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # never destroyed: see the Note
+            except Exception as e:  # noqa: BLE001 - best effort: the error message matters more
+                print(f"zero_strategy: could not release the process group after a failed collective: {e!r}",
+                      file=sys.stderr)
+
+    def check_desync(self) -> None:
+        """A wait is taking long: raise :class:`CollectiveDesync` if another rank issued a different
+        collective under a sequence number this rank used. See [Note: desync while waiting]."""
+        if self.ledger is None:
+            return
+        self.ledger.publish_flight(self.recorder)
+        theirs = self.ledger.flights()
+        if any(find_desync(self.recorder, r, records) for r, records in theirs.items()):
+            raise self._desync_error(theirs, "while waiting")
+
+    def _desync_error(self, theirs: dict, when: str) -> CollectiveDesync:
+        self._mark_failed()
+        message = desync_diagnosis(self.ledger, self.recorder, self.rank, theirs, when)
+        self.report_failure(message.splitlines()[0])
+        self._abort()
+        return CollectiveDesync(message)
+
+    def agree_on_step(self, flags: torch.Tensor) -> torch.Tensor:
+        """``flags`` [k] (0/1) maxed over every data-parallel rank, in one small all-reduce that
+        also compares the ranks' collective checksums (See [Note: the collective signature]);
+        raises :class:`CollectiveDesync` on every rank when they differ."""
+        sigs = torch.tensor(self.recorder.take_signatures(self.streams()), dtype=torch.int64)
+        if self.world_size * self.replicas == 1:
+            return flags
+        device = self._object_device()
+        packed = torch.cat([flags.to(torch.int64), sigs, -sigs]).to(device)
+        self._issue("all_reduce_max", "step agreement", packed, packed.numel(), False, (packed,),
+                    lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        if self.replicas > 1:
+            self._issue("all_reduce_max", "step agreement", packed, packed.numel(), False, (packed,),
+                        lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.replicate_group,
+                                                async_op=True))
+        packed = packed.cpu()
+        k, n = flags.numel(), sigs.numel()
+        if not torch.equal(packed[k:k + n], -packed[k + n:]):
+            theirs = {}
+            if self.ledger is not None:
+                self.ledger.publish_flight(self.recorder)
+                theirs = self.ledger.flights(grace=3.0)
+            raise self._desync_error(theirs, "since the last optimizer step")
+        return packed[:k].to(flags.dtype)
 
     def report_failure(self, why: str) -> None:
         """Tell the other ranks (through the store) that this rank gives up, and why."""
-        self.failed = True
+        self._mark_failed()
         if self.ledger is not None:
             self.ledger.report_failure(f"{why} (at {time.strftime('%H:%M:%S')}, step {self.recorder.step})",
                                        self.recorder)
@@ -291,7 +408,7 @@ class Collectives:
 
     def _issue(self, op: str, label: str, t: torch.Tensor, numel: int, async_op: bool, keep: tuple, call) -> Handle:
         """Record, launch asynchronously, and return a bounded handle (waited now unless ``async_op``)."""
-        record = self.recorder.issue(op, label, numel, numel * t.element_size())
+        record = self.recorder.issue(op, label, numel, numel * t.element_size(), self.stream)
         try:
             work = call()
         except RuntimeError as e:  # gloo may fail at launch when a peer is already gone

@@ -33,6 +33,7 @@ import collections
 import json
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
@@ -43,6 +44,8 @@ FLIGHT_RECORDS = 16
 SHOWN_RECORDS = 6
 #: seconds a failing rank waits for the other ranks' flight recorders (they fail within moments)
 GRACE = 3.0
+#: the stream of every collective except the stage-3 gradient reduce-scatters
+MAIN = "main"
 
 
 class CollectiveError(RuntimeError):
@@ -60,6 +63,12 @@ class CollectiveTimeout(CollectiveError):
     a peer is stuck, much slower, or issued different collectives (a desync)."""
 
 
+class CollectiveDesync(CollectiveError):
+    """The ranks issued different collectives: a module used on some ranks only, in an order the
+    engine cannot make agree (see [Note: the collective signature] in _collectives.py). The
+    message names the first collective that differs on each side."""
+
+
 @dataclass
 class Record:
     """One collective as this rank issued it."""
@@ -73,12 +82,19 @@ class Record:
     started: float  # time.time(), comparable across the ranks of a host
     state: str = "issued"  # issued -> completed | failed
     seconds: float | None = None
+    #: which sequence of collectives: See [Note: two streams of collectives] in _collectives.py
+    stream: str = MAIN
 
     def line(self) -> str:
         took = "" if self.seconds is None else f" in {self.seconds:.3g} s"
         what = f" {self.label!r}" if self.label else ""
-        return (f"#{self.seq} step {self.step} {self.op}{what} {_size(self.nbytes)} "
+        return (f"#{self.number} step {self.step} {self.op}{what} {_size(self.nbytes)} "
                 f"{self.state}{took} (t={self.started:.3f})")
+
+    @property
+    def number(self) -> str:
+        """The sequence number as messages show it: ``5`` on the main stream, ``grads:5`` on another."""
+        return str(self.seq) if self.stream == MAIN else f"{self.stream}:{self.seq}"
 
 
 def _size(nbytes: int) -> str:
@@ -94,14 +110,24 @@ class FlightRecorder:
 
     def __init__(self, size: int = FLIGHT_RECORDS):
         self.records: collections.deque[Record] = collections.deque(maxlen=size)
-        self.seq = 0
+        self.seqs: dict[str, int] = {MAIN: 0}  # collectives issued so far, per stream
+        #: per stream, a checksum of every collective issued since the last :meth:`take_signatures`
+        self.signatures: dict[str, int] = {MAIN: 0}
         self.step = 1  # the optimizer step the next collectives belong to, counted from 1
 
-    def issue(self, op: str, label: str, numel: int, nbytes: int) -> Record:
-        self.seq += 1
-        record = Record(self.seq, op, label, numel, nbytes, self.step, time.time())
+    def issue(self, op: str, label: str, numel: int, nbytes: int, stream: str = MAIN) -> Record:
+        seq = self.seqs[stream] = self.seqs.get(stream, 0) + 1
+        # See [Note: the collective signature] in _collectives.py
+        self.signatures[stream] = zlib.crc32(f"{op}|{label}|{numel}".encode(), self.signatures.get(stream, 0))
+        record = Record(seq, op, label, numel, nbytes, self.step, time.time(), stream=stream)
         self.records.append(record)
         return record
+
+    def take_signatures(self, streams: tuple[str, ...]) -> list[int]:
+        """The checksums of ``streams`` since the last call, each restarted."""
+        out = [self.signatures.get(s, 0) for s in streams]
+        self.signatures = {s: 0 for s in self.signatures}
+        return out
 
     @staticmethod
     def finish(record: Record | None, ok: bool) -> None:
@@ -164,6 +190,16 @@ class Ledger:
                 time.sleep(0.05)
         return self._try(read) or {}
 
+    def flights(self, grace: float = 0.0) -> dict[int, list[Record]]:
+        """Group rank -> the flight records it published (waiting up to ``grace`` s for them)."""
+        out: dict[int, list[Record]] = {}
+        for r, text in self.published("flight", grace=grace).items():
+            try:
+                out[r] = [Record(**d) for d in json.loads(text)]
+            except (ValueError, TypeError):
+                continue
+        return out
+
     def describe(self) -> str:
         """Which ranks did not begin the call this rank is in, for an error message."""
         counts = self.counts()
@@ -214,7 +250,7 @@ def diagnosis(ledger: Ledger | None, recorder: FlightRecorder, record: Record | 
               waited: float | None, error: BaseException) -> str:
     """The error message for a collective that failed on this rank; see [Note: naming the rank that failed]."""
     what = "a collective" if record is None else (
-        f"collective #{record.seq} ({record.op}{f' of {record.label!r}' if record.label else ''}, step {record.step})")
+        f"collective #{record.number} ({record.op}{f' of {record.label!r}' if record.label else ''}, step {record.step})")
     if is_timeout(error):
         how = f"waited {waited:g} s for {what}, which did not complete"
     else:
@@ -224,11 +260,7 @@ def diagnosis(ledger: Ledger | None, recorder: FlightRecorder, record: Record | 
     if ledger is not None:
         lines.append("Progress: " + ledger.describe() + ".")
         grace = min(GRACE, waited or GRACE) if is_timeout(error) else GRACE / 3  # a dead peer sends nothing
-        for r, text in ledger.published("flight", grace=grace).items():
-            try:
-                flights[r] = [Record(**d) for d in json.loads(text)]
-            except (ValueError, TypeError):
-                continue
+        flights = ledger.flights(grace)
         reports = ledger.published("failed")
         for r, why in sorted(reports.items()):
             lines.append(f"Group rank {r} reported: {why}")
@@ -236,23 +268,49 @@ def diagnosis(ledger: Ledger | None, recorder: FlightRecorder, record: Record | 
         if silent:
             lines.append(f"Group ranks {', '.join(map(str, silent))} reported nothing: stuck outside this "
                          "engine's collectives (a hang, a long rank-only task) or dead (killed, out of memory).")
-        lines += [_desync(recorder, r, theirs) for r, theirs in sorted(flights.items()) if _desync(recorder, r, theirs)]
-    lines.append(f"Last collectives of group rank {rank} (oldest first):")
-    lines += ["  " + r.line() for r in list(recorder.records)[-SHOWN_RECORDS:]]
-    for r, theirs in sorted(flights.items()):
-        lines.append(f"Last collectives of group rank {r} (published when it gave up):")
-        lines += ["  " + x.line() for x in theirs[-SHOWN_RECORDS:]]
+        lines += [find_desync(recorder, r, theirs) for r, theirs in sorted(flights.items())
+                  if find_desync(recorder, r, theirs)]
+    lines += _flight_lines(recorder, rank, flights)
     lines.append(f"({type(error).__name__}: {str(error).strip()[:500]})")
     return "\n".join(lines)
 
 
-def _desync(mine: FlightRecorder, rank: int, theirs: list[Record]) -> str:
+def _flight_lines(recorder: FlightRecorder, rank: int, flights: dict[int, list[Record]]) -> list[str]:
+    lines = [f"Last collectives of group rank {rank} (oldest first):"]
+    lines += ["  " + r.line() for r in list(recorder.records)[-SHOWN_RECORDS:]]
+    for r, theirs in sorted(flights.items()):
+        lines.append(f"Last collectives of group rank {r} (published when it gave up):")
+        lines += ["  " + x.line() for x in theirs[-SHOWN_RECORDS:]]
+    return lines
+
+
+def desync_diagnosis(ledger: Ledger | None, recorder: FlightRecorder, rank: int,
+                     flights: dict[int, list[Record]], when: str) -> str:
+    """The message of a :class:`CollectiveDesync` detected ``when`` ("while waiting", ...)."""
+    lines = [f"zero_strategy: rank {rank} found that the ranks issued different collectives {when}. "
+             "At stage 3 this means a unit (a module subtree gathered as one) was used on some ranks "
+             "only, out of the order in which the units are gathered (for example a block called "
+             "twice on one rank and once on another, or modules called in another order per rank). "
+             "Make every rank call the same units in the same order (run a skipped module on "
+             "zero-sized input, as DDP users do for unused towers), name the module that holds "
+             "the varying part in ZeroConfig(unit_classes=[...]) so it is gathered as one unit, "
+             "or use stage 2. The process group should not be used after this."]
+    found = [find_desync(recorder, r, theirs) for r, theirs in sorted(flights.items())]
+    lines += [f for f in found if f] or ["The first collective that differs is older than the flight "
+                                         "recorders reach (the checksums differ)."]
+    if ledger is not None:
+        lines.append("Progress: " + ledger.describe() + ".")
+    lines += _flight_lines(recorder, rank, flights)
+    return "\n".join(lines)
+
+
+def find_desync(mine: FlightRecorder, rank: int, theirs: list[Record]) -> str:
     """The first collective number at which ``rank`` issued something else than this rank, if any."""
-    ours = {r.seq: r for r in mine.records}
+    ours = {(r.stream, r.seq): r for r in mine.records}
     for other in theirs:
-        here = ours.get(other.seq)
+        here = ours.get((other.stream, other.seq))
         if here is not None and (here.op, here.label, here.numel) != (other.op, other.label, other.numel):
-            return (f"Desync: collective #{other.seq} is {here.op} {here.label!r} ({here.numel} elements, "
+            return (f"Desync: collective #{other.number} is {here.op} {here.label!r} ({here.numel} elements, "
                     f"step {here.step}) on this rank but {other.op} {other.label!r} ({other.numel} elements, "
                     f"step {other.step}) on group rank {rank}: the ranks issued different collectives.")
     return ""

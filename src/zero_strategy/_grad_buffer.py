@@ -117,6 +117,9 @@ class GradBuffer:
         self._written = [False] * n
         self._reduced_in_place = False
         self._carry: torch.Tensor | None = None  # stage 1: reduced slice to add back
+        #: a gradient arrived since the last reset (kept across steps without zero_grad, as torch keeps
+        #: .grad): the step agrees over ranks whether any has one. See [Note: no gradient on any rank]
+        self.received = False
         # per-backward bookkeeping (reset by end_backward)
         self.arrived = 0
         self.reduced_this_backward = False
@@ -225,13 +228,7 @@ class GradBuffer:
         if grad is None:
             return
         if self._reduced_in_place:
-            # Gradients accumulate onto reduced ones (no zero_grad since the last reduce, e.g.
-            # another optimizer stepped): keep this rank's reduced slice aside and start a
-            # fresh local sum; the next reduce adds it back, as torch would accumulate.
-            self._carry = self.grad_shard.clone()
-            self.grad_shard = None
-            self._reduced_in_place = False
-            self._written = [False] * len(self._written)
+            self._set_reduced_aside()
         if self.full_grad is None:
             self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
         view = self.full_grad[slot.offset:slot.offset + slot.numel]
@@ -242,7 +239,17 @@ class GradBuffer:
             self._written[slot.index] = True
         self._place_marker(slot)
         self.arrived += 1
+        self.received = True
         self.state = GradState.ACCUMULATING
+
+    def _set_reduced_aside(self) -> None:
+        """Stage 1, before its full buffer takes new sums: gradients accumulate onto reduced ones (no
+        zero_grad since the last reduce, e.g. another optimizer stepped), so keep this rank's reduced
+        slice aside and start a fresh local sum; the next reduce adds it back, as torch would accumulate."""
+        self._carry = self.grad_shard.clone()
+        self.grad_shard = None
+        self._reduced_in_place = False
+        self._written = [False] * len(self._written)
 
     @property
     def complete(self) -> bool:
@@ -276,6 +283,8 @@ class GradBuffer:
         buffer persists anyway), so stepping needs no extra gradient memory.
         """
         layout = self.layout
+        if self._reduced_in_place:  # reduced again (another rank has new gradients): keep ours
+            self._set_reduced_aside()
         if self.full_grad is None:  # unused on this backward: contribute zeros, stay in lock-step
             self.full_grad = torch.zeros(layout.padded_numel, dtype=self.grad_dtype, device=self.device)
         else:
@@ -348,6 +357,7 @@ class GradBuffer:
         if not keep_full:
             self.full_grad = None
         self.version += 1
+        self.received = False
         self.state = GradState.EMPTY
         self.clear_arrivals()
 

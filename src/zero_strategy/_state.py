@@ -28,15 +28,19 @@ per-backward bookkeeping cleared. The abandoned backward's partial gradients sta
 as torch's stay in ``.grad``, until the retry loop's zero_grad drops them.
 
 [Note: lock-step]
-Every collective is issued in the same order on every rank: groups complete in
-autograd's deterministic order, and everything deferred to the end of backward or
-the step runs in a fixed group order. As with DDP, all ranks must use the same
-parameters in a step.
+Every collective is issued in the same order on every rank, also when the ranks use
+different parameters (mixture-of-experts routing, an image tower some batches skip):
+reduce-scatters in the reduce order (See [Note: reduce order] in _reduce.py), stage-3
+gathers in the gather schedule (See [Note: gather schedule] in _schedule.py), the two
+on streams of their own (See [Note: two streams of collectives] in _collectives.py),
+and everything deferred to the step in a fixed group order. A parameter no rank used
+in a step has no gradient and is not stepped, as in DDP with
+``find_unused_parameters=True``, when its whole flat group went unused (See [Note: no
+gradient on any rank] in _optimizer.py).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import warnings
@@ -49,18 +53,17 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .config import NVMeOffload
 
-from ._collectives import CollectiveError, Collectives, Handle
+from ._collectives import Collectives
 from ._flat import FlatGroup, ParamSlot, ShardState
 from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
 from ._offload import OffloadPlan, Transfers
 from ._plan import ShardingPlan, plan_for
 from ._placement import single_device, swap_bytes
+from ._reduce import MAX_IN_FLIGHT, ReduceQueue
+from ._schedule import GatherSchedule, Pass
 from ._tree import map_tensors, tensors_in
-from ._units import Unit, build_units, missing_ranks_message
-
-#: reduce-scatters allowed in flight during backward before the oldest is waited on
-_MAX_REDUCES_IN_FLIGHT = 4
+from ._units import Unit, build_units
 
 
 def compile_boundary(hook):
@@ -164,17 +167,18 @@ class ZeroEngine:
         }
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
         self._handles: list[Any] = []
-        self._pending_reduces: collections.deque[tuple[FlatGroup, Handle, torch.Tensor]] = collections.deque()
+        if self.plan.shards_parameters:
+            comm.split_gradient_stream()  # See [Note: two streams of collectives]
+        self.reduces = ReduceQueue(comm.gradients, self.trainable_groups, in_place=self.plan.keeps_full_gradients,
+                                   in_flight_limit=lambda: 1 if self._overlapping() else MAX_IN_FLIGHT,
+                                   on_reduced=self._on_reduced)
+        self.schedule = GatherSchedule([u for u in self.units[1:] if u.sharded_groups], config.prefetch)
         self._sync_gradients = True
         # See [Note: training state]: every "where are we in the iteration" fact lives here,
         # and reset_iter_state() puts each back.
         self.training_state = TrainingState.IDLE
         self._backward_task = -1  # graph task the end-of-backward callback is queued on
         self._root_forward_depth = 0
-        self._forward_order: list[Unit] = []
-        self._forward_seen: set[int] = set()  # ids in _forward_order (a unit is recorded once)
-        self._last_forward_order: list[Unit] = []
-        self._last_position: dict[int, int] = {}  # id(unit) -> its place in _last_forward_order
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
         self.undo_on_teardown: list = []  # what setup adjusted on library models (_model_integrations.py)
@@ -231,14 +235,14 @@ class ZeroEngine:
         in_backward = self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
         for unit in self.units:
             unit.wait_gather()
-        while self._pending_reduces:
-            self._finish_one_reduce(stepping_allowed=False)
+        self.schedule.abandon()
+        self.reduces.wait_all(notify=False)
+        self.reduces.end_backward()
         for g in self.groups:
             g.grads.end_backward() if in_backward else g.grads.clear_arrivals()
         if self.plan.shards_parameters:
             self.release_all()
         self._root_forward_depth = 0
-        self._forward_order, self._forward_seen = [], set()
         self._backward_task = -1
         self.training_state = TrainingState.IDLE
 
@@ -314,8 +318,8 @@ class ZeroEngine:
             self._check_units_in_place()
             self.training_state = TrainingState.FORWARD
             self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
-            self._forward_order = []
-            self._forward_seen: set[int] = set()
+            if self.plan.shards_parameters:
+                self.schedule.begin(Pass.FORWARD)
         self._root_forward_depth += 1
         if self.plan.shards_parameters:
             self.root.gather(self.comm)
@@ -360,9 +364,8 @@ class ZeroEngine:
         if self._root_forward_depth > 0 or _in_backward():  # nested, or recomputed inside backward
             return None
         self.training_state = TrainingState.IDLE
-        if self._forward_order:
-            self._last_forward_order = self._forward_order
-            self._last_position = {id(u): i for i, u in enumerate(self._forward_order)}
+        if self.plan.shards_parameters and output is not None:  # a raising forward leaves no pass to finish
+            self.schedule.finish(self.comm)  # See [Note: gather schedule] in _schedule.py
         outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if outputs:  # See [Note: end of backward in the outermost graph task]
             register_multi_grad_hook(outputs, lambda grads: self._ensure_end_of_backward_callback(), mode="any")
@@ -372,12 +375,9 @@ class ZeroEngine:
 
     def _make_unit_pre_forward(self, unit: Unit):
         def hook(module, args, kwargs):
-            unit.begin_gather(self.comm)  # usually already started by the previous unit's prefetch
-            if not _in_backward():
-                if id(unit) not in self._forward_seen:
-                    self._forward_seen.add(id(unit))
-                    self._forward_order.append(unit)
-                self._prefetch(unit, +1)
+            # in order, usually already begun by a prefetch; inside backward a recomputation (activation
+            # checkpointing), which the reentrant kind runs before the unit's backward gathers it
+            self.schedule.use(unit, self.comm)
             unit.wait_gather()
             if not torch.is_grad_enabled():
                 return None
@@ -407,17 +407,6 @@ class ZeroEngine:
             return None
         return hook
 
-    def _prefetch(self, unit: Unit, direction: int) -> None:
-        """Start gathering the next ``prefetch`` units of last step's forward order (+1) or backward (-1)."""
-        i = self._last_position.get(id(unit))
-        if i is None:
-            return
-        order = self._last_forward_order
-        for k in range(1, self.config.prefetch + 1):
-            j = i + direction * k
-            if 0 <= j < len(order):
-                order[j].begin_gather(self.comm)
-
     # ----------------------------------------------------------------- backward
     def _ensure_end_of_backward_callback(self) -> None:
         """Queue the end-of-backward callback at the first hook of a backward. ``PRE_BACKWARD``
@@ -440,6 +429,8 @@ class ZeroEngine:
             return
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         self.training_state = TrainingState.PRE_BACKWARD
+        if self.plan.shards_parameters:
+            self.schedule.begin(Pass.BACKWARD)
         self._backward_task = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not self._backward_reads_parameters():
@@ -462,10 +453,8 @@ class ZeroEngine:
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
         with torch.profiler.record_function(f"zero::pre_backward::{unit.name}"):
-            unit.begin_gather(self.comm)
-            self._prefetch(unit, -1)
-            position = self._last_position.get(id(unit))
-            if position is not None and position <= self.config.prefetch:  # the last gathers have begun
+            self.schedule.use(unit, self.comm)
+            if self.schedule.remaining() <= self.config.prefetch:  # the last gathers have begun
                 self._read_step_state_ahead()
             unit.wait_gather()
 
@@ -490,7 +479,7 @@ class ZeroEngine:
                 "micro-batches inside no_sync), or drop overlap_step")
         if group.grads.reduced_this_backward and self._in_nested_backward():
             # See [Note: reentrant checkpointing and units called twice]
-            self.wait_reduces()  # the first round's reduce-scatter still reads full_grad
+            self.reduces.wait_all()  # the first round's reduce-scatter still reads full_grad
             group.grads.start_another_round()
         if group.grads.reduced_this_backward:
             raise RuntimeError(
@@ -498,7 +487,7 @@ class ZeroEngine:
                 "reduced in this backward; is the parameter used after its unit's backward?")
         group.grads.accumulate(slot)
         if self.plan.reduces_in_backward and self._sync_gradients and group.grads.complete:
-            self._launch_reduce(group)
+            self.reduces.complete(group)  # launched in the reduce order: See [Note: reduce order]
 
     def _in_nested_backward(self) -> bool:
         """Inside a graph task other than the one the end-of-backward callback waits on: the
@@ -517,43 +506,25 @@ class ZeroEngine:
         """
         return torch._C._current_graph_task_id() != self._backward_task
 
-    def _launch_reduce(self, group: FlatGroup) -> None:
-        with torch.profiler.record_function(f"zero::reduce::{group.name}"):
-            handle, out = group.grads.begin_reduce(self.comm, in_place=self.plan.keeps_full_gradients)
-        self._pending_reduces.append((group, handle, out))
-        # with overlap_step every finished reduce starts a CPU step, so finish them promptly
-        limit = 1 if self._overlapping() else _MAX_REDUCES_IN_FLIGHT
-        while len(self._pending_reduces) > limit:
-            self._finish_one_reduce()
-
-    def _finish_one_reduce(self, stepping_allowed: bool = True) -> None:
-        group, handle, out = self._pending_reduces.popleft()
-        with torch.profiler.record_function(f"zero::reduce_wait::{group.name}"):
-            try:
-                handle.wait()
-            except CollectiveError as e:
-                raise missing_ranks_message(
-                    self.comm, f"the gradient reduce-scatter of {group.name!r}", e, gather=False) from e
-        group.finish_reduce(out, self.comm, in_place=self.plan.keeps_full_gradients)
-        if stepping_allowed and self._overlapping() and _in_backward():
+    def _on_reduced(self, group: FlatGroup) -> None:
+        """A reduce-scatter finished; with overlap_step (every finished reduce starts a CPU step,
+        so the queue keeps one in flight) during backward, the group's step can start."""
+        if self._overlapping() and _in_backward():
             for zopt in self.optimizers():  # See [Note: overlap_step] in _optimizer.py
                 zopt.group_reduced(group)
 
     def _overlapping(self) -> bool:
         return self.config.overlap_step and self._sync_gradients
 
-    def wait_reduces(self) -> None:
-        while self._pending_reduces:
-            self._finish_one_reduce()
-
     def _end_of_backward(self) -> None:
         self._assert_state(TrainingState.PRE_BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
+        if self.plan.shards_parameters:
+            self.schedule.finish(self.comm)  # units this rank's backward skipped: See [Note: gather schedule]
         if self.plan.reduces_in_backward and self._sync_gradients:
-            for g in self.trainable_groups:  # fixed order on every rank
-                if not g.grads.reduced_this_backward:
-                    self._launch_reduce(g)
-        self.wait_reduces()
+            self.reduces.flush()  # what is left, in the reduce order (zeros where unused)
+        self.reduces.wait_all()
+        self.reduces.end_backward()
         for g in self.groups:
             g.grads.end_backward()
         if self.plan.shards_parameters:
@@ -572,17 +543,21 @@ class ZeroEngine:
         ``groups``: one optimizer's groups (default: all trainable groups).
         """
         self._recover_if_abandoned(outside_forward=True)
-        self.wait_reduces()
+        self.reduces.wait_all()
         groups = self.trainable_groups if groups is None else groups
-        # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
-        cleared = {id(g) for g in groups if g.grads.take_cleared_slots(keep_full=self.plan.keeps_full_gradients)}
-        for g in groups:
-            # stage 1 reduces every group once per step (zeros for one unused here, in lock-step),
-            # except a group the user cleared after backward on every rank: torch skips it
-            if g.grads.has_unreduced or (self.plan.keeps_full_gradients and g.grads.grad_shard is None
-                                         and id(g) not in cleared):
-                self._launch_reduce(g)
-        self.wait_reduces()
+        keep_full = self.plan.keeps_full_gradients
+        for g in groups:  # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
+            g.grads.take_cleared_slots(keep_full=keep_full)
+        # which groups some rank has a gradient for, or must reduce (stage 1: every group once per step;
+        # stages 2-3: what no_sync left), agreed in one small all-reduce that also compares checksums
+        needs = [g.grads.has_unreduced or (keep_full and g.grads.grad_shard is None) for g in groups]
+        agreed = self.comm.agree_on_step(torch.tensor([g.grads.received for g in groups] + needs)).tolist()
+        for g, any_gradient, any_needs in zip(groups, agreed[:len(groups)], agreed[len(groups):]):
+            if not any_gradient:  # no rank has one: not stepped. See [Note: no gradient on any rank]
+                g.zero_grad(keep_full=keep_full)
+            elif any_needs:  # every rank reduces it, with zeros where it has no gradient
+                self.reduces.launch(g)
+        self.reduces.wait_all(notify=False)
         for g in self.groups:
             g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time
 

@@ -1,0 +1,83 @@
+"""Train models whose ranks use different parameters with zero_strategy and a plain reference.
+
+args["cases"]: dicts with model ("moe" | "vlm" | "early_exit"), routing ("disjoint" |
+"shared", moe), stage, offload (None | "cpu"), precision, steps. The reference is a
+plain copy of the model trained on the global batch on every rank (each rank's batch
+run through it, the losses averaged): what DDP with ``find_unused_parameters=True``
+computes. Reports per case the losses of both and the largest relative difference of
+the final full weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from _models import TinyLM
+from _models import batch as lm_batch
+from _routed_models import RoutedMoELM, TinyVLM, routed_batch, vlm_batch
+from _worker import finish, run_cases, start, worst_rel_diff
+
+import zero_strategy as zs
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(7)
+    return {"moe": RoutedMoELM, "vlm": TinyVLM, "early_exit": lambda: TinyLM(layers=3)}[kind]()
+
+
+def batches(case: dict, rank: int, step: int):
+    """(inputs as kwargs, targets) of ``rank`` at ``step``."""
+    if case["model"] == "moe":
+        tokens, hint, targets = routed_batch(rank, step, case.get("routing", "disjoint"))
+        return dict(tokens=tokens, hint=hint), targets
+    if case["model"] == "vlm":
+        tokens, pixels, targets = vlm_batch(rank, step, tuple(case.get("images_on", (0,))))
+        return dict(tokens=tokens, pixel_values=pixels), targets
+    tokens, targets = lm_batch(rank, step, 0)
+    return dict(tokens=tokens, depth=None if rank == 0 else 2), targets  # rank 1 exits after 2 blocks
+
+
+def loss_of(model, inputs, targets):
+    logits = model(**inputs)
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def run(case: dict) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = build(case["model"])
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    cfg = zs.ZeroConfig(stage=case["stage"], precision=case.get("precision", "fp32"),
+                        param_persistence_threshold=0, offload_optimizer=case.get("offload"),
+                        offload_params=case.get("offload") if case["stage"] == 3 else None,
+                        collective_timeout=case.get("timeout", 20.0))
+    model, zopt = zs.setup(model, opt, cfg)
+    losses_ref, losses_zero = [], []
+    for step in range(case.get("steps", 4)):
+        total = sum(loss_of(ref, *batches(case, r, step)) for r in range(world)) / world
+        total.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses_ref.append(total.item())
+        loss = loss_of(model, *batches(case, rank, step))
+        loss.backward()
+        zopt.step()
+        zopt.zero_grad()
+        losses_zero.append(loss.item())
+    worst, name = worst_rel_diff(zs.full_state_dict(model), ref.state_dict())
+    zs.teardown(model)
+    return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, weight_rel_diff=worst, worst=name)
+
+
+def main() -> None:
+    args, out = start()
+    finish(out, {"results": run_cases(args["cases"], run)})
+
+
+if __name__ == "__main__":
+    main()
