@@ -13,7 +13,7 @@ from .config import (
     ZeroConfigError,
     preset_names,
 )
-from ._collectives import CollectiveError, CollectiveTimeout
+from ._collectives import CollectiveDesync, CollectiveError, CollectiveTimeout
 from .estimate import MemoryEstimate, estimate_memory
 from ._memory import MemoryReport
 from ._optimizer import ZeroOptimizer
@@ -39,7 +39,7 @@ from .checkpoint import CheckpointError, load_checkpoint, load_full_state_dict, 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveError", "CollectiveTimeout", "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
+    "CollectiveDesync", "CollectiveError", "CollectiveTimeout", "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
     "AvailableMemory", "choose_preset", "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "is_set_up", "memory_report",
     "no_sync", "reset_iter_state", "setup", "teardown", "zero_grad", "__version__",

@@ -42,7 +42,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from ._collectives import CollectiveError, CollectiveTimeout, Collectives, Handle
+from ._collectives import CollectiveDesync, CollectiveError, CollectiveTimeout, Collectives, Handle
 from ._flat import FlatGroup, ShardState
 from ._materialize import materialize_unit
 from ._materialize import unit_modules as unit_scope
@@ -150,6 +150,8 @@ def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError,
     """The error for a wait on a unit's collective that failed, naming the unit (see [Note: bounded
     waits] in _collectives.py); a timed-out ``gather`` adds what usually causes it."""
     head = f"zero_strategy: rank {comm.rank} gave up on {what}."
+    if isinstance(error, CollectiveDesync):
+        return CollectiveDesync(f"{head}\n{error}")
     if not isinstance(error, CollectiveTimeout):
         return CollectiveError(f"{head}\n{error}")
     if not gather:
