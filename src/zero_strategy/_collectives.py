@@ -371,14 +371,17 @@ class Collectives:
         """``flags`` [k] (0/1) maxed over every data-parallel rank, in one small all-reduce that
         also compares the ranks' collective checksums (See [Note: the collective signature]);
         raises :class:`CollectiveDesync` on every rank when they differ."""
-        sigs = torch.tensor(self.recorder.take_signatures(self.streams()), dtype=torch.int64)
+        # 31 bits of each checksum, so that it and its negation fit the int32 flags
+        sigs = torch.tensor([c & 0x7FFFFFFF for c in self.recorder.take_signatures(self.streams())], dtype=torch.int32)
         if self.world_size * self.replicas == 1:
             return flags
         device = self._object_device()
-        packed = torch.cat([flags.to(torch.int64), sigs, -sigs]).to(device)
+        packed = torch.cat([flags.to(torch.int32), sigs, -sigs]).to(device)
+        self._count(self.stats.all_reduce, packed, packed.numel(), 2 * (self.world_size - 1) / self.world_size)
         self._issue("all_reduce_max", "step agreement", packed, packed.numel(), False, (packed,),
                     lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         if self.replicas > 1:
+            self._count(self.stats.inter_all_reduce, packed, packed.numel(), 2 * (self.replicas - 1) / self.replicas)
             self._issue("all_reduce_max", "step agreement", packed, packed.numel(), False, (packed,),
                         lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.replicate_group,
                                                 async_op=True))
