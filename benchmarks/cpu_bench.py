@@ -1,4 +1,4 @@
-"""CPU benchmark: torch DDP vs zero_strategy ZeRO-1/2/3 and the offload presets (vs DeepSpeed's same setups).
+"""CPU benchmark: torch DDP vs zero_strategy ZeRO-1/2/3 and the offload presets (vs DeepSpeed's same setups and PyTorch FSDP2).
 
 2 ranks, gloo, one thread per rank, a GPT-2 style model from ``transformers``,
 micro-batch 4 x 128 tokens per rank, AdamW. Every system is built in the same
@@ -19,6 +19,15 @@ Per system it reports:
   ``param_persistence_threshold`` are kept whole);
 * the loss at every step (mean over ranks) and its largest difference from DDP.
 
+Beside every set of stage rows runs what a PyTorch user picks instead: FSDP2,
+``fully_shard`` on each transformer block and then on the root over a CPU device
+mesh (``fsdp2`` in the default set; ``fsdp2_offload``, with ``CPUOffloadPolicy``, in
+the ``--offload`` set; bf16: ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``). Its model states are the local shards of its DTensor
+parameters, gradients and AdamW state; its communication is counted from the c10d
+collectives it issues on the last warm-up step (a dispatch mode, untimed). A footer
+line gives each of our systems' paired per-round ratio to it.
+
 Usage (from the repository root)::
 
     python benchmarks/cpu_bench.py                       # default model (~30M params)
@@ -27,6 +36,7 @@ Usage (from the repository root)::
     python benchmarks/cpu_bench.py --precision bf16
     python benchmarks/cpu_bench.py --offload             # DDP, zero2_offload, zero3_offload, zero3_offload_nvme
                                                          # beside DeepSpeed's ZeRO-2/3 CPU offload and ZeRO-3 NVMe
+                                                         # and FSDP2 + CPUOffloadPolicy
     /path/to/venv-with-deepspeed/bin/python benchmarks/cpu_bench.py   # adds DeepSpeed
 
 It re-launches itself with ``python -m torch.distributed.run --nproc-per-node 2``;
@@ -57,16 +67,22 @@ SETUPS = {
     "zero3_offload_nvme": (3, "nvme", "nvme"),
     "ds1": (1, None, None), "ds2": (2, None, None), "ds3": (3, None, None),
     "ds2_offload": (2, "cpu", None), "ds3_offload": (3, "cpu", "cpu"), "ds3_nvme": (3, "nvme", "nvme"),
+    # PyTorch FSDP2 (``fully_shard`` on each block, then the root): params, grads and AdamW state
+    # sharded, as at stage 3; _offload adds ``CPUOffloadPolicy``
+    "fsdp2": (3, None, None), "fsdp2_offload": (3, "cpu", "cpu"),
     # hybrid sharding over groups of --hybrid ranks (see README "Hybrid sharding")
     "hzero1": (1, None, None), "hzero2": (2, None, None), "hzero3": (3, None, None),
 }
 #: each of our systems beside DeepSpeed's same setup (the "vs DS" column)
 PEERS = {"zero1": "ds1", "zero2": "ds2", "zero3": "ds3", "zero2_offload": "ds2_offload",
          "zero3_offload": "ds3_offload", "zero3_offload_nvme": "ds3_nvme"}
+#: each FSDP2 system beside ours: the footer gives our paired per-round ratio to it
+FSDP2_OURS = {"fsdp2": ("zero1", "zero2", "zero3"),
+              "fsdp2_offload": ("zero2_offload", "zero3_offload", "zero3_offload_nvme")}
 ALL_SYSTEMS = ("ddp", *SETUPS)
-DEFAULT_SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "ds1", "ds2", "ds3")
+DEFAULT_SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "ds1", "ds2", "ds3", "fsdp2")
 OFFLOAD_SYSTEMS = ("ddp", "zero2_offload", "zero3_offload", "zero3_offload_nvme",
-                   "ds2_offload", "ds3_offload", "ds3_nvme")
+                   "ds2_offload", "ds3_offload", "ds3_nvme", "fsdp2_offload")
 
 
 def parse_args(argv=None):
@@ -351,6 +367,149 @@ class DeepSpeedSystem(System):
         return loss.detach().float().item()
 
 
+class FSDP2System(System):
+    """PyTorch FSDP2 the documented way: ``fully_shard`` on every transformer block, then on the root.
+
+    A CPU device mesh over the gloo group; bf16: ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)`` (FSDP2 keeps fp32 sharded parameters and gradients and casts at the
+    all-gather); ``fsdp2_offload``: ``CPUOffloadPolicy(pin_memory=False)`` (pinned memory needs
+    an accelerator). The optimizer is ``_make_optimizer`` over the sharded (DTensor) parameters.
+    """
+
+    def __init__(self, args, name):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        super().__init__(name)
+        model = _make_model(args)
+        # FSDP2 shards every parameter, the small ones too: no persistence threshold
+        self.theory = comm_theory(model, 3, threshold=0)
+        kw = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
+        notes = ["fully_shard per block + root"]
+        if args.precision == "bf16":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            notes.append("bf16 params / fp32 reduce")
+        if SETUPS[name][1] == "cpu":
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+            notes.append("CPUOffloadPolicy(pin_memory=False)")
+        for block in model.transformer.h:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        self.model = model
+        self.opt = _make_optimizer(model.parameters(), args)  # after fully_shard: the DTensor shards
+        self.note = ", ".join(notes)
+        self._torch = torch
+
+    def step(self, ids, probe=False):
+        import contextlib
+        # FSDP2 has no byte counters: the probe step (untimed) counts the c10d ops it issues
+        counter = _C10dCounter() if probe else contextlib.nullcontext()
+        with counter:
+            loss = self.model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if probe:
+                self.memory["after_backward"] = self._memory()
+            self.opt.step()
+            if probe:
+                self.memory["after_step"] = self._memory()
+            self.opt.zero_grad(set_to_none=True)
+        if probe:
+            self.comm = counter.as_dict()
+        return loss.detach().float().item()
+
+    def _memory(self):
+        """Per-rank bytes of what FSDP2 holds: the local shards of its DTensor parameters, gradients
+        and AdamW state, plus any unsharded (all-gathered) parameter storage still allocated."""
+        from torch.distributed.tensor import DTensor
+        torch = self._torch
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        params = list(self.model.parameters())
+        state = [local(v) for s in self.opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor) and v.numel() > 1]
+        cats = {"params": _storage_bytes(local(p) for p in params),
+                "grads": _storage_bytes(local(p.grad) for p in params),
+                "master": 0, "optimizer_state": _storage_bytes(state)}
+        # FSDP2 internals (private): the unsharded parameters' storage, freed (0 bytes) once resharded
+        try:
+            from torch.distributed.fsdp import FSDPModule
+            unsharded = [t for m in self.model.modules() if isinstance(m, FSDPModule)
+                         for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+                         for t in fp.all_gather_outputs]
+            cats["unsharded"] = _storage_bytes(unsharded)
+        except AttributeError:  # another torch version: not counted (the JSON says so)
+            cats["unsharded"] = None
+        return {"by_category": cats, "total": sum(v for v in cats.values() if v)}
+
+
+class _C10dCounter:
+    """A dispatch mode counting the c10d collectives issued under it, in ``comm_stats``' convention:
+    the full (unsharded) buffer of an all-gather / reduce-scatter, 2x the tensor of an all-reduce;
+    ``sent_bytes``: what a ring sends from each rank ((N-1)/N of that, 2(N-1)/N for all-reduce)."""
+
+    KINDS = {"allgather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce"}
+
+    def __init__(self):
+        import torch.distributed as dist
+        from torch.utils._python_dispatch import TorchDispatchMode
+        self.world = dist.get_world_size()
+        self.counts = {k: {"calls": 0, "volume_elements": 0, "volume_bytes": 0, "sent_bytes": 0}
+                       for k in ("all_gather", "reduce_scatter", "all_reduce")}
+        self.other: dict = {}
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "namespace", None) == "c10d":
+                    outer._count(func, args)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    @staticmethod
+    def _tensors(a) -> list:
+        import torch
+        if isinstance(a, torch.Tensor):
+            return [a]
+        if isinstance(a, (list, tuple)):
+            return [t for x in a for t in _C10dCounter._tensors(x)]
+        return []
+
+    def _count(self, func, args) -> None:
+        name = func._opname if hasattr(func, "_opname") else str(func)
+        kind = next((v for k, v in self.KINDS.items() if name.lstrip("_").startswith(k)), None)
+        if kind is None:  # broadcast, barrier, ...: calls only
+            self.other[name] = self.other.get(name, 0) + 1
+            return
+        a0, a1 = self._tensors(args[0]), self._tensors(args[1]) if len(args) > 1 else []
+        if kind == "all_reduce":
+            full, numel = a0, 2 * sum(t.numel() for t in a0)
+        else:  # all-gather (output, input) / reduce-scatter (output, input): the full side
+            full = max(a0, a1, key=lambda ts: sum(t.numel() for t in ts))
+            numel = sum(t.numel() for t in full)
+        elem = full[0].element_size() if full else 0
+        c = self.counts[kind]
+        c["calls"] += 1
+        c["volume_elements"] += numel
+        c["volume_bytes"] += numel * elem
+        c["sent_bytes"] += int(numel * elem * (self.world - 1) / self.world)  # all-reduce: numel is 2x
+
+    def as_dict(self) -> dict:
+        out = {k: dict(v) for k, v in self.counts.items()}
+        out["volume_elements"] = sum(v["volume_elements"] for v in self.counts.values())
+        out["sent_bytes"] = sum(v["sent_bytes"] for v in self.counts.values())
+        out["other_c10d_calls"] = self.other
+        out["measured"] = "c10d ops seen by a TorchDispatchMode during the last warm-up step"
+        return out
+
+
 def comm_theory(model, stage: int, threshold: int) -> dict:
     """Elements per step per rank (full-buffer convention: all-reduce = 2x, gather/scatter = 1x)."""
     seen, psi, blocks_sharded = set(), 0, 0
@@ -384,6 +543,8 @@ def _build(name, args):
         return DDPSystem(args)
     if name.startswith("zero"):
         return ZeroSystem(args, name)
+    if name.startswith("fsdp2"):
+        return FSDP2System(args, name)
     return DeepSpeedSystem(args, name)
 
 
@@ -522,10 +683,14 @@ def summarize(args, results, skipped, world, ds_version, tf_version, torch_versi
         if ddp_losses and name != "ddp":
             n = min(len(ddp_losses), len(r["losses"]))
             row["max_abs_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(ddp_losses[:n], r["losses"][:n]))
-        stage = 0 if name == "ddp" else (SETUPS[name][0] if name.startswith(("zero", "hzero")) else None)
+        fsdp2 = name.startswith("fsdp2")
+        stage = 0 if name == "ddp" else (SETUPS[name][0] if name.startswith(("zero", "hzero", "fsdp2")) else None)
         if stage is not None:
             off_opt, off_par = (None, None) if name == "ddp" else SETUPS[name][1:]
-            est = zs.estimate_memory(psi, world_size=world, stage=stage, precision=args.precision,
+            # FSDP2 keeps fp32 sharded parameters and gradients under MixedPrecisionPolicy too
+            # (16 bytes/param over N ranks): the fp32 stage-3 formula
+            est = zs.estimate_memory(psi, world_size=world, stage=stage,
+                                     precision="fp32" if fsdp2 else args.precision,
                                      optimizer="adamw", offload_optimizer=off_opt, offload_params=off_par,
                                      device="cpu",
                                      shard_group_size=args.hybrid if name.startswith("hzero") else None)
@@ -547,7 +712,10 @@ def summarize(args, results, skipped, world, ds_version, tf_version, torch_versi
             flat = results.get(f"zero{stage}")
             if flat is not None and flat["times_s"]:
                 row["ratio_vs_flat_zero"] = paired_ratio(r, flat)
-        if name.startswith(("zero", "hzero")):
+        if fsdp2:  # each of our systems of the same placement against this one, paired per round
+            row["ours_vs_this"] = {o: paired_ratio(results[o], r) for o in FSDP2_OURS[name]
+                                   if o in results and results[o]["times_s"] and r["times_s"]}
+        if name.startswith(("zero", "hzero", "fsdp2")):
             row["comm"] = r["comm"]
             row["comm_elements"] = r["comm"].get("volume_elements")
             row["comm_sent_bytes"] = r["comm"].get("sent_bytes")
@@ -642,6 +810,16 @@ def format_table(rep: dict) -> str:
                "per step (full-buffer convention); theory: 2x params, stage 3 + params re-gathered in "
                "backward (block params >= persistence threshold); extra = padding/waste. "
                "DDP comm not instrumented (n/i). Ratios are only meaningful side by side in one run.")
+    fsdp = [r for r in rep["rows"] if r["system"].startswith("fsdp2") and "skipped" not in r]
+    for r in fsdp:
+        ours = ", ".join(f"{k} {v:.3f}" for k, v in r.get("ours_vs_this", {}).items())
+        out.append(f"ours / {r['system']} (paired per round, < 1: ours faster): {ours or '-'}")
+    if fsdp:
+        out.append("fsdp2*: torch fully_shard on each block then the root (CPU mesh, gloo); state MiB: local "
+                   "shards of its DTensor params, grads and AdamW state (+ unsharded buffers still held); "
+                   "formula: fp32 stage 3 (FSDP2 keeps fp32 shards in bf16 too); comm elem: c10d collectives "
+                   "counted on the last warm-up step; theory: 2x params + all block params (no persistence "
+                   "threshold).")
     hybrid = [r for r in rep["rows"] if r["system"].startswith("hzero") and "skipped" not in r]
     if hybrid:
         out.append("")
