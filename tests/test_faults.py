@@ -95,15 +95,46 @@ def test_a_stuck_rank_times_out_the_others_within_the_bound(engine, tmp_path):
 def test_a_desync_is_named_with_both_ranks_collectives(engine, tmp_path):
     result, failed_at, survivor = run("desync", engine, tmp_path)
     assert_left_in_time(result, failed_at)
-    assert_names_collective_and_history(survivor)
+    assert survivor is not None, result["logs"][0]
     message = survivor["message"]
-    assert "group ranks 1 (at call #4) are already past it" in message  # its extra call, counted
     if "collective mismatch" in result["logs"][1]:
         # gloo itself ended rank 1 (its all-gather received more bytes than it expected, a C++
         # abort no Python code sees), so only rank 0 speaks: the peer is gone, at a later call
+        assert_names_collective_and_history(survivor)
+        assert "group ranks 1 (at call #4) are already past it" in message  # its extra call, counted
         assert "a peer closed its connection" in message, message
         return
-    # rank 1's extra full_state_dict all-gathers where rank 0 all-gathers another group or
-    # reduce-scatters (never the same collective): named side by side
+    if survivor["error"] == "CollectiveDesync":
+        # rank 0 saw the checksums (or the flight records) differ itself, before any timeout
+        assert "found that the ranks issued different collectives" in message, message
+        assert "Last collectives of group rank 0 (oldest first):" in message
+        assert "Last collectives of group rank 1" in message
+    else:
+        # rank 1 saw it first and said so; rank 0 lost its collective and quotes rank 1
+        assert_names_collective_and_history(survivor)
+        assert "group ranks 1 (at call #4) are already past it" in message  # its extra call, counted
+    # rank 1's extra full_state_dict all-gathers where rank 0 all-gathers another group, reduces
+    # or agrees on the step (never the same collective): named side by side, whoever saw it
     assert re.search(r"Desync: collective #\d+ is \w+ '[^']+' \(\d+ elements, step 3\) on this rank but "
                      r"all_gather '[^']+' \(\d+ elements, step 3\) on group rank \d", message), message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_block_called_twice_on_one_rank_at_stage_3_is_a_desync_named_before_the_timeout(tmp_path):
+    """Rank 1's forward runs block 0 twice: its extra all-gather pairs with rank 0's gather of
+    another unit of the same size (a silent mix-up without the check). Some rank compares the
+    flight recorders after 2 s of waiting and raises CollectiveDesync, naming both gathers,
+    well before the collective timeout; both ranks leave."""
+    result = launch_faulty("faults.py", 2, {"case": "twice", "engine": "zero3", "timeout": BOUND, "pg_timeout": 90},
+                           survivors=[0, 1], out=tmp_path, timeout=ALLOWED + 60)
+    failed_at = float((tmp_path / "fail_time").read_text())
+    for rank in (0, 1):
+        assert_left_in_time(result, failed_at, rank=rank)
+    found = [r for r in result["reports"].values() if r is not None and r["error"] == "CollectiveDesync"]
+    assert found, result["reports"]
+    assert min(r["left"] for r in found) - failed_at < BOUND, (found, failed_at)  # before the timeout
+    message = found[0]["message"]
+    assert re.search(r"Desync: collective #\d+ is all_gather '[^']+' \(\d+ elements, step 3\) on this rank but "
+                     r"all_gather '[^']+' \(\d+ elements, step 3\) on group rank \d", message), message
+    assert "'blocks.0/train0'" in message and "a block called twice on one rank" in message, message

@@ -10,6 +10,8 @@ collective_timeout). Cases:
 * ``stuck``: rank 1 sleeps for an hour (a hung data loader, a deadlock).
 * ``desync``: rank 1 calls ``zs.full_state_dict(model)`` alone (a rank-1-only save): it
   issues collectives the others never issue (DDP: one extra ``all_reduce``).
+* ``twice``: rank 1's forward at step 3 runs the first block twice (a recurrence only its
+  batch takes); at stage 3 it gathers that unit once more than rank 0 does.
 
 Rank 1 writes the time it misbehaved into ``fail_time``; every rank that leaves its loop
 reports the error, its message, and the time it left, then exits.
@@ -50,7 +52,9 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.head = nn.Linear(16, 1)
 
-    def forward(self, x):
+    def forward(self, x, repeat_first: bool = False):
+        if repeat_first:  # a recurrence some batches take: the first block once more
+            x = self.blocks[0](x)
         for b in self.blocks:
             x = b(x)
         return self.head(x)
@@ -106,8 +110,11 @@ def main() -> None:
         try:
             for step in range(1, STEPS + 1):
                 x = torch.randn(8, 16, generator=gen)
-                loss = model(x).pow(2).mean()
-                if rank == 1 and step == FAIL_STEP:
+                twice = case == "twice" and rank == 1 and step == FAIL_STEP
+                if twice:
+                    (out / "fail_time").write_text(repr(time.time()))
+                loss = model(x, repeat_first=twice).pow(2).mean()
+                if rank == 1 and step == FAIL_STEP and case != "twice":
                     misbehave(out, case, model)
                 loss.backward()
                 opt.step()
