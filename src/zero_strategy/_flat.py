@@ -136,6 +136,9 @@ class FlatGroup:
             offload=offload, transfers=self.transfers, swap=self.swap, device=device,
             initial_master=lambda out: self._copy_params_into(out, self.shard_start, self.shard_numel))
         self.grads = GradBuffer(self, grad_dtype, device)
+        #: slots kept out of a step while a count their state shares advanced (see _untouched.py)
+        self.kept_behind: frozenset[int] = frozenset()
+        self.warned_kept_behind = False
 
         self.state = ShardState.GATHERED
         self._attach_views()

@@ -117,9 +117,11 @@ class GradBuffer:
         self._written = [False] * n
         self._reduced_in_place = False
         self._carry: torch.Tensor | None = None  # stage 1: reduced slice to add back
-        #: a gradient arrived since the last reset (kept across steps without zero_grad, as torch keeps
-        #: .grad): the step agrees over ranks whether any has one. See [Note: no gradient on any rank]
-        self.received = False
+        #: per slot, a gradient arrived since the last reset (kept across steps without zero_grad, as
+        #: torch keeps .grad): the step agrees over ranks which any has. See [Note: no gradient on any rank]
+        self.received_slots = [False] * n
+        #: slots no rank has a gradient for in a group that is stepped (set by the step agreement)
+        self.untouched: frozenset[int] = frozenset()
         # per-backward bookkeeping (reset by end_backward)
         self.arrived = 0
         self.reduced_this_backward = False
@@ -239,7 +241,7 @@ class GradBuffer:
             self._written[slot.index] = True
         self._place_marker(slot)
         self.arrived += 1
-        self.received = True
+        self.received_slots[slot.index] = True
         self.state = GradState.ACCUMULATING
 
     def _set_reduced_aside(self) -> None:
@@ -250,6 +252,11 @@ class GradBuffer:
         self.grad_shard = None
         self._reduced_in_place = False
         self._written = [False] * len(self._written)
+
+    @property
+    def received(self) -> bool:
+        """Some slot's gradient arrived since the last reset."""
+        return any(self.received_slots)
 
     @property
     def complete(self) -> bool:
@@ -357,7 +364,8 @@ class GradBuffer:
         if not keep_full:
             self.full_grad = None
         self.version += 1
-        self.received = False
+        self.received_slots = [False] * len(self.received_slots)
+        self.untouched = frozenset()
         self.state = GradState.EMPTY
         self.clear_arrivals()
 

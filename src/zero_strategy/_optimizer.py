@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ._state import ZeroEngine
+from ._untouched import keep_untouched
 
 #: optimizers whose update of each element depends only on that element's history
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -342,7 +343,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if mg is not None and factor is not None:
                 mg.mul_(factor)
             g.master.grad = mg
-        self._unhooked_step(self.optimizer)
+        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _untouched.py
+            self._unhooked_step(self.optimizer)
         handles = [g.publish_master(self.engine.comm) for g in groups]
         for g, h in zip(groups, handles):
             if h is not None:
@@ -408,7 +410,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         grad.mul_(factor)
                     g.master.grad = grad
                 try:
-                    self._unhooked_step(self.optimizer)
+                    with keep_untouched(self.optimizer, batch):  # See [Note: no gradient on any rank]
+                        self._unhooked_step(self.optimizer)
                 finally:
                     for g in batch:
                         g.master.grad = None

@@ -548,14 +548,20 @@ class ZeroEngine:
         keep_full = self.plan.keeps_full_gradients
         for g in groups:  # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
             g.grads.take_cleared_slots(keep_full=keep_full)
-        # which groups some rank has a gradient for, or must reduce (stage 1: every group once per step;
-        # stages 2-3: what no_sync left), agreed in one small all-reduce that also compares checksums
+        # per parameter, whether some rank has a gradient for it, and per group whether some rank must
+        # reduce it (stage 1: every group once per step; stages 2-3: what no_sync left), agreed in one
+        # small all-reduce that also compares checksums. See [Note: no gradient on any rank] in _untouched.py
+        received = [r for g in groups for r in g.grads.received_slots]
         needs = [g.grads.has_unreduced or (keep_full and g.grads.grad_shard is None) for g in groups]
-        agreed = self.comm.agree_on_step(torch.tensor([g.grads.received for g in groups] + needs)).tolist()
-        for g, any_gradient, any_needs in zip(groups, agreed[:len(groups)], agreed[len(groups):]):
-            if not any_gradient:  # no rank has one: not stepped. See [Note: no gradient on any rank]
+        agreed = self.comm.agree_on_step(torch.tensor(received + needs)).tolist()
+        anyone, at = agreed[:len(received)], 0
+        for g, any_needs in zip(groups, agreed[len(received):]):
+            slots_anyone, at = anyone[at:at + len(g.slots)], at + len(g.slots)
+            if not any(slots_anyone):  # no rank has a gradient for the group: not stepped
                 g.zero_grad(keep_full=keep_full)
-            elif any_needs:  # every rank reduces it, with zeros where it has no gradient
+                continue
+            g.grads.untouched = frozenset(s.index for s, a in zip(g.slots, slots_anyone) if not a)
+            if any_needs:  # every rank reduces it, with zeros where it has no gradient
                 self.reduces.launch(g)
         self.reduces.wait_all(notify=False)
         for g in self.groups:

@@ -31,6 +31,31 @@ setup and names repeated classes to put in ``unit_classes``.
 
 A parameter registered in two units (shared across blocks) also goes to the root,
 the one unit that is materialized whenever either user runs.
+
+[Note: members get their own flat groups]
+A mixture of experts written as a list of expert modules calls only the experts its
+tokens reach, and a vision-language model runs its projector only on batches with
+images, so a step can leave such a module with no gradient on any rank. DDP (with
+``find_unused_parameters=True``) then leaves its ``.grad`` None and the optimizer
+skips it: no weight decay, no momentum, Adam's step count unchanged. A flat group is
+stepped as one tensor with one step count, so flat groups follow the modules that
+are used or skipped together:
+
+* inside a unit, each *member* of an ``nn.ModuleList``/``nn.ModuleDict`` whose
+  children with parameters are all of one class (at least two: experts, parallel
+  towers, per-task heads) gets groups of its own; the rest of the unit shares the
+  unit's groups;
+* the root unit is split into its *parts*: members as above, then each outermost
+  subtree that holds no unit (``model.embed_tokens``, ``multi_modal_projector``,
+  ``vision_tower.embeddings``, ``lm_head``); a parameter registered on a module that
+  holds units (ViT's ``cls_token``) goes with that module's.
+
+A group no rank has a gradient for is then not stepped, as DDP's parameters (See
+[Note: no gradient on any rank] in _untouched.py, which also covers what is left
+inside a group). The cost is a few more, smaller collectives per unit and for the
+root; Hugging Face models that fuse their experts into one tensor (Mixtral,
+Qwen2-MoE in transformers 5) have no members, and DDP gives every expert a (zero)
+gradient there too.
 """
 
 from __future__ import annotations
@@ -74,6 +99,51 @@ def _auto_units_among(container: nn.Module) -> set[str]:
     blocks = [(name, type(child)) for name, child in children if _is_block(child)]
     counts = collections.Counter(cls for _, cls in blocks)
     return {name for name, cls in blocks if counts[cls] >= 2}
+
+
+def member_prefixes(unit: nn.Module, inside: tuple[str, ...] = ()) -> list[str]:
+    """Name prefixes (relative to ``unit``) of its members, outermost first, skipping the
+    subtrees ``inside`` (other units' roots). See [Note: members get their own flat groups]."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            kids = [(n, c) for n, c in module.named_children() if _has_params(c)]
+            if len(kids) >= 2 and len({type(c) for _, c in kids}) == 1:
+                found.extend(f"{prefix}{n}." for n, _ in kids)
+                return
+        for name, child in module.named_children():
+            if f"{prefix}{name}" not in inside:
+                visit(f"{prefix}{name}.", child)
+
+    visit("", unit)
+    return found
+
+
+def root_parts(model: nn.Module, unit_names: tuple[str, ...]) -> list[str]:
+    """Name prefixes of the root unit's parts: members (see :func:`member_prefixes`), then the
+    outermost subtrees that hold no unit (embeddings, a projector, the head). See [Note: members
+    get their own flat groups]."""
+    branches: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = prefix + name
+            if fqn in unit_names:
+                continue
+            if any(u.startswith(fqn + ".") for u in unit_names):
+                visit(fqn + ".", child)
+            elif _has_params(child):
+                branches.append(fqn + ".")
+
+    visit("", model)
+    return member_prefixes(model, unit_names) + branches
+
+
+def part_of(name: str, parts: list[str]) -> str:
+    """The part (a name prefix without its dot) a parameter ``name`` belongs to; a parameter
+    outside every part (one registered on a module that holds units) goes with its module's."""
+    return next((p[:-1] for p in parts if name.startswith(p)), name.rpartition(".")[0])
 
 
 def find_unit_modules(root: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
@@ -265,8 +335,11 @@ def build_units(
 
     modules = {ROOT: model, **dict(unit_modules)}
     unit_roots = [m for _, m in unit_modules]
+    unit_names = tuple(fqn for fqn, _ in unit_modules)
     units: list[Unit] = []
     for unit_name in [ROOT] + [fqn for fqn, _ in unit_modules]:
+        in_unit = "" if unit_name == ROOT else unit_name + "."
+        parts = root_parts(model, unit_names) if unit_name == ROOT else member_prefixes(modules[unit_name])
         materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
                          [p for pid, p in params.items() if owner[pid] == unit_name],
                          device, comm, param_init_fn, first_name)
@@ -276,14 +349,22 @@ def build_units(
                 continue
             trainable = p.requires_grad and pid in optimizer_group_of
             persistent = plan.shards_parameters and p.numel() < persistence_threshold
+            relative = first_name[pid][len(in_unit):]
+            if not trainable:
+                part = ""  # never stepped: no need to keep its parts apart
+            elif unit_name == ROOT:
+                part = part_of(relative, parts)
+            else:  # outside the members, the unit's own groups
+                part = next((p[:-1] for p in parts if relative.startswith(p)), "")
             key = (trainable, optimizer_group_of.get(pid) if trainable else None,
-                   plan.shards_parameters and not persistent)
+                   plan.shards_parameters and not persistent, part)
             buckets.setdefault(key, []).append((first_name[pid], p))
         groups = []
-        for (trainable, opt_key, shard_params), named in buckets.items():
+        for (trainable, opt_key, shard_params, part), named in buckets.items():
             opt_index, opt_group = opt_key if opt_key is not None else (None, None)
             label = "" if opt_key is None else (f"{opt_group}" if opt_index == 0 else f"{opt_index}.{opt_group}")
-            gname = f"{unit_name}/{'train' if trainable else 'frozen'}{label}{'' if shard_params else '/whole'}"
+            gname = (f"{unit_name}/{'train' if trainable else 'frozen'}{label}{'' if shard_params else '/whole'}"
+                     + (f"/{part}" if part else ""))
             groups.append(FlatGroup(
                 gname, named, trainable=trainable, optimizer_group=opt_group, optimizer_index=opt_index,
                 shard_params=shard_params,

@@ -1,0 +1,92 @@
+"""Parameters no rank has a gradient for, inside a flat group that is stepped.
+
+[Note: no gradient on any rank]
+DDP with ``find_unused_parameters=True`` leaves ``.grad`` None on a parameter that no
+rank used in the step, and torch's optimizers skip such a parameter: it keeps its
+value and its state (no weight decay, no momentum). A parameter some ranks used gets
+the mean with zeros from the others. The engine computes the same, in three parts:
+
+1. The step agreement (``Collectives.agree_on_step``, one small all-reduce per
+   optimizer step that also compares the collective checksums) tells every rank, per
+   parameter, whether any rank has a gradient for it since the last ``zero_grad``.
+2. A flat group no rank has a gradient for is not stepped: its master gets no
+   ``.grad`` and the user's optimizer skips it, exactly as DDP's parameters. A group
+   some rank has one for is reduced on every rank, zeros where a rank has none, so
+   the collectives stay in lock-step. Experts and other members of module lists get
+   groups of their own for this (See [Note: members get their own flat groups] in
+   _units.py), which makes an unused expert exact, Adam's step count included.
+3. Inside a group that is stepped, the parameters no rank has a gradient for
+   (*untouched*: a projector on a text-only step, an unused head) keep their master
+   values and their elementwise optimizer state (:func:`keep_untouched`): the group's
+   zero gradient would otherwise move them through weight decay and momentum. What a
+   flat group cannot keep apart is state shared by the whole group (Adam's ``step``
+   count, which sets the bias correction): it counts the group's steps, where DDP's
+   parameter counts its own. Put such a module in a list or dict of one class, or
+   in its own unit, to make it exact.
+
+With ``ZeroConfig(overlap_step=True)`` a group is stepped as soon as its gradients are
+reduced, before the agreement; a parameter of it no rank used is then stepped with a
+zero gradient (documented in README, "Ranks that use different parameters").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterable, Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable) -> Iterator[None]:
+    """Around one optimizer step of ``groups``: restore the master elements (and the optimizer
+    state of the master's shape) of their untouched parameters afterwards.
+
+    State the step creates (the first step) needs no restoring: from a zero gradient, the
+    elementwise state of torch's optimizers is its initial value. A parameter kept behind
+    while a step count shared by its group advanced, and then used again, is warned about
+    once per group (the one difference from DDP that is left).
+    """
+    saved, kept = [], []
+    with torch.no_grad():
+        for g in groups:
+            master = g.master
+            if master is None:
+                continue
+            untouched = g.grads.untouched
+            _warn_if_back(g, untouched)
+            if not untouched:
+                continue
+            kept.append(g)
+            state = optimizer.state.get(master, {})
+            where = [w for s, _, _, w in g.slot_ranges_in_shard() if s.index in untouched]
+            if not where:  # none of them in this rank's shard
+                continue
+            tensors = [master.data] + [v for v in state.values() if torch.is_tensor(v) and v.shape == master.shape]
+            saved.append([(t, w, t[w].clone()) for t in tensors for w in where])
+    yield
+    with torch.no_grad():
+        for pieces in saved:
+            for t, w, old in pieces:
+                t[w].copy_(old)
+    for g in kept:  # state of another shape than the master's: shared by the group (Adam's step)
+        if any(not torch.is_tensor(v) or v.shape != g.master.shape for v in optimizer.state.get(g.master, {}).values()):
+            g.kept_behind |= g.grads.untouched
+
+
+def _warn_if_back(g, untouched: frozenset[int]) -> None:
+    """Warn once per group when parameters kept behind have a gradient again."""
+    back = g.kept_behind - untouched
+    if not back or g.warned_kept_behind:
+        return
+    g.warned_kept_behind = True
+    names = [s.fqn for s in g.slots if s.index in back]
+    warnings.warn(
+        f"zero_strategy: {names[:4]}{' and more' if len(names) > 4 else ''} had no gradient on any rank "
+        f"in steps in which the rest of flat group {g.name!r} was stepped; they kept their values and "
+        "optimizer state as with DDP, but the step count the group's optimizer state shares (Adam's bias "
+        "correction) advanced for them, so their updates from now on differ slightly from DDP's. To make "
+        "them exact, give the module flat groups of its own: put it in an nn.ModuleList or nn.ModuleDict "
+        "with the other modules of its class, or outside the blocks. See README, \"Ranks that use "
+        "different parameters\".", stacklevel=2)
