@@ -6,8 +6,10 @@
   samples reach is fixed by the data: :func:`routed_batch` gives rank 0 experts 0-1 and
   rank 1 experts 2-3 (``disjoint``), or experts 0-1 on every rank (``shared``: 2-3 are
   used by no rank).
+* :class:`MoEBlocksLM`: the same experts inside each transformer block.
 * :class:`TinyVLM`: a LLaVA-style model whose vision tower (two blocks) and projector
   run only when the batch carries images.
+* :class:`AdapterLM`: blocks with an adapter that runs only on some steps.
 * The TinyLM of ``_models.py`` with ``depth``: an early exit after some blocks.
 
 The reference for all of them is the plain model trained on the global batch, which
@@ -66,6 +68,34 @@ class RoutedMoELM(nn.Module):
 
     def forward(self, tokens, hint):
         return self.head(self.norm(self.moe(self.embed(tokens), hint)))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = SparseMoE(dim, experts)
+
+    def forward(self, x, hint):
+        return self.mlp(self.norm(x), hint)
+
+
+class MoEBlocksLM(nn.Module):
+    """Experts inside the transformer blocks (the blocks are the units, the experts a list
+    within each): an expert no rank's tokens reach shares its unit with used parameters."""
+
+    def __init__(self, dim: int = DIM, experts: int = EXPERTS, vocab: int = VOCAB, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(MoEBlock(dim, experts) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, hint):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, hint)
+        return self.head(self.norm(h))
 
 
 def routed_batch(rank: int, step: int, routing: str = "disjoint", size: int = 4):
@@ -131,6 +161,35 @@ class TinyVLM(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.head(self.norm(h))[:, -tokens.shape[1]:]
+
+
+class AdaptedBlock(TextBlock):
+    """A block with an adapter that runs only when the batch asks for it (a task switch)."""
+
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.adapter = nn.Linear(dim, dim)
+
+    def forward(self, x, use_adapter: bool = False):
+        x = super().forward(x)
+        return x + self.adapter(x) if use_adapter else x
+
+
+class AdapterLM(nn.Module):
+    """Blocks whose adapter shares the block (its unit, and its flat group) with used parameters."""
+
+    def __init__(self, dim: int = DIM, vocab: int = VOCAB):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(AdaptedBlock(dim) for _ in range(2))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, use_adapter: bool = False):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, use_adapter)
+        return self.head(self.norm(h))
 
 
 def vlm_batch(rank: int, step: int, images_on: tuple[int, ...] = (0,), size: int = 2):

@@ -5,10 +5,16 @@ and without CPU offload.
 Issue #26: before the reduce order and the gather schedule (see [Note: reduce order] in
 _reduce.py, [Note: gather schedule] in _schedule.py), a mixture of experts whose ranks'
 samples reach different experts trained 35% off at stage 2 (same-sized expert groups paired
-across ranks) and stages 2-3 hung on an image tower only one rank ran. The models are in
-tests/_routed_models.py, the worker in tests/workers/routed.py; each case trains 4 AdamW
-steps with weight decay, so a parameter stepped without a gradient would move. The oracle is the final full weights
-(each rank's loss is its own batch's, the reference's the global batch's).
+across ranks) and stages 2-3 hung on an image tower only one rank ran. A parameter no rank
+used must not move at all (DDP leaves its ``.grad`` None and the optimizer skips it): an
+expert inside a block, a projector on text-only steps and an adapter in a block's flat
+group moved 0.4-0.9% through weight decay and momentum before [Note: members get their own
+flat groups] (_units.py) and [Note: no gradient on any rank] (_untouched.py).
+
+The models are in tests/_routed_models.py, the worker in tests/workers/routed.py; each case
+trains 4 steps with weight decay (AdamW, or SGD with momentum), so a parameter stepped
+without a gradient would move. The oracle is the final full weights (each rank's loss is
+its own batch's, the reference's the global batch's).
 """
 
 from __future__ import annotations
@@ -20,9 +26,19 @@ import pytest
 from _launch import launch
 
 SHAPES = [dict(model="moe"), dict(model="vlm"), dict(model="early_exit"),
-          dict(model="moe", routing="shared"), dict(model="vlm", images_on=[0, 1])]
+          dict(model="moe", routing="shared"), dict(model="vlm", images_on=[0, 1]),
+          # an expert no rank uses, inside a block: the experts are members with groups of their own
+          dict(model="moe_blocks", routing="shared"),
+          # steps with no image on any rank, then images again: the projector is a root part of its own
+          dict(model="vlm", text_only_steps=[1, 2]),
+          # an adapter no rank runs after step 0 shares its block's flat group: kept out of the steps
+          dict(model="adapter", adapter_steps=[0]),
+          dict(model="adapter", adapter_steps=[0, 3], optimizer="sgd")]
 CASES = [dict(shape, stage=stage, offload=offload)
          for stage in (1, 2, 3) for offload in (None, "cpu") for shape in SHAPES]
+#: ... and runs again at step 3, with AdamW: the one difference left (the group's shared step
+#: count), which must be said, not silent
+WARNED = [dict(model="adapter", adapter_steps=[0, 3], stage=stage, offload=None) for stage in (1, 3)]
 TOL = 1e-5  # fp32: both sides add the same two ranks' gradients
 
 
@@ -33,7 +49,7 @@ def _key(case: dict) -> str:
 @functools.lru_cache(maxsize=None)
 def reports(stage: int) -> tuple:
     """Raw per-rank results of one launch per stage (asserted in the tests, not here)."""
-    cases = [c for c in CASES if c["stage"] == stage]
+    cases = [c for c in CASES + WARNED if c["stage"] == stage]
     return tuple(launch("routed.py", 2, {"cases": cases}, timeout=240))
 
 
@@ -46,3 +62,15 @@ def test_matches_the_plain_model_on_the_global_batch(case):
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         assert res["weight_rel_diff"] <= TOL, (rank, res["worst"], res["weight_rel_diff"])
         assert res["losses_ref"][0] != res["losses_ref"][-1]  # it trained
+        assert res["warnings"] == [], res["warnings"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", WARNED, ids=_key)
+def test_a_parameter_kept_behind_its_groups_step_count_is_warned_about_when_used_again(case):
+    for rank, rep in enumerate(reports(case["stage"])):
+        res = next(r for r in rep["results"] if r["case"] == case)
+        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+        assert len(res["warnings"]) == 2, res["warnings"]  # once per block's group
+        for block, message in enumerate(res["warnings"]):
+            assert f"layers.{block}.adapter.weight" in message and "step count" in message, message
