@@ -152,15 +152,19 @@ class GradBuffer:
                     dropped.append(s)
         return intact, zeroed, dropped
 
-    def _forget(self, slots, keep_full: bool, keep_others: bool) -> None:
+    def _forget(self, slots, keep_full: bool, keep_others: bool, to_none=()) -> None:
         """Drop these slots' held gradients; without others to keep, reset the whole buffer
-        (freeing it, as ``set_to_none`` frees ``.grad`` on a plain model)."""
+        (freeing it, as ``set_to_none`` frees ``.grad`` on a plain model). ``to_none``: those
+        of them whose ``.grad`` was set to None, which have no gradient now (a zeroed one
+        still has one)."""
         if not keep_others:
             self.reset(keep_full)
             return
         for s in slots:
             self._marked[s.index] = False
             self.drop_slot(s)
+        for s in to_none:
+            self.received_slots[s.index] = False
 
     def before_accumulate(self, slot, keep_full: bool) -> None:
         """Autograd is about to accumulate into ``param.grad``: take the marker away. At the
@@ -171,7 +175,7 @@ class GradBuffer:
             self._clearings_applied = True
             intact, zeroed, dropped = self._marked_slots()
             if zeroed or dropped:
-                self._forget(zeroed + dropped, keep_full, keep_others=bool(intact))
+                self._forget(zeroed + dropped, keep_full, keep_others=bool(intact), to_none=dropped)
                 for s in zeroed:
                     s.param.grad = None
         i = slot.index
@@ -220,7 +224,7 @@ class GradBuffer:
                 "submodule.zero_grad()) while other parameters of the same flat group "
                 f"{self.layout.name} kept theirs; a sharded step cannot skip part of a group. Clear "
                 "gradients before backward or for the whole model (model.zero_grad(), optimizer.zero_grad())")
-        self._forget(dropped, keep_full, keep_others=kept)
+        self._forget(dropped, keep_full, keep_others=kept, to_none=dropped)
         return not kept and len(latest) == len(dropped)
 
     # ------------------------------------------------------------ accumulate

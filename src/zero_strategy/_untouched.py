@@ -38,31 +38,40 @@ from typing import Iterable, Iterator
 import torch
 
 
+#: state torch's elementwise optimizers start from something other than zeros: key -> the
+#: param-group setting it starts from (Adagrad's accumulator, Rprop's step sizes)
+_INITIAL_FROM_GROUP = {"sum": "initial_accumulator_value", "step_size": "lr"}
+
+
 @contextlib.contextmanager
 def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable) -> Iterator[None]:
-    """Around one optimizer step of ``groups``: restore the master elements (and the optimizer
-    state of the master's shape) of their untouched parameters afterwards.
+    """Around one optimizer step of ``groups``: afterwards, put back the master elements and
+    the optimizer state (of the master's shape) of their untouched parameters.
 
-    State the step creates (the first step) needs no restoring: from a zero gradient, the
-    elementwise state of torch's optimizers is its initial value. A parameter kept behind
-    while a step count shared by its group advanced, and then used again, is warned about
-    once per group (the one difference from DDP that is left).
+    State the step creates (the group's first step) is set back to the optimizer's initial
+    value on those elements: a zero gradient plus weight decay (SGD, Adam with
+    ``weight_decay``) would have written ``wd * p`` into it. A parameter kept behind while
+    a step count shared by its group advanced, and then used again, is warned about once
+    per group (the one difference from DDP that is left). ``untouched`` is used once:
+    the next step's agreement sets it again.
     """
-    saved, kept = [], []
+    saved, fresh, kept = [], [], []
     with torch.no_grad():
         for g in groups:
             master = g.master
-            if master is None:
+            if master is None or master.grad is None:  # not stepped now
                 continue
-            untouched = g.grads.untouched
+            untouched, g.grads.untouched = g.grads.untouched, frozenset()
             _warn_if_back(g, untouched)
             if not untouched:
                 continue
-            kept.append(g)
-            state = optimizer.state.get(master, {})
+            kept.append((g, untouched))
             where = [w for s, _, _, w in g.slot_ranges_in_shard() if s.index in untouched]
             if not where:  # none of them in this rank's shard
                 continue
+            state = optimizer.state.get(master, {})
+            if not state:
+                fresh.append((master, where))
             tensors = [master.data] + [v for v in state.values() if torch.is_tensor(v) and v.shape == master.shape]
             saved.append([(t, w, t[w].clone()) for t in tensors for w in where])
     yield
@@ -70,9 +79,16 @@ def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable) -> Iterat
         for pieces in saved:
             for t, w, old in pieces:
                 t[w].copy_(old)
-    for g in kept:  # state of another shape than the master's: shared by the group (Adam's step)
-        if any(not torch.is_tensor(v) or v.shape != g.master.shape for v in optimizer.state.get(g.master, {}).values()):
-            g.kept_behind |= g.grads.untouched
+        for master, where in fresh:
+            group = next(pg for pg in optimizer.param_groups if any(p is master for p in pg["params"]))
+            for key, t in optimizer.state.get(master, {}).items():
+                if torch.is_tensor(t) and t.shape == master.shape:
+                    for w in where:
+                        t[w].fill_(group.get(_INITIAL_FROM_GROUP.get(key, ""), 0.0))
+    for g, untouched in kept:  # state of another shape than the master's: shared by the group (Adam's step)
+        state = optimizer.state.get(g.master, {})
+        if any(not torch.is_tensor(v) or v.shape != g.master.shape for v in state.values()):
+            g.kept_behind |= untouched
 
 
 def _warn_if_back(g, untouched: frozenset[int]) -> None:
