@@ -303,6 +303,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure: run forward/backward first, "
                              "then call step()")
+        if self.engine.ended is not None:
+            raise RuntimeError(
+                f"zero_strategy: this optimizer's model is no longer set up ({self.engine.ended}); its "
+                "sharded optimizer state is gone. To train on, set it up again: model, optimizer = "
+                "zero_strategy.setup(model, torch.optim.AdamW(model.parameters(), ...), config)")
         inner = self.optimizer
         for key, hook in list(inner._optimizer_step_pre_hooks.items()):  # See [Note: hooks fire once per step]
             if key != self._guard.id:

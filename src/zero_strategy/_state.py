@@ -34,9 +34,8 @@ reduce-scatters in the reduce order (See [Note: reduce order] in _reduce.py), st
 gathers in the gather schedule (See [Note: gather schedule] in _schedule.py), the two
 on streams of their own (See [Note: two streams of collectives] in _collectives.py),
 and everything deferred to the step in a fixed group order. A parameter no rank used
-in a step has no gradient and is not stepped, as in DDP with
-``find_unused_parameters=True``, when its whole flat group went unused (See [Note: no
-gradient on any rank] in _optimizer.py).
+in a step does not move, as in DDP with ``find_unused_parameters=True`` (See [Note: no
+gradient on any rank] in _untouched.py).
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .config import NVMeOffload
 
+from ._conversions import unfrozen_error, unfrozen_names
 from ._collectives import Collectives
 from ._flat import FlatGroup, ParamSlot, ShardState
 from ._module_state import register_module_state_hooks
@@ -182,6 +182,8 @@ class ZeroEngine:
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
         self.undo_on_teardown: list = []  # what setup adjusted on library models (_model_integrations.py)
+        #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step
+        self.ended: str | None = None
         self._register_hooks()
 
     def __repr__(self) -> str:
@@ -553,9 +555,12 @@ class ZeroEngine:
         # small all-reduce that also compares checksums. See [Note: no gradient on any rank] in _untouched.py
         received = [r for g in groups for r in g.grads.received_slots]
         needs = [g.grads.has_unreduced or (keep_full and g.grads.grad_shard is None) for g in groups]
-        agreed = self.comm.agree_on_step(torch.tensor(received + needs)).tolist()
+        unfrozen = unfrozen_names(self)  # requires_grad_(True) after setup: See [Note: conversions on a set-up model]
+        agreed = self.comm.agree_on_step(torch.tensor(received + needs + [bool(unfrozen)])).tolist()
+        if agreed[-1]:
+            raise unfrozen_error(unfrozen)
         anyone, at = agreed[:len(received)], 0
-        for g, any_needs in zip(groups, agreed[len(received):]):
+        for g, any_needs in zip(groups, agreed[len(received):-1]):
             slots_anyone, at = anyone[at:at + len(g.slots)], at + len(g.slots)
             if not any(slots_anyone):  # no rank has a gradient for the group: not stepped
                 g.zero_grad(keep_full=keep_full)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _auto
+from . import _conversions as conversions
 from . import _model_integrations as model_integrations
 from ._collectives import Collectives
 from ._faults import failing_exception
@@ -87,7 +88,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn)
-    engine.undo_on_teardown = model_integrations.install(model, engine)
+    engine.undo_on_teardown = (model_integrations.install(model, engine)  # See [Note: conversions on a set-up model]
+                               + conversions.install(model, engine, end=lambda: teardown(model)))
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
@@ -168,6 +170,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
                           stacklevel=2)
         keep_weights = False
     full = full_state_dict(model) if keep_weights else {}
+    engine.ended = engine.ended or "zero_strategy.teardown(model) released it"
     engine.remove_hooks()
     for undo in engine.undo_on_teardown:
         undo()
