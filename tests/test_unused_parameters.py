@@ -33,12 +33,18 @@ SHAPES = [dict(model="moe"), dict(model="vlm"), dict(model="early_exit"),
           dict(model="vlm", text_only_steps=[1, 2]),
           # an adapter no rank runs after step 0 shares its block's flat group: kept out of the steps
           dict(model="adapter", adapter_steps=[0]),
-          dict(model="adapter", adapter_steps=[0, 3], optimizer="sgd")]
+          dict(model="adapter", adapter_steps=[0, 3], optimizer="sgd"),
+          # ... and first used at step 2: the momentum the first steps created (weight decay alone
+          # would have written wd * p into it) starts from zero there, as DDP's first buffer
+          dict(model="adapter", adapter_steps=[2, 3], optimizer="sgd")]
 CASES = [dict(shape, stage=stage, offload=offload)
          for stage in (1, 2, 3) for offload in (None, "cpu") for shape in SHAPES]
 #: ... and runs again at step 3, with AdamW: the one difference left (the group's shared step
 #: count), which must be said, not silent
 WARNED = [dict(model="adapter", adapter_steps=[0, 3], stage=stage, offload=None) for stage in (1, 3)]
+#: a projector frozen at setup, unfrozen after, and run on rank 0 only: refused on both ranks at
+#: once (rank 1 has no gradient for it and learns it from the step agreement, instead of waiting)
+REFUSED = [dict(model="vlm", unfreeze="projector", stage=stage, offload=None) for stage in (2, 3)]
 TOL = 1e-5  # fp32: both sides add the same two ranks' gradients
 
 
@@ -49,7 +55,7 @@ def _key(case: dict) -> str:
 @functools.lru_cache(maxsize=None)
 def reports(stage: int) -> tuple:
     """Raw per-rank results of one launch per stage (asserted in the tests, not here)."""
-    cases = [c for c in CASES + WARNED if c["stage"] == stage]
+    cases = [c for c in CASES + WARNED + REFUSED if c["stage"] == stage]  # REFUSED last: it ends the loop
     return tuple(launch("routed.py", 2, {"cases": cases}, timeout=240))
 
 
@@ -74,3 +80,14 @@ def test_a_parameter_kept_behind_its_groups_step_count_is_warned_about_when_used
         assert len(res["warnings"]) == 2, res["warnings"]  # once per block's group
         for block, message in enumerate(res["warnings"]):
             assert f"layers.{block}.adapter.weight" in message and "step count" in message, message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", REFUSED, ids=_key)
+def test_unfreezing_after_setup_on_one_ranks_batch_is_refused_on_every_rank(case):
+    for rank, rep in enumerate(reports(case["stage"])):
+        res = next(r for r in rep["results"] if r["case"] == case)
+        assert "error" in res, res
+        assert "RuntimeError" in res["error"] and "when the model was set up" in res["error"], res["error"]
+        # rank 0 had the gradients and names them; rank 1 learned it from the agreement
+        assert ("projector.0.weight" in res["error"]) == (rank == 0), (rank, res["error"])

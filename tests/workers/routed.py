@@ -1,7 +1,8 @@
 """Train models whose ranks use different parameters with zero_strategy and a plain reference.
 
 args["cases"]: dicts with model ("moe" | "moe_blocks" | "vlm" | "adapter" | "early_exit"),
-routing ("disjoint" | "shared", the MoEs), images_on / text_only_steps (vlm), adapter_steps, stage, offload (None | "cpu"), precision, steps. The reference is a
+routing ("disjoint" | "shared", the MoEs), images_on / text_only_steps (vlm), adapter_steps,
+optimizer ("sgd"; default AdamW), unfreeze (a submodule frozen at setup and unfrozen after), stage, offload (None | "cpu"), precision, steps. The reference is a
 plain copy of the model trained on the global batch on every rank (each rank's batch
 run through it, the losses averaged): what DDP with ``find_unused_parameters=True``
 computes. Reports per case the losses of both and the largest relative difference of
@@ -65,12 +66,16 @@ def run(case: dict) -> dict:
     ref = copy.deepcopy(base)
     ref_opt = make_optimizer(case, ref)
     model = copy.deepcopy(base)
+    if case.get("unfreeze"):  # frozen when set up, unfrozen after: refused on every rank at the step
+        model.get_submodule(case["unfreeze"]).requires_grad_(False)
     opt = make_optimizer(case, model)
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case.get("precision", "fp32"),
                         param_persistence_threshold=0, offload_optimizer=case.get("offload"),
                         offload_params=case.get("offload") if case["stage"] == 3 else None,
                         collective_timeout=case.get("timeout", 20.0))
     model, zopt = zs.setup(model, opt, cfg)
+    if case.get("unfreeze"):
+        model.get_submodule(case["unfreeze"]).requires_grad_(True)
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
     warnings.simplefilter("always")
