@@ -1,6 +1,7 @@
 """Collectives on flat buffers: all-gather, reduce-scatter, all-reduce.
 
-This is the only module that calls ``torch.distributed`` collectives. It knows
+This is the only module that calls ``torch.distributed`` collectives (what it counts is
+in _comm_stats.py, how it waits for them in _waits.py). It knows
 nothing about modules, hooks or parameters: it moves 1-D tensors and counts the
 bytes. A world of one rank takes the same calls and skips the communication, so
 every stage runs (and is tested) in a single process.
@@ -19,13 +20,6 @@ wait for the collective, and the engine keeps every input and output alive until
 that wait (``Handle`` holds them) and frees or reads them only after it. Anything
 the engine writes into a buffer before launching a collective on it is ordered
 before the launch on the same stream.
-
-[Note: what the byte counters count]
-``volume_elements`` counts the full (unsharded) buffer of every collective, the
-convention of the ZeRO paper in which DDP's all-reduce moves 2x the parameters and
-stage 3 moves 3x. ``sent_bytes`` is what a bandwidth-optimal (ring) algorithm
-actually sends from each rank: (N-1)/N of the volume for all-gather and
-reduce-scatter, 2(N-1)/N for all-reduce.
 
 [Note: a failed group]
 A gloo group whose collective failed still has operations pending on its worker
@@ -48,22 +42,6 @@ the ``src`` of a broadcast, is translated in :meth:`Collectives.global_rank`; ev
 call passes ``group=self.group``. A rank outside the group it passes gets a
 ``ValueError`` at construction, before any communication, so the members are not
 left waiting in a collective (tests/test_subgroup_process_group.py).
-
-[Note: bounded waits]
-At stage 3 every forward, ``state_dict()`` and ``gathered_parameters`` all-gathers, so
-a call made on some ranks only (``if rank == 0: model.generate(...)``, a rank-0-only
-``save_pretrained``) leaves the ranks that made it waiting for the process group's
-timeout: 30 minutes by default, with no word of why. ``Collectives(wait_timeout=s)``
-bounds every wait, of every collective issued here (gathers, reduce-scatters, the
-loss-scale and gradient-norm all-reduces, broadcasts, and the object collectives,
-which are built on tensor collectives for that reason): ``work.wait(timeout)`` raises
-after ``s`` seconds (gloo abandons the operation; the group should not be used
-again), and :class:`CollectiveTimeout` goes up. A peer that exits or is killed closes
-its connections and ends the wait at once with :class:`CollectiveError`. Either
-message names the collective (what it was for, its sequence number, the step), the
-ranks that never began it or reported a failure, and the last collectives of each
-rank: See [Note: naming the rank that failed] in _faults.py. Counting calls costs one
-store round trip per call (a forward, a ``state_dict()``), not per collective.
 
 [Note: two streams of collectives]
 A backend pairs the k-th collective of every rank of a group, so each rank must issue
@@ -89,14 +67,6 @@ Two collectives of one size that paired across ranks complete without a word (a
 gather of expert 2 on one rank summed with a gather of expert 0 on another); this
 catches them before the step applies what they computed, on every rank at once.
 
-[Note: desync while waiting]
-A desync of collectives of different sizes, or of counts, hangs instead. A gloo wait
-that has not finished within :data:`DESYNC_CHECK_AFTER` seconds publishes this rank's
-flight recorder and compares it with the ones the other ranks published: when a rank
-issued a different collective under the same sequence number, every waiting rank
-raises :class:`CollectiveDesync` within seconds, naming both collectives (their labels
-are unit and group names), instead of waiting ``collective_timeout``. A rank that is
-only slow publishes nothing that differs, and the wait goes on to the bound.
 """
 
 from __future__ import annotations
@@ -106,145 +76,23 @@ import ctypes
 import datetime
 import pickle
 import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ._comm_stats import CommStats, OpCounter
 from ._faults import (MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger,
                       Record, desync_diagnosis, diagnosis, find_desync, is_timeout)
+from ._waits import DESYNC_CHECK_AFTER, Handle
 
-#: seconds a gloo wait runs before it looks for a desync; See [Note: desync while waiting]
-DESYNC_CHECK_AFTER = 2.0
+__all__ = ["CollectiveDesync", "CollectiveError", "CollectiveTimeout", "Collectives", "CommStats", "Handle",
+           "OpCounter", "DESYNC_CHECK_AFTER"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass
-class OpCounter:
-    calls: int = 0
-    volume_elements: int = 0
-    volume_bytes: int = 0
-    sent_bytes: int = 0
-
-
-@dataclass
-class CommStats:
-    """Per-kind counters of what this rank communicated since the last reset."""
-
-    all_gather: OpCounter = field(default_factory=OpCounter)
-    reduce_scatter: OpCounter = field(default_factory=OpCounter)
-    all_reduce: OpCounter = field(default_factory=OpCounter)
-    #: hybrid sharding: the all-reduce of gradient shards across the shard groups
-    inter_all_reduce: OpCounter = field(default_factory=OpCounter)
-
-    KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-    def reset(self) -> None:
-        self.all_gather = OpCounter()
-        self.reduce_scatter = OpCounter()
-        self.all_reduce = OpCounter()
-        self.inter_all_reduce = OpCounter()
-
-    @property
-    def volume_elements(self) -> int:
-        return sum(getattr(self, k).volume_elements for k in self.KINDS)
-
-    @property
-    def sent_bytes(self) -> int:
-        """Bytes sent inside the shard group (the whole group when not hybrid)."""
-        return sum(getattr(self, k).sent_bytes for k in self.KINDS)
-
-    def as_dict(self) -> dict:
-        out = {}
-        for kind in self.KINDS + ("inter_all_reduce",):
-            c = getattr(self, kind)
-            out[kind] = dict(calls=c.calls, volume_elements=c.volume_elements,
-                             volume_bytes=c.volume_bytes, sent_bytes=c.sent_bytes)
-        out["volume_elements"] = self.volume_elements
-        out["sent_bytes"] = self.sent_bytes
-        out["intra_group_sent_bytes"] = self.sent_bytes
-        out["inter_group_sent_bytes"] = self.inter_all_reduce.sent_bytes
-        return out
-
-
-class Handle:
-    """An in-flight collective. ``wait()`` is idempotent and keeps tensors alive until then."""
-
-    __slots__ = ("_work", "_keep", "_comm", "_record", "_unbounded")
-
-    def __init__(self, work=None, keep: tuple = (), comm: "Collectives | None" = None,
-                 record: Record | None = None, unbounded: bool = False):
-        """``unbounded``: the work's own ``wait(timeout)`` ignores the timeout; See [Note: unbounded works]."""
-        self._work = work
-        self._keep = keep
-        self._comm = comm
-        self._record = record
-        self._unbounded = unbounded
-
-    def wait(self) -> None:
-        """Wait for the collective; past the engine's bound, or when a peer is gone, raise
-        :class:`CollectiveTimeout` / :class:`CollectiveError` (see [Note: bounded waits])."""
-        if self._work is not None:
-            work, self._work = self._work, None  # a failed operation is abandoned: never waited on again
-            try:
-                if self._comm is None or self._comm.handle_timeout is None:
-                    work.wait()
-                elif self._comm.backend == "gloo" and (self._unbounded or not work.is_completed()):
-                    _wait_on_thread(work, self._comm.wait_timeout, self._comm.check_desync)
-                else:
-                    work.wait(self._comm.handle_timeout)
-            except CollectiveDesync:
-                self._keep = ()
-                raise
-            except RuntimeError as e:
-                self._keep = ()
-                raise self._comm.failure(self._record, e) from e
-            FlightRecorder.finish(self._record, ok=True)
-        self._keep = ()
-
-
-def _wait_on_thread(work, seconds: float, check_desync=None) -> None:
-    """``work.wait()`` on a daemon thread, given up after ``seconds``; after
-    :data:`DESYNC_CHECK_AFTER` seconds ``check_desync()`` runs every second and may raise
-    (See [Note: desync while waiting]).
-
-    [Note: unbounded works]
-    gloo's reduce-scatter (both the list form and ``reduce_scatter_tensor``, torch 2.13)
-    returns a wrapper work whose ``wait(timeout)`` waits on the inner operation without
-    the timeout, and whose ``is_completed()`` stays False, so neither a bounded wait nor
-    polling can give up on it. The wait runs on a daemon thread instead, which this rank
-    waits for with a bound; a thread left blocked by a failed collective dies with the
-    process (daemon threads are not joined at exit). One thread per wait costs ~0.1 ms,
-    small beside a gloo reduce-scatter.
-    """
-    done = threading.Event()
-    box: list[BaseException] = []
-
-    def run():
-        try:
-            work.wait()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            box.append(e)
-        done.set()
-
-    threading.Thread(target=run, name="zero_strategy_wait", daemon=True).start()
-    deadline = time.monotonic() + seconds
-    step = min(seconds, DESYNC_CHECK_AFTER)
-    while not done.wait(step):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError(f"Operation timed out after {seconds:g} s")
-        if check_desync is not None:
-            check_desync()
-        step = min(left, 1.0)
-    if box:
-        raise box[0]
 
 
 class Collectives:
@@ -352,7 +200,7 @@ class Collectives:
 
     def check_desync(self) -> None:
         """A wait is taking long: raise :class:`CollectiveDesync` if another rank issued a different
-        collective under a sequence number this rank used. See [Note: desync while waiting]."""
+        collective under a sequence number this rank used. See [Note: desync while waiting] in _waits.py."""
         if self.ledger is None:
             return
         self.ledger.publish_flight(self.recorder)

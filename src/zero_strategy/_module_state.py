@@ -140,7 +140,7 @@ class ModuleStateHooks:
             if call is not None:  # the last call died half way: its entries are gone with it
                 self._release(call, call.releasing_at(call.owner))
             call = self._save = _Call(module)
-            self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _collectives.py
+            self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _waits.py
         self._gather_for(call, module)
 
     def after_save(self, module: nn.Module, destination: dict, prefix: str) -> None:

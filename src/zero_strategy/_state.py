@@ -2,30 +2,17 @@
 
 [Note: the life of one training step]
 forward   root pre-hook: gather the root unit (stage 3), cast inputs.
-          unit pre-hook: wait for / start the unit's gather, prefetch the next unit
-          in last step's forward order, wrap inputs so their gradient tells us the
+          unit pre-hook: wait for / start the unit's gather, prefetch the next units
+          of the gather schedule, wrap inputs so their gradient tells us the
           unit's backward is done.  unit post-hook: release (stage 3), register a
           pre-backward hook on the outputs.
 backward  pre-backward (first output gradient): gather the unit again, prefetch the
-          unit before it.  post-accumulate-grad hook per parameter: move the gradient
+          units the schedule runs next.  post-accumulate-grad hook per parameter: move the gradient
           into the group's flat buffer; when a group has all its gradients, start its
           reduce-scatter (stages 2-3, outside ``no_sync``).  input-gradient function:
           release the unit.  end-of-backward callback: reduce what is left (unused
           parameters contribute zeros), wait for every reduce-scatter, release all.
 step      (optimizer) stage 1 reduces here; see ``_optimizer.py``.
-
-[Note: training state]
-One enum says where the model is in an iteration: ``IDLE`` between iterations,
-``FORWARD`` inside the root forward, ``PRE_BACKWARD`` once backward has started
-(units regathered, gradients arriving), ``POST_BACKWARD`` while the end-of-backward
-callback reduces and releases. Transitions are asserted (an illegal one names both
-states). An exception can abandon an iteration anywhere: forward hooks are
-``always_call`` (a raising forward still releases and returns to ``IDLE``), the
-end-of-backward callback never runs for a backward that raised, so a forward, a
-zero_grad or a step that finds the engine out of ``IDLE`` outside backward calls
-``reset_iter_state()``: in-flight collectives are waited for, units released and the
-per-backward bookkeeping cleared. The abandoned backward's partial gradients stay,
-as torch's stay in ``.grad``, until the retry loop's zero_grad drops them.
 
 [Note: lock-step]
 Every collective is issued in the same order on every rank, also when the ranks use
@@ -41,7 +28,6 @@ gradient on any rank] in _untouched.py).
 from __future__ import annotations
 
 import contextlib
-import enum
 import warnings
 import weakref
 from typing import Any
@@ -52,9 +38,10 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .config import NVMeOffload
 
-from ._conversions import unfrozen_error, unfrozen_names
 from ._collectives import Collectives
+from ._conversions import unfrozen_error, unfrozen_names
 from ._flat import FlatGroup, ParamSlot, ShardState
+from ._hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
 from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
 from ._offload import OffloadPlan, Transfers
@@ -64,53 +51,6 @@ from ._reduce import MAX_IN_FLIGHT, ReduceQueue
 from ._schedule import GatherSchedule, Pass
 from ._tree import map_tensors, tensors_in
 from ._units import Unit, build_units
-
-
-def compile_boundary(hook):
-    """``hook``, run eagerly even when torch.compile traces the module it is on.
-
-    [Note: torch.compile and the hooks]
-    The forward hooks gather and release units: collectives, ``param.data = view`` swaps
-    between the flat buffer and the placeholder, ``resize_`` of the buffer's storage,
-    autograd hooks on the unit's outputs, Python bookkeeping of the step. Traced, none
-    of it is faithful: Dynamo lowers ``param.data = t`` to ``Tensor.set_`` on a graph
-    input, which AOT autograd treats as an in-place mutation of that input and which
-    bumps the parameter's version counter, so the first backward of a stage-3 unit
-    (the parameter saved for backward, then swapped by the release) fails with "modified
-    by an inplace operation ... is at version 2; expected version 1". So every forward
-    hook is excluded from tracing (``torch.compiler.disable``, recursive, as FSDP2 does
-    for its own hooks): Dynamo graph-breaks at the hook, runs it eagerly, and the
-    compiled region in between starts with the unit gathered; its parameters enter the
-    graph as ordinary inputs (views of the gathered flat buffer). The backward hooks
-    (gradient hooks, the pre-backward and end-of-backward callbacks) run in the
-    autograd engine, outside any compiled graph, as they do in eager mode.
-    """
-    return torch.compiler.disable(hook, recursive=True, reason="zero_strategy gather/release hook")
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-
-
-class _UnitBackwardDone(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 class ZeroEngine:
@@ -220,7 +160,7 @@ class ZeroEngine:
         ``Exception`` (KeyboardInterrupt) never ran the always_call hooks either, so its depth
         stays up: zero_grad and step (``outside_forward``, never called inside a forward) reset
         it too, while a forward cannot tell it from a nested call of the root."""
-        if self.training_state is TrainingState.IDLE or _in_backward():
+        if self.training_state is TrainingState.IDLE or in_backward():
             return
         if self._root_forward_depth == 0 or outside_forward:
             self.reset_iter_state()
@@ -234,14 +174,14 @@ class ZeroEngine:
         keeps them in ``.grad``: they carry markers (See [Note: param.grad after backward]),
         so the retry loop's ``optimizer.zero_grad()`` or ``model.zero_grad()`` drops them.
         """
-        in_backward = self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+        was_in_backward = self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
         for unit in self.units:
             unit.wait_gather()
         self.schedule.abandon()
         self.reduces.wait_all(notify=False)
         self.reduces.end_backward()
         for g in self.groups:
-            g.grads.end_backward() if in_backward else g.grads.clear_arrivals()
+            g.grads.end_backward() if was_in_backward else g.grads.clear_arrivals()
         if self.plan.shards_parameters:
             self.release_all()
         self._root_forward_depth = 0
@@ -297,7 +237,7 @@ class ZeroEngine:
                     self._handles.append(s.param.register_post_accumulate_grad_hook(on_grad))
                 elif s.param.requires_grad:
                     dropped.append(s.fqn)
-                    self._handles.append(s.param.register_post_accumulate_grad_hook(_drop_grad))
+                    self._handles.append(s.param.register_post_accumulate_grad_hook(drop_grad))
         if dropped and self._optimizer_group_of:  # without any optimizer (inference) nothing is surprising
             warnings.warn(
                 f"{len(dropped)} parameter(s) require grad but are in no optimizer param group "
@@ -314,7 +254,7 @@ class ZeroEngine:
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module, args, kwargs):
-        if self._root_forward_depth == 0 and not _in_backward():
+        if self._root_forward_depth == 0 and not in_backward():
             self._recover_if_abandoned()
             self._assert_state(TrainingState.IDLE)
             self._check_units_in_place()
@@ -363,7 +303,7 @@ class ZeroEngine:
     def _root_post_forward(self, module, args, kwargs, output):
         """Also runs when forward raised (``always_call``; ``output`` is then None)."""
         self._root_forward_depth = max(0, self._root_forward_depth - 1)
-        if self._root_forward_depth > 0 or _in_backward():  # nested, or recomputed inside backward
+        if self._root_forward_depth > 0 or in_backward():  # nested, or recomputed inside backward
             return None
         self.training_state = TrainingState.IDLE
         if self.plan.shards_parameters and output is not None:  # a raising forward leaves no pass to finish
@@ -392,7 +332,7 @@ class ZeroEngine:
     def _wrap_inputs(self, unit: Unit, args, kwargs):
         needing = []
         map_tensors((args, kwargs), lambda t: needing.append(t) if t.requires_grad else None)
-        wrapped = _UnitBackwardDone.apply(lambda: self._post_backward(unit), *needing)
+        wrapped = UnitBackwardDone.apply(lambda: self._post_backward(unit), *needing)
         it = iter(wrapped)
         replace = lambda t: next(it) if t.requires_grad else t  # noqa: E731
         new_args, new_kwargs = map_tensors((args, kwargs), replace)
@@ -400,7 +340,7 @@ class ZeroEngine:
 
     def _make_unit_post_forward(self, unit: Unit):
         def hook(module, args, kwargs, output):
-            if _in_backward():
+            if in_backward():
                 return None  # recomputation (activation checkpointing): backward still needs it
             outputs = [t for t in tensors_in(output) if t.requires_grad]
             if torch.is_grad_enabled() and outputs:
@@ -511,7 +451,7 @@ class ZeroEngine:
     def _on_reduced(self, group: FlatGroup) -> None:
         """A reduce-scatter finished; with overlap_step (every finished reduce starts a CPU step,
         so the queue keeps one in flight) during backward, the group's step can start."""
-        if self._overlapping() and _in_backward():
+        if self._overlapping() and in_backward():
             for zopt in self.optimizers():  # See [Note: overlap_step] in _optimizer.py
                 zopt.group_reduced(group)
 
@@ -594,7 +534,3 @@ class ZeroEngine:
     def group_of(self, param: nn.Parameter) -> FlatGroup | None:
         entry = self._slot_of.get(id(param))
         return entry[0] if entry else None
-
-
-def _drop_grad(param: nn.Parameter) -> None:
-    param.grad = None

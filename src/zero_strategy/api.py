@@ -317,7 +317,7 @@ def _gathered(model: nn.Module, params: Iterable[nn.Parameter] | None, kind: str
     units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
     was_sharded = {id(u): u.state.value == "sharded" for u in units}
     if any(u.sharded_groups for u in units):
-        engine.comm.enter(kind)  # see [Note: bounded waits] in _collectives.py
+        engine.comm.enter(kind)  # see [Note: bounded waits] in _waits.py
     for u in units:
         u.gather(engine.comm)
     try:
