@@ -7,7 +7,7 @@ buffers (stage 3: placeholders at rest), their gradients live in shards (``param
 is a marker that refuses conversions) and the fp32 masters and optimizer state were
 placed at setup, so no conversion can move or cast them in place. ``setup`` shadows
 ``_apply`` on every module of the model with an instance attribute (removed by
-``teardown``, as the wrappers of _model_integrations.py):
+``teardown``; ``shadow`` of _model_integrations.py, as its transformers/PEFT wrappers):
 
 * a conversion that leaves the parameters as they are (``.to(its device)``, which
   Lightning, Accelerate and the HF Trainer call after setup, ``.float()`` of an fp32
@@ -36,11 +36,12 @@ carries whether any rank has such a gradient), naming it.
 from __future__ import annotations
 
 import functools
-import types
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
+
+from ._model_integrations import shadow
 
 if TYPE_CHECKING:
     from ._state import ZeroEngine
@@ -50,39 +51,31 @@ def install(model: nn.Module, engine: "ZeroEngine", end: Callable[[], None]) -> 
     """Shadow ``_apply`` on every module of ``model``; ``end()`` tears the engine down. Returns
     the undo callbacks."""
     managed = {id(s.param) for g in engine.groups for s in g.slots}
-    ours = {id(m) for m in model.modules()}
-    undo = []
-    for module in model.modules():
-        # bound to the module: one that is not this model's (a copy of it) converts as a plain module
-        module.__dict__["_apply"] = types.MethodType(
-            functools.partial(_apply, root=model, engine=engine, managed=managed, ours=ours, end=end), module)
-
-        def remove(module=module) -> None:
-            module.__dict__.pop("_apply", None)
-        undo.append(remove)
-    return undo
+    return [shadow(module, "_apply", functools.partial(_converter, module, model, engine, managed, end))
+            for module in model.modules()]
 
 
-def _apply(module: nn.Module, fn, recurse: bool = True, *, root, engine, managed, ours, end):
-    if id(module) not in ours or engine.ended is not None:  # a copy of the model, or after teardown
-        return type(module)._apply(module, fn, recurse)
-    probe = torch.empty(0, dtype=engine.compute_dtype, device=engine.device)
-    converted = fn(probe)  # raises here, before anything changed, if torch refuses the conversion
-    unchanged = converted.dtype == probe.dtype and converted.device == probe.device
-    if unchanged and not (module is root and _asks_for_the_weights(fn) and engine.plan.shards_parameters):
-        _convert_the_rest(module, fn, managed, recurse)
-        return module
-    if module is not root:
-        raise RuntimeError(
-            f"zero_strategy: cannot convert the submodule {type(module).__name__} of a set-up model to "
-            f"{converted.dtype} on {converted.device}: its parameters are views of flat shards shared "
-            "with the rest of the model. Convert the whole model (model.cpu(), model.half(), ...: this "
-            "gathers the trained weights into the plain module and ends ZeRO on it), or call "
-            "zero_strategy.teardown(model) first.")
-    engine.ended = (f"a conversion of the model (model.cpu(), .to(), .half(), ...) to {converted.dtype} on "
-                    f"{converted.device} gathered its trained weights into the plain module")
-    end()
-    return type(module)._apply(module, fn, recurse)  # torch's own, now that the model is plain
+def _converter(module: nn.Module, root: nn.Module, engine: "ZeroEngine", managed: set[int],
+               end: Callable[[], None], original: Callable) -> Callable:
+    def _apply(fn, recurse: bool = True):
+        probe = torch.empty(0, dtype=engine.compute_dtype, device=engine.device)
+        converted = fn(probe)  # raises here, before anything changed, if torch refuses the conversion
+        unchanged = converted.dtype == probe.dtype and converted.device == probe.device
+        if unchanged and not (module is root and _asks_for_the_weights(fn) and engine.plan.shards_parameters):
+            _convert_the_rest(module, fn, managed, recurse)
+            return module
+        if module is not root:
+            raise RuntimeError(
+                f"zero_strategy: cannot convert the submodule {type(module).__name__} of a set-up model to "
+                f"{converted.dtype} on {converted.device}: its parameters are views of flat shards shared "
+                "with the rest of the model. Convert the whole model (model.cpu(), model.half(), ...: this "
+                "gathers the trained weights into the plain module and ends ZeRO on it), or call "
+                "zero_strategy.teardown(model) first.")
+        engine.ended = (f"a conversion of the model (model.cpu(), .to(), .half(), ...) to {converted.dtype} on "
+                        f"{converted.device} gathered its trained weights into the plain module")
+        end()  # removes this shadow too
+        return original(fn, recurse)  # torch's own, now that the model is plain
+    return _apply
 
 
 def _asks_for_the_weights(fn) -> bool:

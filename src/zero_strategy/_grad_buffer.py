@@ -258,11 +258,6 @@ class GradBuffer:
         self._written = [False] * len(self._written)
 
     @property
-    def received(self) -> bool:
-        """Some slot's gradient arrived since the last reset."""
-        return any(self.received_slots)
-
-    @property
     def complete(self) -> bool:
         """Every slot's gradient arrived in this backward: the group can be reduced now."""
         return self.arrived >= len(self._written)

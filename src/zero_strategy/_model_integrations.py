@@ -2,7 +2,7 @@
 
 The engine never imports these libraries: a model of theirs exists only if the user
 imported them, so they are looked up in ``sys.modules``. Each adjustment is an
-instance attribute that wraps the library's own method (the class is untouched, other
+instance attribute that wraps the library's own method (:func:`shadow`) (the class is untouched, other
 models are unaffected) and is removed by ``teardown``.
 
 [Note: generate() under stage 3]
@@ -62,17 +62,17 @@ def install(model: nn.Module, engine: "ZeroEngine") -> list[Callable[[], None]]:
     undo: list[Callable[[], None]] = []
     for module in model.modules():
         if sharded and generation_mixin is not None and isinstance(module, generation_mixin):
-            undo.append(_wrap(module, "generate", _synced_generate))
+            undo.append(shadow(module, "generate", _synced_generate))
         if pretrained is not None and isinstance(module, pretrained):
-            undo.append(_wrap(module, "resize_token_embeddings", _refuse_resize))
+            undo.append(shadow(module, "resize_token_embeddings", _refuse_resize))
         if base_tuner is not None and isinstance(module, base_tuner):
             for name in _PEFT_MERGES:
                 if hasattr(module, name):
-                    undo.append(_wrap(module, name, functools.partial(_merge_gathered, model)))
+                    undo.append(shadow(module, name, functools.partial(_merge_gathered, model)))
     return undo
 
 
-def _wrap(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
+def shadow(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
     """Shadow ``module.<name>`` by ``make(original)``; the returned callback removes it."""
     original = getattr(module, name)
     wrapper = make(original)

@@ -39,7 +39,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .config import NVMeOffload
 
 from ._collectives import Collectives
-from ._conversions import unfrozen_error, unfrozen_names
+from ._conversions import unfrozen_names
 from ._flat import FlatGroup, ParamSlot, ShardState
 from ._hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
 from ._module_state import register_module_state_hooks
@@ -51,6 +51,7 @@ from ._reduce import MAX_IN_FLIGHT, ReduceQueue
 from ._schedule import GatherSchedule, Pass
 from ._tree import map_tensors, tensors_in
 from ._units import Unit, build_units
+from ._untouched import agree_on_gradients
 
 
 class ZeroEngine:
@@ -490,24 +491,9 @@ class ZeroEngine:
         keep_full = self.plan.keeps_full_gradients
         for g in groups:  # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
             g.grads.take_cleared_slots(keep_full=keep_full)
-        # per parameter, whether some rank has a gradient for it, and per group whether some rank must
-        # reduce it (stage 1: every group once per step; stages 2-3: what no_sync left), agreed in one
-        # small all-reduce that also compares checksums. See [Note: no gradient on any rank] in _untouched.py
-        received = [r for g in groups for r in g.grads.received_slots]
-        needs = [g.grads.has_unreduced or (keep_full and g.grads.grad_shard is None) for g in groups]
-        unfrozen = unfrozen_names(self)  # requires_grad_(True) after setup: See [Note: conversions on a set-up model]
-        agreed = self.comm.agree_on_step(torch.tensor(received + needs + [bool(unfrozen)])).tolist()
-        if agreed[-1]:
-            raise unfrozen_error(unfrozen)
-        anyone, at = agreed[:len(received)], 0
-        for g, any_needs in zip(groups, agreed[len(received):-1]):
-            slots_anyone, at = anyone[at:at + len(g.slots)], at + len(g.slots)
-            if not any(slots_anyone):  # no rank has a gradient for the group: not stepped
-                g.zero_grad(keep_full=keep_full)
-                continue
-            g.grads.untouched = frozenset(s.index for s, a in zip(g.slots, slots_anyone) if not a)
-            if any_needs:  # every rank reduces it, with zeros where it has no gradient
-                self.reduces.launch(g)
+        # requires_grad_(True) after setup: See [Note: conversions on a set-up model]
+        for g in agree_on_gradients(self.comm, groups, keep_full, unfrozen_names(self)):
+            self.reduces.launch(g)  # every rank reduces it, with zeros where it has no gradient
         self.reduces.wait_all(notify=False)
         for g in self.groups:
             g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time

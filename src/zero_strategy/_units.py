@@ -143,10 +143,11 @@ def root_parts(model: nn.Module, unit_names: tuple[str, ...]) -> list[str]:
     return member_prefixes(model, unit_names) + branches
 
 
-def part_of(name: str, parts: list[str]) -> str:
-    """The part (a name prefix without its dot) a parameter ``name`` belongs to; a parameter
-    outside every part (one registered on a module that holds units) goes with its module's."""
-    return next((p[:-1] for p in parts if name.startswith(p)), name.rpartition(".")[0])
+def part_of(name: str, parts: list[str], outside: str) -> str:
+    """The part (a name prefix without its dot) a parameter ``name`` belongs to, ``outside``
+    if none: in a unit its own groups (""), in the root the groups of the module the
+    parameter is registered on (one that holds units, as ViT's ``cls_token``)."""
+    return next((p[:-1] for p in parts if name.startswith(p)), outside)
 
 
 def find_unit_modules(root: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
@@ -355,10 +356,8 @@ def build_units(
             relative = first_name[pid][len(in_unit):]
             if not trainable:
                 part = ""  # never stepped: no need to keep its parts apart
-            elif unit_name == ROOT:
-                part = part_of(relative, parts)
-            else:  # outside the members, the unit's own groups
-                part = next((p[:-1] for p in parts if relative.startswith(p)), "")
+            else:
+                part = part_of(relative, parts, relative.rpartition(".")[0] if unit_name == ROOT else "")
             key = (trainable, optimizer_group_of.get(pid) if trainable else None,
                    plan.shards_parameters and not persistent, part)
             buckets.setdefault(key, []).append((first_name[pid], p))

@@ -6,9 +6,10 @@ rank used in the step, and torch's optimizers skip such a parameter: it keeps it
 value and its state (no weight decay, no momentum). A parameter some ranks used gets
 the mean with zeros from the others. The engine computes the same, in three parts:
 
-1. The step agreement (``Collectives.agree_on_step``, one small all-reduce per
-   optimizer step that also compares the collective checksums) tells every rank, per
-   parameter, whether any rank has a gradient for it since the last ``zero_grad``.
+1. The step agreement (:func:`agree_on_gradients` over ``Collectives.agree_on_step``,
+   one small all-reduce per optimizer step that also compares the collective
+   checksums) tells every rank, per parameter, whether any rank has a gradient for it
+   since the last ``zero_grad``.
 2. A flat group no rank has a gradient for is not stepped: its master gets no
    ``.grad`` and the user's optimizer skips it, exactly as DDP's parameters. A group
    some rank has one for is reduced on every rank, zeros where a rank has none, so
@@ -36,6 +37,33 @@ import warnings
 from typing import Iterable, Iterator
 
 import torch
+
+from ._conversions import unfrozen_error
+
+
+def agree_on_gradients(comm, groups: list, keep_full: bool, unfrozen: list[str]) -> list:
+    """The step agreement over ``groups`` (part 1 of the Note): per parameter, whether some
+    rank has a gradient for it, and per group whether some rank must reduce it (stage 1:
+    every group once per step; stages 2-3: what ``no_sync`` left), in one small all-reduce
+    that also compares the collective checksums. A group no rank has a gradient for is
+    cleared (part 2); the others learn their untouched slots (part 3). Returns the groups
+    every rank must reduce now, in order; raises on every rank if some rank has gradients
+    for parameters frozen at setup (``unfrozen``: this rank's)."""
+    received = [r for g in groups for r in g.grads.received_slots]
+    needs = [g.grads.has_unreduced or (keep_full and g.grads.grad_shard is None) for g in groups]
+    agreed = comm.agree_on_step(torch.tensor(received + needs + [bool(unfrozen)])).tolist()
+    if agreed[-1]:
+        raise unfrozen_error(unfrozen)
+    to_reduce, at = [], 0
+    for g, any_needs in zip(groups, agreed[len(received):-1]):
+        anyone, at = agreed[at:at + len(g.slots)], at + len(g.slots)
+        if not any(anyone):  # not stepped, as DDP's parameters without a gradient
+            g.zero_grad(keep_full=keep_full)
+            continue
+        g.grads.untouched = frozenset(s.index for s, a in zip(g.slots, anyone) if not a)
+        if any_needs:
+            to_reduce.append(g)
+    return to_reduce
 
 
 #: state torch's elementwise optimizers start from something other than zeros: key -> the
