@@ -69,26 +69,34 @@ def test_after_cpu_gathered_the_weights_the_optimizer_refuses_to_step(accelerate
 
 
 # ------------------------------------------------------------------ one process
-def _trained(stage: int, steps: int = 2):
+def _trained(stage: int, steps: int = 2, plain: bool = False):
+    """A set-up TinyLM trained ``steps`` steps; ``plain``: a plain torch copy too, trained the
+    same way (the reference)."""
     torch.manual_seed(0)
     model = TinyLM()
+    reference = copy.deepcopy(model)
     model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
                           zs.ZeroConfig(stage=stage, param_persistence_threshold=0))
+    pairs = [(model, opt), (reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1))]
     for step in range(steps):
-        tokens, targets = batch(0, step, 0)
-        loss_fn(model(tokens), targets).backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
+        for m, o in pairs[:2 if plain else 1]:
+            tokens, targets = batch(0, step, 0)
+            loss_fn(m(tokens), targets).backward()
+            o.step()
+            o.zero_grad()
+    return (model, opt, reference) if plain else (model, opt)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_half_gives_the_trained_weights_in_half_precision(stage):
-    model, opt = _trained(stage)
+    model, opt, plain = _trained(stage, plain=True)
     trained = zs.full_state_dict(model)
     assert model.half() is model
     for name, p in model.named_parameters():
         assert p.dtype == torch.float16 and torch.equal(p, trained[name].half()), name
+    plain.half()  # the independent reference: the plain model trained the same way, then .half()
+    for (name, p), (_, want) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.allclose(p.float(), want.float(), rtol=1e-3, atol=1e-4), name
     tokens, _ = batch(0, 9, 0)
     with torch.no_grad():  # a plain fp16 module now: it runs without the engine
         assert torch.isfinite(model.float()(tokens)).all()
