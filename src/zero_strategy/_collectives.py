@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 
 from ._comm_stats import CommStats, OpCounter
-from ._faults import (MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger,
+from ._faults import (LOCAL, MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger,
                       Record, desync_diagnosis, diagnosis, find_desync, is_timeout)
 from ._waits import DESYNC_CHECK_AFTER, Handle
 
@@ -219,29 +219,44 @@ class Collectives:
         """``flags`` [k] (0/1) maxed over every data-parallel rank, in one small all-reduce that
         also compares the ranks' collective checksums (See [Note: the collective signature]);
         raises :class:`CollectiveDesync` on every rank when they differ."""
+        return self.begin_agreement(flags).result()
+
+    def begin_agreement(self, flags: torch.Tensor) -> "PendingAgreement":
+        """Start :meth:`agree_on_step` without waiting: the checksums cover the collectives issued
+        so far, and ``result()`` waits (the end of backward starts it before waiting for its
+        reduce-scatters, so that its latency hides behind theirs)."""
         # 31 bits of each checksum, so that it and its negation fit the int32 flags
         sigs = torch.tensor([c & 0x7FFFFFFF for c in self.recorder.take_signatures(self.streams())], dtype=torch.int32)
         if self.world_size * self.replicas == 1:
-            return flags
-        device = self._object_device()
-        packed = torch.cat([flags.to(torch.int32), sigs, -sigs]).to(device)
+            return PendingAgreement(self, flags, None, None, 0)
+        packed = torch.cat([flags.to(torch.int32), sigs, -sigs]).to(self._object_device())
         self._count(self.stats.all_reduce, packed, packed.numel(), 2 * (self.world_size - 1) / self.world_size)
-        self._issue("all_reduce_max", "step agreement", packed, packed.numel(), False, (packed,),
-                    lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        handle = self._issue("all_reduce_max", "step agreement", packed, packed.numel(), True, (packed,),
+                             lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        return PendingAgreement(self, flags, packed, handle, sigs.numel())
+
+    def note_local(self, what: str, label: str) -> None:
+        """Fold a local decision every rank must take alike into the collective signature, so that
+        the next agreement raises :class:`CollectiveDesync` where ranks took it differently."""
+        FlightRecorder.finish(self.recorder.issue(LOCAL + what, label, 0, 0), ok=True)
+
+    def _finish_agreement(self, pending: "PendingAgreement") -> torch.Tensor:
+        packed = pending.packed
+        pending.handle.wait()
         if self.replicas > 1:
             self._count(self.stats.inter_all_reduce, packed, packed.numel(), 2 * (self.replicas - 1) / self.replicas)
             self._issue("all_reduce_max", "step agreement", packed, packed.numel(), False, (packed,),
                         lambda: dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.replicate_group,
                                                 async_op=True))
         packed = packed.cpu()
-        k, n = flags.numel(), sigs.numel()
+        k, n = pending.flags.numel(), pending.signatures
         if not torch.equal(packed[k:k + n], -packed[k + n:]):
             theirs = {}
             if self.ledger is not None:
                 self.ledger.publish_flight(self.recorder)
                 theirs = self.ledger.flights(grace=3.0)
             raise self._desync_error(theirs, "since the last optimizer step")
-        return packed[:k].to(flags.dtype)
+        return packed[:k].to(pending.flags.dtype)
 
     def report_failure(self, why: str) -> None:
         """Tell the other ranks (through the store) that this rank gives up, and why."""
@@ -392,6 +407,20 @@ class Collectives:
             everyone, mine, group=self.group, async_op=True))
         raw = everyone.cpu().numpy().tobytes()
         return [pickle.loads(raw[r * width:r * width + int(sizes[r])]) for r in range(n)]
+
+
+class PendingAgreement:
+    """A step agreement in flight (:meth:`Collectives.begin_agreement`); ``result()`` waits once."""
+
+    def __init__(self, comm: Collectives, flags: torch.Tensor, packed, handle, signatures: int):
+        self.comm, self.flags, self.packed, self.handle, self.signatures = comm, flags, packed, handle, signatures
+        self._result: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        """The flags maxed over the ranks; raises :class:`CollectiveDesync` where checksums differ."""
+        if self._result is None:
+            self._result = self.flags if self.handle is None else self.comm._finish_agreement(self)
+        return self._result
 
 
 def _check_member(group: dist.ProcessGroup | None) -> None:

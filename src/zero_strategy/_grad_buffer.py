@@ -122,6 +122,8 @@ class GradBuffer:
         self.received_slots = [False] * n
         #: slots no rank has a gradient for in a group that is stepped (set by the step agreement)
         self.untouched: frozenset[int] = frozenset()
+        #: the step agreement at the end of the last backward covers this group: the step needs none
+        self.agreed = False
         # per-backward bookkeeping (reset by end_backward)
         self.arrived = 0
         self.reduced_this_backward = False
@@ -166,31 +168,52 @@ class GradBuffer:
         for s in to_none:
             self.received_slots[s.index] = False
 
+    def apply_clearings(self, keep_full: bool) -> None:
+        """Once per backward, before the group takes new gradients or is reduced: apply the
+        clearings made since the last one. A cleared or zeroed parameter starts from nothing
+        (torch adds onto zeros), and a group nobody kept is reset. A group this rank's backward
+        does not reach is still reduced (zeros from here), onto what it holds: applied then
+        too, or a ``model.zero_grad()`` would not reach it. ``keep_full``: stage 1 keeps its
+        full buffer's memory."""
+        if self._clearings_applied:
+            return
+        self._clearings_applied = True
+        intact, zeroed, dropped = self._marked_slots()
+        if zeroed or dropped:
+            self._forget(zeroed + dropped, keep_full, keep_others=bool(intact), to_none=dropped)
+            for s in zeroed:
+                s.param.grad = None
+
     def before_accumulate(self, slot, keep_full: bool) -> None:
-        """Autograd is about to accumulate into ``param.grad``: take the marker away. At the
-        group's first arrival in a backward, clearings made since the last one are applied
-        first: a cleared or zeroed parameter starts from nothing (torch adds onto zeros), and
-        a group nobody kept is reset. ``keep_full``: stage 1 keeps its full buffer's memory."""
-        if not self._clearings_applied:
-            self._clearings_applied = True
-            intact, zeroed, dropped = self._marked_slots()
-            if zeroed or dropped:
-                self._forget(zeroed + dropped, keep_full, keep_others=bool(intact), to_none=dropped)
-                for s in zeroed:
-                    s.param.grad = None
+        """Autograd is about to accumulate into ``param.grad``: take the marker away, after
+        applying the clearings made since the last backward (:meth:`apply_clearings`)."""
+        self.apply_clearings(keep_full)
         i = slot.index
         if self._marked[i]:  # the held gradient stays and this one adds to it
             self._marked[i] = False
             slot.param.grad = None
 
-    def _place_marker(self, slot) -> None:
+    def _place_marker(self, slot, placed_in: int | None = None) -> None:
         i = slot.index
         if self._markers[i] is None:
             self._markers[i], self._marker_bases[i] = _new_marker(slot.param)
         slot.param.grad = self._markers[i]
         self._marker_version[i] = self._marker_bases[i]._version
         self._marked[i] = True
-        self._marked_in[i] = self._backwards
+        self._marked_in[i] = self._backwards if placed_in is None else placed_in
+
+    def mark_received(self, slots, in_backward: bool) -> None:
+        """The step agreement says some rank has a gradient for each of ``slots``: this rank holds
+        its share of it (in the reduced shard, or reduced at the step), so the parameter has a
+        gradient here too, and a ``param.grad`` marker, as DDP's parameter gets the mean of the
+        other ranks' gradients. ``in_backward``: the agreement ran at the end of the backward
+        that brought them (else in the step after it)."""
+        placed_in = self._backwards if in_backward else self._backwards - 1
+        for s in slots:
+            if not self.received_slots[s.index]:
+                self.received_slots[s.index] = True
+                if not self._marked[s.index]:
+                    self._place_marker(s, placed_in)
 
     def take_cleared_slots(self, keep_full: bool) -> bool:
         """Before a step: apply clearings made since the last backward (``model.zero_grad()`` after
@@ -365,6 +388,7 @@ class GradBuffer:
         self.version += 1
         self.received_slots = [False] * len(self.received_slots)
         self.untouched = frozenset()
+        self.agreed = False
         self.state = GradState.EMPTY
         self.clear_arrivals()
 

@@ -39,7 +39,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .config import NVMeOffload
 
 from ._collectives import Collectives
-from ._conversions import unfrozen_names
+from ._conversions import unfrozen_error, unfrozen_names
 from ._flat import FlatGroup, ParamSlot, ShardState
 from ._hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
 from ._module_state import register_module_state_hooks
@@ -51,7 +51,7 @@ from ._reduce import MAX_IN_FLIGHT, ReduceQueue
 from ._schedule import GatherSchedule, Pass
 from ._tree import map_tensors, tensors_in
 from ._units import Unit, build_units
-from ._untouched import agree_on_gradients
+from ._untouched import GradientAgreement
 
 
 class ZeroEngine:
@@ -119,6 +119,7 @@ class ZeroEngine:
         # and reset_iter_state() puts each back.
         self.training_state = TrainingState.IDLE
         self._backward_task = -1  # graph task the end-of-backward callback is queued on
+        self._unfrozen_agreed = False  # the last backward's agreement: some rank unfroze a parameter
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
@@ -375,6 +376,8 @@ class ZeroEngine:
         if self.plan.shards_parameters:
             self.schedule.begin(Pass.BACKWARD)
         self._backward_task = torch._C._current_graph_task_id()
+        for g in self.trainable_groups:  # new gradients: the last agreement no longer covers them
+            g.grads.agreed = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not self._backward_reads_parameters():
             self._read_step_state_ahead()
@@ -464,9 +467,19 @@ class ZeroEngine:
         self.training_state = TrainingState.POST_BACKWARD
         if self.plan.shards_parameters:
             self.schedule.finish(self.comm)  # units this rank's backward skipped: See [Note: gather schedule]
+        agreement = None
         if self.plan.reduces_in_backward and self._sync_gradients:
+            for g in self.trainable_groups:  # reduced below whether reached or not: clearings first
+                g.grads.apply_clearings(keep_full=self.plan.keeps_full_gradients)
             self.reduces.flush()  # what is left, in the reduce order (zeros where unused)
+            # See [Note: the agreement at the end of backward]
+            agreement = GradientAgreement(self.comm, self.trainable_groups, self.plan.keeps_full_gradients,
+                                          unfrozen_names(self))
         self.reduces.wait_all()
+        if agreement is not None:
+            _, self._unfrozen_agreed = agreement.decide(in_backward=True)
+            for g in self.trainable_groups:
+                g.grads.agreed = True
         self.reduces.end_backward()
         for g in self.groups:
             g.grads.end_backward()
@@ -489,12 +502,22 @@ class ZeroEngine:
         self.reduces.wait_all()
         groups = self.trainable_groups if groups is None else groups
         keep_full = self.plan.keeps_full_gradients
+        agreed = all(g.grads.agreed for g in groups)  # at the end of the last backward: the same on every rank
         for g in groups:  # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
-            g.grads.take_cleared_slots(keep_full=keep_full)
-        # requires_grad_(True) after setup: See [Note: conversions on a set-up model]
-        for g in agree_on_gradients(self.comm, groups, keep_full, unfrozen_names(self)):
+            if g.grads.take_cleared_slots(keep_full=keep_full) and agreed:
+                self.comm.note_local("gradients cleared after backward", g.name)
+        if agreed:
+            to_reduce, unfrozen = [], self._unfrozen_agreed
+        else:
+            to_reduce, unfrozen = GradientAgreement(self.comm, groups, keep_full, unfrozen_names(self)).decide(
+                in_backward=False)
+        if unfrozen:  # requires_grad_(True) after setup: See [Note: conversions on a set-up model]
+            raise unfrozen_error(unfrozen_names(self))
+        for g in to_reduce:
             self.reduces.launch(g)  # every rank reduces it, with zeros where it has no gradient
         self.reduces.wait_all(notify=False)
+        for g in groups:
+            g.grads.agreed = False  # used by this step
         for g in self.groups:
             g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time
 

@@ -6,10 +6,11 @@ rank used in the step, and torch's optimizers skip such a parameter: it keeps it
 value and its state (no weight decay, no momentum). A parameter some ranks used gets
 the mean with zeros from the others. The engine computes the same, in three parts:
 
-1. The step agreement (:func:`agree_on_gradients` over ``Collectives.agree_on_step``,
+1. The step agreement (:class:`GradientAgreement` over ``Collectives.begin_agreement``,
    one small all-reduce per optimizer step that also compares the collective
    checksums) tells every rank, per parameter, whether any rank has a gradient for it
-   since the last ``zero_grad``.
+   since the last ``zero_grad``. A parameter some rank has one for gets a
+   ``param.grad`` marker on every rank, as DDP gives it the mean of the others'.
 2. A flat group no rank has a gradient for is not stepped: its master gets no
    ``.grad`` and the user's optimizer skips it, exactly as DDP's parameters. A group
    some rank has one for is reduced on every rank, zeros where a rank has none, so
@@ -25,6 +26,22 @@ the mean with zeros from the others. The engine computes the same, in three part
    parameter counts its own. Put such a module in a list or dict of one class, or
    in its own unit, to make it exact.
 
+[Note: the agreement at the end of backward]
+At stages 2-3 the agreement runs at the end of every synced backward, where DDP
+all-reduces its map of the parameters each rank used: it starts once the last
+reduce-scatters are issued, so its latency hides behind theirs, and the step that
+follows needs no collective of its own (``GradBuffer.agreed``; a new backward, a
+``zero_grad`` or the step itself ends it). What it decides is what DDP decides there:
+after backward a parameter another rank used has a ``.grad`` here too, and
+``model.zero_grad()`` reaches the reduced gradient this rank holds for it (it did not
+before: an expert only the other rank's samples reached kept its gradient, and the
+next step added onto it). Stage 1 reduces in the step, and agrees there. Gradients
+cleared between backward and step are then cleared on this rank without asking the
+others, as every rank runs the same code: the step skips a group cleared whole, as
+torch skips parameters without ``.grad``. Clearing it on some ranks only is folded into
+the collective checksums (``Collectives.note_local``), so the next agreement raises
+:class:`CollectiveDesync` instead of letting the ranks step different parameters.
+
 With ``ZeroConfig(overlap_step=True)`` a group is stepped as soon as its gradients are
 reduced, before the agreement; a parameter of it no rank used is then stepped with a
 zero gradient (documented in README, "Ranks that use different parameters").
@@ -38,32 +55,46 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ._conversions import unfrozen_error
 
 
-def agree_on_gradients(comm, groups: list, keep_full: bool, unfrozen: list[str]) -> list:
-    """The step agreement over ``groups`` (part 1 of the Note): per parameter, whether some
-    rank has a gradient for it, and per group whether some rank must reduce it (stage 1:
-    every group once per step; stages 2-3: what ``no_sync`` left), in one small all-reduce
-    that also compares the collective checksums. A group no rank has a gradient for is
-    cleared (part 2); the others learn their untouched slots (part 3). Returns the groups
-    every rank must reduce now, in order; raises on every rank if some rank has gradients
-    for parameters frozen at setup (``unfrozen``: this rank's)."""
-    received = [r for g in groups for r in g.grads.received_slots]
-    needs = [g.grads.has_unreduced or (keep_full and g.grads.grad_shard is None) for g in groups]
-    agreed = comm.agree_on_step(torch.tensor(received + needs + [bool(unfrozen)])).tolist()
-    if agreed[-1]:
-        raise unfrozen_error(unfrozen)
-    to_reduce, at = [], 0
-    for g, any_needs in zip(groups, agreed[len(received):-1]):
-        anyone, at = agreed[at:at + len(g.slots)], at + len(g.slots)
-        if not any(anyone):  # not stepped, as DDP's parameters without a gradient
-            g.zero_grad(keep_full=keep_full)
-            continue
-        g.grads.untouched = frozenset(s.index for s, a in zip(g.slots, anyone) if not a)
-        if any_needs:
-            to_reduce.append(g)
-    return to_reduce
+class GradientAgreement:
+    """The step agreement over ``groups`` (part 1 of the Note), from start to decision.
+
+    Started where every rank has issued the collectives it covers: at the end of a synced
+    backward at stages 2-3 (See [Note: the agreement at the end of backward]), otherwise
+    in the step. Carries, per parameter, whether this rank has a gradient for it, and per
+    group whether this rank must still reduce it (stage 1: every group once per step;
+    stages 2-3: what ``no_sync`` left), plus the collective checksums.
+    """
+
+    def __init__(self, comm, groups: list, keep_full: bool, unfrozen: list[str]):
+        """``unfrozen``: this rank's parameters frozen at setup that have a gradient now."""
+        self.groups, self.keep_full, self.unfrozen = groups, keep_full, unfrozen
+        received = [r for g in groups for r in g.grads.received_slots]
+        needs = [g.grads.has_unreduced or (keep_full and g.grads.grad_shard is None) for g in groups]
+        self._received = len(received)
+        self._pending = comm.begin_agreement(torch.tensor(received + needs + [bool(unfrozen)]))
+
+    def decide(self, in_backward: bool) -> tuple[list, bool]:
+        """Wait, then act on what the ranks agreed: a group no rank has a gradient for is cleared
+        (part 2); the others learn their untouched slots (part 3), and every parameter some rank
+        has a gradient for carries a ``param.grad`` marker here too, as DDP gives a parameter
+        another rank used a ``.grad`` (so that ``model.zero_grad()`` reaches its reduced
+        gradient). Returns the groups every rank must reduce now, in order, and whether some
+        rank has gradients for parameters frozen at setup (the caller refuses the step).
+        ``in_backward``: decided at the end of the backward that brought the gradients."""
+        agreed = self._pending.result().tolist()
+        to_reduce, at = [], 0
+        for g, any_needs in zip(self.groups, agreed[self._received:-1]):
+            anyone, at = agreed[at:at + len(g.slots)], at + len(g.slots)
+            if not any(anyone):  # not stepped, as DDP's parameters without a gradient
+                g.zero_grad(keep_full=self.keep_full)
+                continue
+            g.grads.untouched = frozenset(s.index for s, a in zip(g.slots, anyone) if not a)
+            g.grads.mark_received([s for s, a in zip(g.slots, anyone) if a], in_backward)
+            if any_needs:
+                to_reduce.append(g)
+        return to_reduce, bool(agreed[-1])
 
 
 #: state torch's elementwise optimizers start from something other than zeros: key -> the

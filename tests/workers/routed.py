@@ -2,11 +2,14 @@
 
 args["cases"]: dicts with model ("moe" | "moe_blocks" | "vlm" | "adapter" | "early_exit"),
 routing ("disjoint" | "shared", the MoEs), images_on / text_only_steps (vlm), adapter_steps,
-optimizer ("sgd"; default AdamW), unfreeze (a submodule frozen at setup and unfrozen after), stage, offload (None | "cpu"), precision, steps. The reference is a
-plain copy of the model trained on the global batch on every rank (each rank's batch
-run through it, the losses averaged): what DDP with ``find_unused_parameters=True``
-computes. Reports per case the losses of both and the largest relative difference of
-the final full weights.
+optimizer ("sgd"; default AdamW), unfreeze (a submodule frozen at setup and unfrozen after),
+clear ("model": ``model.zero_grad()`` after each step, default the optimizer's), stage,
+offload (None | "cpu"), precision, steps. The reference is a plain copy of the model trained
+on the global batch on every rank (each rank's batch run through it, the losses averaged):
+what DDP with ``find_unused_parameters=True`` computes. Reports per case the losses of both
+and the largest relative difference of the final full weights. With ``grads_like_ddp``, also
+which parameters have a ``.grad`` after each backward, beside a DDP copy with
+``find_unused_parameters=True`` run on the same batches.
 """
 
 from __future__ import annotations
@@ -79,7 +82,12 @@ def run(case: dict) -> dict:
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
     warnings.simplefilter("always")
-    losses_ref, losses_zero = [], []
+    ddp = None
+    if case.get("grads_like_ddp"):
+        ddp_model = copy.deepcopy(base)
+        ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, find_unused_parameters=True)
+        ddp_opt = make_optimizer(case, ddp_model)
+    losses_ref, losses_zero, grads_zero, grads_ddp = [], [], [], []
     for step in range(case.get("steps", 4)):
         total = sum(loss_of(ref, *batches(case, r, step)) for r in range(world)) / world
         total.backward()
@@ -88,13 +96,24 @@ def run(case: dict) -> dict:
         losses_ref.append(total.item())
         loss = loss_of(model, *batches(case, rank, step))
         loss.backward()
+        grads_zero.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
         zopt.step()
-        zopt.zero_grad()
+        if case.get("clear") == "model":
+            model.zero_grad()  # the habit of many loops: it must reach gradients other ranks brought
+        else:
+            zopt.zero_grad()
         losses_zero.append(loss.item())
+        if ddp is not None:
+            loss_of(ddp, *batches(case, rank, step)).backward()
+            grads_ddp.append(sorted(n.removeprefix("module.") for n, p in ddp.named_parameters()
+                                    if p.grad is not None))
+            ddp_opt.step()
+            ddp_opt.zero_grad()
     caught.__exit__(None, None, None)
     worst, name = worst_rel_diff(zs.full_state_dict(model), ref.state_dict())
     zs.teardown(model)
     return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, weight_rel_diff=worst, worst=name,
+                grads_zero=grads_zero, grads_ddp=grads_ddp,
                 warnings=[str(w.message) for w in seen if "zero_strategy" in str(w.message)])
 
 
