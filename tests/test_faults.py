@@ -138,3 +138,23 @@ def test_a_block_called_twice_on_one_rank_at_stage_3_is_a_desync_named_before_th
     assert re.search(r"Desync: collective #\d+ is all_gather '[^']+' \(\d+ elements, step 3\) on this rank but "
                      r"all_gather '[^']+' \(\d+ elements, step 3\) on group rank \d", message), message
     assert "'blocks.0/train0'" in message and "a block called twice on one rank" in message, message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_gradients_cleared_between_backward_and_step_on_one_rank_are_a_desync(engine, tmp_path):
+    """Rank 1 sets the head's gradients to None after backward, rank 0 does not: the ranks'
+    steps would differ on the head (rank 1's shard of it not stepped), silently. The next
+    backward's step agreement compares what each rank decided and raises on both, naming it."""
+    result = launch_faulty("faults.py", 2, {"case": "cleared", "engine": engine, "timeout": BOUND, "pg_timeout": 90},
+                           survivors=[0, 1], out=tmp_path, timeout=ALLOWED + 60)
+    failed_at = float((tmp_path / "fail_time").read_text())
+    for rank in (0, 1):
+        assert_left_in_time(result, failed_at, rank=rank)
+        report = result["reports"][rank]
+        assert report is not None and report["error"] == "CollectiveDesync", result["reports"]
+        assert "clear gradients between backward and step the same way on every rank" in report["message"], report
+    # rank 1 took the decision and says so; whoever read the other's flight recorder names both sides
+    assert re.search(r"this rank: gradients cleared after backward '<root>/train0/[\w/]*head' at step 3",
+                     result["reports"][1]["message"]), result["reports"][1]["message"]

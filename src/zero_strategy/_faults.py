@@ -114,6 +114,8 @@ class FlightRecorder:
         #: per stream, a checksum of every collective issued since the last :meth:`take_signatures`
         self.signatures: dict[str, int] = {MAIN: 0}
         self.step = 1  # the optimizer step the next collectives belong to, counted from 1
+        #: the latest local decision folded into the signature (kept apart: the ring may drop it)
+        self.last_local: Record | None = None
 
     def issue(self, op: str, label: str, numel: int, nbytes: int, stream: str = MAIN) -> Record:
         seq = self.seqs[stream] = self.seqs.get(stream, 0) + 1
@@ -121,6 +123,8 @@ class FlightRecorder:
         self.signatures[stream] = zlib.crc32(f"{op}|{label}|{numel}".encode(), self.signatures.get(stream, 0))
         record = Record(seq, op, label, numel, nbytes, self.step, time.time(), stream=stream)
         self.records.append(record)
+        if op.startswith(LOCAL):
+            self.last_local = record
         return record
 
     def take_signatures(self, streams: tuple[str, ...]) -> list[int]:
@@ -287,21 +291,33 @@ def _flight_lines(recorder: FlightRecorder, rank: int, flights: dict[int, list[R
 def desync_diagnosis(ledger: Ledger | None, recorder: FlightRecorder, rank: int,
                      flights: dict[int, list[Record]], when: str) -> str:
     """The message of a :class:`CollectiveDesync` detected ``when`` ("while waiting", ...)."""
-    lines = [f"zero_strategy: rank {rank} found that the ranks issued different collectives {when}. "
-             "At stage 3 this means a unit (a module subtree gathered as one) was used on some ranks "
-             "only, out of the order in which the units are gathered (for example a block called "
-             "twice on one rank and once on another, or modules called in another order per rank). "
-             "Make every rank call the same units in the same order (run a skipped module on "
-             "zero-sized input, as DDP users do for unused towers), name the module that holds "
-             "the varying part in ZeroConfig(unit_classes=[...]) so it is gathered as one unit, "
-             "or use stage 2. The process group should not be used after this."]
-    found = [find_desync(recorder, r, theirs) for r, theirs in sorted(flights.items())]
-    lines += [f for f in found if f] or ["The first collective that differs is older than the flight "
-                                         "recorders reach (the checksums differ)."]
+    found = [f for f in (find_desync(recorder, r, theirs) for r, theirs in sorted(flights.items())) if f]
+    local = [r for r in (recorder.last_local,) if r is not None and r.step >= recorder.step - 1]
+    head = f"zero_strategy: rank {rank} found that the ranks issued different collectives {when}. "
+    if any(LOCAL in f for f in found) or (local and not found):  # else the ranks' decisions agree
+        lines = [head + "A decision every rank must take alike was taken on some ranks only"
+                 + (f" (this rank: {local[-1].op[len(LOCAL):]} {local[-1].label!r} at step {local[-1].step})"
+                    if local else "")
+                 + ": clear gradients between backward and step the same way on every rank, or with "
+                 "optimizer.zero_grad() after the step. The process group should not be used after this."]
+    else:
+        lines = [head + "At stage 3 this means a unit (a module subtree gathered as one) was used on some "
+                 "ranks only, out of the order in which the units are gathered (for example a block "
+                 "called twice on one rank and once on another, or modules called in another order per "
+                 "rank). Make every rank call the same units in the same order (run a skipped module on "
+                 "zero-sized input, as DDP users do for unused towers), name the module that holds the "
+                 "varying part in ZeroConfig(unit_classes=[...]) so it is gathered as one unit, or use "
+                 "stage 2. The process group should not be used after this."]
+    lines += found or ["The first collective that differs is older than the flight recorders reach (the "
+                       "checksums differ)."]
     if ledger is not None:
         lines.append("Progress: " + ledger.describe() + ".")
     lines += _flight_lines(recorder, rank, flights)
     return "\n".join(lines)
+
+
+#: the op of a record that is no collective: a local decision folded into the signature
+LOCAL = "local: "
 
 
 def find_desync(mine: FlightRecorder, rank: int, theirs: list[Record]) -> str:

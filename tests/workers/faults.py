@@ -12,6 +12,8 @@ collective_timeout). Cases:
   issues collectives the others never issue (DDP: one extra ``all_reduce``).
 * ``twice``: rank 1's forward at step 3 runs the first block twice (a recurrence only its
   batch takes); at stage 3 it gathers that unit once more than rank 0 does.
+* ``cleared``: rank 1 sets the head's gradients to None between backward and step at step 3
+  (the head is a flat group of its own): its step skips the head, rank 0's steps it.
 
 Rank 1 writes the time it misbehaved into ``fail_time``; every rank that leaves its loop
 reports the error, its message, and the time it left, then exits.
@@ -114,9 +116,12 @@ def main() -> None:
                 if twice:
                     (out / "fail_time").write_text(repr(time.time()))
                 loss = model(x, repeat_first=twice).pow(2).mean()
-                if rank == 1 and step == FAIL_STEP and case != "twice":
+                if rank == 1 and step == FAIL_STEP and case not in ("twice", "cleared"):
                     misbehave(out, case, model)
                 loss.backward()
+                if case == "cleared" and rank == 1 and step == FAIL_STEP:
+                    (out / "fail_time").write_text(repr(time.time()))
+                    model.head.weight.grad = model.head.bias.grad = None
                 opt.step()
                 opt.zero_grad()
         finally:
