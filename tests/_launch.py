@@ -44,6 +44,42 @@ def launch(worker: str, world_size: int, args: dict, timeout: float = 240.0, out
         shutil.rmtree(out, ignore_errors=True)
 
 
+class CaseResults:
+    """Each rank's result per case of one launch of a ``run_cases`` worker, or the launch's own
+    failure, kept as they are: a test function caches this (``functools.lru_cache``) and each
+    test asserts its own case with :meth:`of`, so a failing case fails its own test only, and
+    the worker runs once, not once per parametrised case (``lru_cache`` does not cache an
+    assertion raised inside it)."""
+
+    def __init__(self, by_case: dict[str, list[dict]], world_size: int, failure: str | None = None):
+        self.by_case, self.world_size, self.failure = by_case, world_size, failure
+
+    def of(self, key: str) -> list[dict]:
+        """Every rank's result of case ``key``, in rank order; raises with the rank's traceback."""
+        if self.failure is not None:
+            raise AssertionError(self.failure)
+        got = self.by_case.get(key, [])
+        for rank, res in enumerate(got):
+            assert "error" not in res, f"rank {rank}, case {key}:\n{res['error']}"
+        assert len(got) == self.world_size, (
+            f"case {key} finished on {len(got)} of {self.world_size} ranks: a case before it failed (its test "
+            "shows the traceback), and the worker stops at the first failure")
+        return got
+
+
+def launch_cases(worker: str, world_size: int, cases: list, key, timeout: float = 240.0) -> CaseResults:
+    """:func:`launch` with ``{"cases": cases}``; ``key(result)`` names each result's case."""
+    try:
+        reports = launch(worker, world_size, {"cases": cases}, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - kept for every test of this launch to report
+        return CaseResults({}, world_size, failure=f"{worker} on {world_size} ranks: {type(e).__name__}: {e}")
+    by_case: dict[str, list[dict]] = {}
+    for rep in reports:
+        for res in rep["results"]:
+            by_case.setdefault(key(res), []).append(res)
+    return CaseResults(by_case, world_size)
+
+
 # [Note: warm worker start]
 # A worker process used to start as a fresh interpreter and spend ~2 s of CPU importing
 # torch before anything else; with 2 ranks on 2 cores and over a hundred launches that

@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from _launch import launch
+from _launch import CaseResults, launch_cases
 
 CASES = [dict(stage=s, precision=p, accum=a, offload_optimizer="cpu")
          for s in (1, 2, 3) for p in ("fp32", "bf16", "fp16") for a in (1, 2)]
@@ -35,20 +35,15 @@ def _key(case: dict) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def results() -> dict:
-    out = {}
-    for rank, rep in enumerate(launch("parity.py", 2, {"cases": CASES}, timeout=300)):
-        for res in rep["results"]:
-            assert "error" not in res, f"rank {rank}, case {res['case']}:\n{res['error']}"
-            out.setdefault(_key(res["case"]), []).append(res)
-    return out
+def results() -> CaseResults:
+    return launch_cases("parity.py", 2, CASES, key=lambda res: _key(res["case"]), timeout=300)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_offload_matches_ddp(case):
     loss_tol, weight_tol = TOL[case["precision"]]
-    for rank, res in enumerate(results()[_key(case)]):
+    for rank, res in enumerate(results().of(_key(case))):
         for step, (lz, lr) in enumerate(zip(res["losses_zero"], res["losses_ref"])):
             assert abs(lz - lr) <= loss_tol * abs(lr), f"rank {rank} step {step}: {lz} vs DDP {lr}"
         assert res["weight_rel_diff"] <= weight_tol, (rank, res["worst_tensor"], res["weight_rel_diff"])

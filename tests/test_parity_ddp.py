@@ -23,7 +23,7 @@ import functools
 
 import pytest
 
-from _launch import launch
+from _launch import CaseResults, launch_cases
 
 STAGES = (1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -40,14 +40,8 @@ TOL = {"fp32": (1e-5, 1e-5), "fp16": (2e-4, 2e-2), "bf16": (2e-3, 5e-2)}
 
 
 @functools.lru_cache(maxsize=None)
-def results(world_size: int) -> dict:
-    reports = launch("parity.py", world_size, {"cases": CASES}, timeout=300)
-    out = {}
-    for rank, rep in enumerate(reports):
-        for res in rep["results"]:
-            assert "error" not in res, f"rank {rank}, case {res['case']}:\n{res['error']}"
-            out.setdefault(_key(res["case"]), []).append(res)
-    return out
+def results(world_size: int) -> CaseResults:
+    return launch_cases("parity.py", world_size, CASES, key=lambda res: _key(res["case"]), timeout=300)
 
 
 def _key(case: dict) -> str:
@@ -62,7 +56,7 @@ def _rel(a: float, b: float) -> float:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_matches_ddp(world_size, case):
-    per_rank = results(world_size)[_key(case)]
+    per_rank = results(world_size).of(_key(case))
     assert len(per_rank) == world_size
     loss_tol, weight_tol = TOL[case["precision"]]
     for rank, res in enumerate(per_rank):

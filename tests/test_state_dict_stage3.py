@@ -21,7 +21,7 @@ import functools
 
 import pytest
 
-from _launch import launch
+from _launch import CaseResults, launch_cases
 
 CASES = [
     {"name": "stage1", "config": {"stage": 1}},
@@ -35,20 +35,12 @@ TOL = 1e-5  # fp32: relative to each tensor's largest magnitude
 
 
 @functools.lru_cache(maxsize=None)
-def results() -> dict[str, list[dict]]:
-    reports = launch("state_dict_stage3.py", 2, {"cases": CASES}, timeout=240)
-    out: dict[str, list[dict]] = {}
-    for rank, rep in enumerate(reports):
-        for res in rep["results"]:
-            assert "error" not in res, f"rank {rank}, {res['name']}:\n{res['error']}"
-            out.setdefault(res["name"], []).append(res)
-    return out
+def results() -> CaseResults:
+    return launch_cases("state_dict_stage3.py", 2, CASES, key=lambda res: res["name"], timeout=240)
 
 
 def per_rank(name: str) -> list[dict]:
-    got = results()[name]
-    assert len(got) == 2, f"{name} did not finish on both ranks"
-    return got
+    return results().of(name)
 
 
 def assert_equals_ddp(cmp: dict, what: str) -> None:
