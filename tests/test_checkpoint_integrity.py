@@ -28,6 +28,7 @@ def ckpt(tmp_path):
     model(tokens).float().mean().backward()
     opt.step()
     zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+    torch.save({"weights": zs.full_state_dict(model), "optimizer": opt.state_dict()}, tmp_path / "saved.pt")
     return tmp_path / "ckpt"
 
 
@@ -36,8 +37,23 @@ def _load(path, **kw):
     return zs.load_checkpoint(path, model, kw.pop("opt", opt), **kw)
 
 
-def test_intact_checkpoint_loads(ckpt):
-    _load(ckpt)
+def test_intact_checkpoint_loads_what_was_saved(ckpt):
+    """The control for the damaged cases below: the same checkpoint, untouched, loads the saved
+    weights and optimizer state into a fresh model."""
+    saved = torch.load(ckpt.parent / "saved.pt", weights_only=True)
+    model, opt = _tiny()
+    fresh = zs.full_state_dict(model)
+    assert any(not torch.equal(fresh[k], v) for k, v in saved["weights"].items())  # the step moved them
+    zs.load_checkpoint(ckpt, model, opt)
+    loaded = zs.full_state_dict(model)
+    assert loaded.keys() == saved["weights"].keys()
+    for k, v in saved["weights"].items():
+        assert torch.equal(loaded[k], v), k
+    state, want = opt.state_dict()["optimizer"]["state"], saved["optimizer"]["optimizer"]["state"]
+    assert state.keys() == want.keys() and state
+    for i in want:
+        for name, t in want[i].items():
+            assert torch.equal(state[i][name], t), (i, name)
 
 
 def test_corrupted_shard_is_named(ckpt):

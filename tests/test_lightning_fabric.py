@@ -22,6 +22,7 @@ def run(tmp_path_factory):
         dict(name="zero3", strategy="zero3", accumulate=2, clip=0.05, steps=5),
         dict(name="zero3_save_load", strategy="zero3", accumulate=2, clip=0.05, steps=3, extra=2,
              save=str(root / "fabric-ckpt")),
+        dict(name="ddp_bf16", strategy="ddp", precision="bf16-mixed", steps=2),
         dict(name="zero2_bf16", strategy="zero2", precision="bf16-mixed", steps=2),
     ]
     for c in cases:
@@ -52,7 +53,11 @@ def test_fabric_checkpoint_is_a_sharded_directory(run):
     assert (root / "fabric-ckpt" / "metadata.json").is_file()
 
 
-def test_fabric_bf16_runs(run):
+def test_fabric_bf16_matches_ddp_in_bf16(run):
+    """bf16-mixed: Fabric's DDP autocasts fp32 weights, ZeRO computes in bf16 from fp32 masters;
+    the losses agree to bf16's precision, not bit for bit."""
     reports, _ = run
     for r in reports:
-        assert all(l == l for l in r["zero2_bf16"]["losses"])  # finite, no NaN
+        zero, ddp = r["zero2_bf16"]["losses"], r["ddp_bf16"]["losses"]
+        assert len(zero) == len(ddp) > 0
+        assert zero == pytest.approx(ddp, rel=1e-2)  # measured: 2.5e-3 at most

@@ -1,5 +1,7 @@
 """The stage is one table: what each stage shards and when it communicates (DESIGN.md §1)."""
 
+import dataclasses
+
 import pytest
 
 from zero_strategy._plan import PLANS, plan_for
@@ -16,7 +18,7 @@ def test_table_rows():
 
 
 def test_plans_are_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan_for(2).shards_parameters = True
 
 
