@@ -265,3 +265,16 @@ def test_two_ranks_every_stage_round_trip_exact_and_memory_at_the_formula():
             assert case["optim_dropped"] == case["adam_formula"], (rank, name, case)
             assert case["adam_formula"] == pytest.approx(8 * case["trainable"] / 2, rel=0.05), (rank, name)
             assert case["all_dropped"] == case["device_before"], (rank, name, case)
+
+
+def test_with_overlap_step_backward_refuses_because_it_steps():
+    model, zopt = _setup(zs.ZeroConfig.preset("zero2_offload", overlap_step=True))
+    tokens, targets = batch(0, 1, 0)
+    zs.offload_states(model, zopt, include=["optim_states"])
+    with pytest.raises(RuntimeError, match="backward while optim_states are offloaded.*reload_states"):
+        loss_fn(model(tokens), targets).backward()
+    zs.reload_states(model)
+    zs.reset_iter_state(model)
+    loss_fn(model(tokens), targets).backward()
+    zopt.step()
+    zs.teardown(model, keep_weights=False)

@@ -117,11 +117,11 @@ class OffloadedStates:
 
 # ------------------------------------------------------------------- the refusals
 def refuse_while_offloaded(engine, what: str, kinds=KINDS) -> None:
-    """Raise if any of ``kinds`` is offloaded on ``engine``: ``what`` cannot run on them."""
+    """Raise if any of ``kinds`` (None: any kind) is offloaded on ``engine``: ``what`` needs them."""
     record = engine.offloaded
     if record is None:
         return
-    blocking = sorted(record.kinds.intersection(kinds), key=KINDS.index)
+    blocking = sorted(record.kinds.intersection(KINDS if kinds is None else kinds), key=KINDS.index)
     if blocking:
         raise RuntimeError(
             f"zero_strategy: {what} while {', '.join(blocking)} are offloaded to the host by "

@@ -375,8 +375,9 @@ class ZeroEngine:
         """
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        if self.offloaded is not None:
-            refuse_while_offloaded(self, "backward", ("lp_params", "lp_grads", "contiguous_grad_buffer"))
+        if self.offloaded is not None:  # overlap_step steps during backward: it needs everything
+            refuse_while_offloaded(self, "backward", None if self.config.overlap_step else (
+                "lp_params", "lp_grads", "contiguous_grad_buffer"))
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.plan.shards_parameters:

@@ -285,7 +285,8 @@ def states_offloaded(model: nn.Module, optimizer=None, include=None, *, pin_memo
                      non_blocking: bool = False) -> Iterator[None]:
     """Context: :func:`offload_states` on entry, :func:`reload_states` on exit (also when the block
     raises). For a rollout phase: ``with zs.states_offloaded(model, include=["optim_states", ...]):
-    outputs = model.generate(...)``. States offloaded before the block stay offloaded after it."""
+    outputs = model.generate(...)``. When states were offloaded before the block already, it leaves
+    them, and what it added, offloaded (``reload_states`` brings everything back)."""
     engine = engine_of(model)
     before = set(engine.offloaded.kinds) if engine.offloaded is not None else set()
     offload_states(model, optimizer, include, pin_memory=pin_memory, non_blocking=non_blocking)
