@@ -168,11 +168,35 @@ def test_user_visible_tensors_read_their_values_while_offloaded():
     model, zopt = _setup("zero2")
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     moments = [{k: v.clone() for k, v in s.items()} for s in zopt.optimizer.state.values()]
+    saved_shard = zopt.state_dict()
     zs.offload_states(model, zopt)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     for state, saved in zip(zopt.optimizer.state.values(), moments):
         assert all(torch.equal(state[k], v) for k, v in saved.items())
+    shard = zopt.state_dict()["optimizer"]["state"]  # this rank's optimizer shard reads the host copies
+    assert all(torch.equal(shard[i][k], v) for i, s in saved_shard["optimizer"]["state"].items()
+               for k, v in s.items())
+    with pytest.raises(RuntimeError, match=r"optimizer.load_state_dict\(\) while optim_states"):
+        zopt.load_state_dict(saved_shard)
+    with pytest.raises(RuntimeError, match=r"model.load_state_dict\(\) while hp_params, lp_params"):
+        model.load_state_dict(weights)
     zs.reload_states(model)
+    zs.teardown(model, keep_weights=False)
+
+
+def test_a_model_set_up_without_optimizer_offloads_its_parameters():
+    """A frozen reference model (DPO, GRPO with beta > 0) between its uses."""
+    torch.manual_seed(0)
+    model, _ = zs.setup(TinyLM(layers=2), None, BF16_STAGE3)
+    tokens = batch(0, 0, 0)[0]
+    with torch.no_grad():
+        expected = model(tokens)
+    held = zs.memory_report(model).device_bytes
+    zs.offload_states(model)
+    assert zs.memory_report(model).device_bytes == 0 and zs.memory_report(model).offloaded_bytes == held
+    zs.reload_states(model)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), expected)
     zs.teardown(model, keep_weights=False)
 
 
