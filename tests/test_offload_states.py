@@ -302,3 +302,27 @@ def test_with_overlap_step_backward_refuses_because_it_steps():
     loss_fn(model(tokens), targets).backward()
     zopt.step()
     zs.teardown(model, keep_weights=False)
+
+
+def test_an_offload_that_fails_half_way_puts_back_what_it_moved(monkeypatch):
+    from zero_strategy import _offload_states
+
+    model, zopt = _setup(BF16_STAGE3)
+    before = zs.full_state_dict(model)
+    moves = []
+    real_move = _offload_states._move
+
+    def run_out_of_host_memory(*args, **kwargs):
+        if len(moves) == 3:
+            raise MemoryError("no host memory left")
+        moves.append(1)
+        return real_move(*args, **kwargs)
+
+    monkeypatch.setattr(_offload_states, "_move", run_out_of_host_memory)
+    with pytest.raises(MemoryError):
+        zs.offload_states(model, zopt)
+    assert zs.memory_report(model).offloaded_bytes == 0
+    after = zs.full_state_dict(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    zopt.step()  # nothing is left offloaded
+    zs.teardown(model, keep_weights=False)

@@ -151,18 +151,22 @@ def offload(engine, optimizers: list, include, *, pin_memory: bool, non_blocking
     groups = [g for z in optimizers for g in z.groups]
     if any(k in new for k in ("hp_params", "lp_grads", "contiguous_grad_buffer", "lp_params")):
         _detach_master_grads(record, groups)
-    for kind in new:
-        for t in _resting_on_device(engine, optimizers, groups, kind):
-            if t.device != engine.device or t.untyped_storage().nbytes() == 0 or record.is_host_copy(t):
-                continue  # on the host by policy (or already moved): nothing to move
-            record.moved.append(_move(kind, t, reachable, pin, non_blocking))
-            record._host_keys.add(_key(record.moved[-1].host))
-        record.kinds.add(kind)
+    engine.offloaded = record
+    try:
+        for kind in new:
+            for t in _resting_on_device(engine, optimizers, groups, kind):
+                if t.device != engine.device or t.untyped_storage().nbytes() == 0 or record.is_host_copy(t):
+                    continue  # on the host by policy (or already moved): nothing to move
+                record.moved.append(_move(kind, t, reachable, pin, non_blocking))
+                record._host_keys.add(_key(record.moved[-1].host))
+            record.kinds.add(kind)
+    except BaseException:  # e.g. no host memory for the next copy: put back what moved, then raise
+        reload(engine, non_blocking=False)
+        raise
     if engine.device.type == "cuda":
         if not non_blocking:
             torch.cuda.current_stream(engine.device).synchronize()
         torch.cuda.empty_cache()  # hand the freed blocks back, so the rollout engine can have them
-    engine.offloaded = record
     return record
 
 
