@@ -28,8 +28,12 @@ from .api import (
     is_set_up,
     memory_report,
     no_sync,
+    offload_states,
+    reload_states,
     reset_iter_state,
     setup,
+    states_offloaded,
+    states_offloaded_for_generation,
     teardown,
     zero_grad,
 )
@@ -42,7 +46,8 @@ __all__ = [
     "CollectiveDesync", "CollectiveError", "CollectiveTimeout", "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
     "AvailableMemory", "choose_preset", "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "is_set_up", "memory_report",
-    "no_sync", "reset_iter_state", "setup", "teardown", "zero_grad", "__version__",
+    "no_sync", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
+    "reset_iter_state", "setup", "teardown", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "load_full_state_dict", "save_checkpoint",
 ]
 

@@ -392,5 +392,10 @@ class GradBuffer:
         self.state = GradState.EMPTY
         self.clear_arrivals()
 
+    @property
+    def carried(self) -> torch.Tensor | None:
+        """Stage 1: the reduced slice set aside while new gradients accumulate (see ``_set_reduced_aside``)."""
+        return self._carry
+
     def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
         return [("grads", False, g) for g in (self.full_grad, self.grad_shard) if g is not None]

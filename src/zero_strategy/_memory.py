@@ -3,7 +3,8 @@
 Measured from the tensors the engine and the optimizer hold (each storage counted
 once), not from a formula, so tests can compare it with the ZeRO formula in
 ``estimate.py``. Placement is the engine's: "host" for what offload put in host
-memory on purpose, "device" for the rest; ``by_location`` gives the real device
+memory on purpose, "offloaded" for what ``offload_states`` moved there until
+``reload_states``, "device" for the rest; ``by_location`` gives the real device
 types as well (identical placements on a CPU-only machine).
 """
 
@@ -37,6 +38,11 @@ class MemoryReport:
         return sum(self.by_placement.get("host", {}).values())
 
     @property
+    def offloaded_bytes(self) -> int:
+        """Bytes ``offload_states`` moved off the compute device into host memory (0 when none)."""
+        return sum(self.by_placement.get("offloaded", {}).values())
+
+    @property
     def nvme_bytes(self) -> int:
         """Bytes in this rank's NVMe swap file (0 without NVMe offload)."""
         return sum(self.by_placement.get("nvme", {}).values())
@@ -48,6 +54,9 @@ class MemoryReport:
             h = self.by_placement.get("host", {}).get(k, 0) / 2**20
             lines.append(f"{k:<16}{d:>12.3f}{h:>12.3f}")
         lines.append(f"{'total':<16}{self.device_bytes / 2**20:>12.3f}{self.host_bytes / 2**20:>12.3f}")
+        if self.offloaded_bytes:
+            lines.append(f"offloaded to host by offload_states: {self.offloaded_bytes / 2**20:.3f} MiB "
+                         "(reload_states brings it back)")
         return "\n".join(lines)
 
 
@@ -58,17 +67,21 @@ def measure(engine, optimizers=()) -> MemoryReport:
                                              "host": {k: 0 for k in CATEGORIES}}
     locs: dict[str, dict[str, int]] = {}
 
-    def add(cat: str, on_host: bool, t: torch.Tensor) -> None:
+    def add(cat: str, on_host: bool | str, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if storage.nbytes() == 0 or key in seen:
             return
         seen.add(key)
         cats[cat] += storage.nbytes()
-        placements["host" if on_host else "device"][cat] += storage.nbytes()
+        where = on_host if isinstance(on_host, str) else ("host" if on_host else "device")
+        placements.setdefault(where, {k: 0 for k in CATEGORIES})[cat] += storage.nbytes()
         loc = locs.setdefault(t.device.type, {k: 0 for k in CATEGORIES})
         loc[cat] += storage.nbytes()
 
+    if engine.offloaded is not None:  # first: tensors pointed at the host copies are counted there
+        for cat, t in engine.offloaded.host_copies():
+            add(cat, "offloaded", t)
     for g in engine.groups:
         for cat, on_host, t in g.held_tensors():
             add(cat, on_host, t)

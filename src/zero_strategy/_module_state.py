@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from ._flat import FlatGroup, ShardState
+from ._offload_states import refuse_while_offloaded
 from ._units import Unit
 
 if TYPE_CHECKING:  # the engine imports this module
@@ -139,6 +140,8 @@ class ModuleStateHooks:
         if call is None or module is call.owner:
             if call is not None:  # the last call died half way: its entries are gone with it
                 self._release(call, call.releasing_at(call.owner))
+            if self.engine.offloaded is not None and self._sharded_unit_of:  # stage 3 would gather
+                refuse_while_offloaded(self.engine, "model.state_dict()", ("lp_params",))
             call = self._save = _Call(module)
             self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _waits.py
         self._gather_for(call, module)
@@ -190,6 +193,8 @@ class ModuleStateHooks:
                 self._store_loaded(call, None)
                 self._release(call, call.releasing_at(call.owner))
             _refuse_replacing_parameters(module, local_metadata)
+            if self.engine.offloaded is not None:
+                refuse_while_offloaded(self.engine, "model.load_state_dict()", ("lp_params", "hp_params"))
             call = self._load = _Call(module)
             if self._sharded_unit_of:
                 self.engine.comm.enter("load_state_dict")

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ._loss_scale import LossScaler
+from ._offload_states import refuse_while_offloaded
 from ._state import ZeroEngine
 from ._untouched import keep_untouched
 
@@ -258,6 +259,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in first[:self.engine.swap.policy.read_ahead + 1]:
             g.masters.prefetch()
 
+    @property
+    def steps_in_flight(self) -> bool:
+        """overlap_step: group steps started during the last backward that ``step()`` has not collected."""
+        return bool(self._early)
+
     def stepped_early(self, group) -> bool:
         """Whether ``group`` already stepped during the last backward (its gradients are final)."""
         return id(group) in self._early
@@ -436,6 +442,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"this optimizer shard was saved by rank {state_dict['rank']} of {state_dict['world_size']}, "
                 f"but this is rank {self.engine.comm.rank} of {self.engine.comm.world_size}; use the "
                 "zero_strategy checkpoint API to resume on another world size")
+        if self.engine.offloaded is not None:
+            refuse_while_offloaded(self.engine, "optimizer.load_state_dict()", ("optim_states", "hp_params"))
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
             g.masters.track_optimizer_state(self.optimizer.state.get(g.master, {}), replace=True)

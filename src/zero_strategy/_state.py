@@ -45,6 +45,7 @@ from ._hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop
 from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
 from ._offload import OffloadPlan, Transfers
+from ._offload_states import OffloadedStates, refuse_while_offloaded
 from ._plan import ShardingPlan, plan_for
 from ._placement import single_device, swap_bytes
 from ._reduce import MAX_IN_FLIGHT, ReduceQueue
@@ -126,6 +127,8 @@ class ZeroEngine:
         self.undo_on_teardown: list = []  # what setup adjusted on library models (_model_integrations.py)
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step
         self.ended: str | None = None
+        #: what zero_strategy.offload_states moved to the host (None: nothing offloaded)
+        self.offloaded: OffloadedStates | None = None
         self._register_hooks()
 
     def __repr__(self) -> str:
@@ -259,6 +262,8 @@ class ZeroEngine:
         if self._root_forward_depth == 0 and not in_backward():
             self._recover_if_abandoned()
             self._assert_state(TrainingState.IDLE)
+            if self.offloaded is not None:
+                refuse_while_offloaded(self, "forward (or generate)", ("lp_params",))
             self._check_units_in_place()
             self.training_state = TrainingState.FORWARD
             self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
@@ -371,6 +376,9 @@ class ZeroEngine:
         """
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
+        if self.offloaded is not None:  # overlap_step steps during backward: it needs everything
+            refuse_while_offloaded(self, "backward", None if self.config.overlap_step else (
+                "lp_params", "lp_grads", "contiguous_grad_buffer"))
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.plan.shards_parameters:
@@ -499,6 +507,8 @@ class ZeroEngine:
         ``groups``: one optimizer's groups (default: all trainable groups).
         """
         self._recover_if_abandoned(outside_forward=True)
+        if self.offloaded is not None:
+            refuse_while_offloaded(self, "optimizer.step() (or gradient clipping)")
         self.reduces.wait_all()
         groups = self.trainable_groups if groups is None else groups
         keep_full = self.plan.keeps_full_gradients
@@ -524,6 +534,8 @@ class ZeroEngine:
     def zero_grad(self, groups: list[FlatGroup] | None = None) -> None:
         """Drop the gradients of ``groups`` (default: all); also ends an abandoned iteration."""
         self._recover_if_abandoned(outside_forward=True)
+        if self.offloaded is not None:
+            refuse_while_offloaded(self, "zero_grad()", ("lp_grads", "contiguous_grad_buffer"))
         for g in self.groups if groups is None else groups:
             g.zero_grad(keep_full=self.plan.keeps_full_gradients)
 

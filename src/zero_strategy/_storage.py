@@ -58,6 +58,9 @@ class DeviceParamShard:
 
     def gather_source(self, own: torch.Tensor, transfers: Transfers) -> torch.Tensor:
         """The tensor to all-gather from; ``own`` is this rank's slot of the full buffer."""
+        if self.tensor.untyped_storage().nbytes() == 0:  # a last guard: never read freed memory
+            raise RuntimeError("zero_strategy: a gather of parameters that offload_states moved to the host; "
+                               "call zero_strategy.reload_states(model) first")
         return self.tensor
 
     def take_master(self, master: torch.Tensor, transfers: Transfers):

@@ -30,6 +30,8 @@ from ._collectives import Collectives
 from ._faults import failing_exception
 from ._hybrid import hybrid_groups
 from ._memory import MemoryReport, measure
+from . import _offload_states as offload_states_impl
+from ._offload_states import refuse_while_offloaded
 from ._optimizer import ZeroOptimizer, check_elementwise
 from ._placement import single_device
 from ._state import ZeroEngine
@@ -169,6 +171,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
                           "[Note: no collective on the error path]); the stage-3 parameters stay empty",
                           stacklevel=2)
         keep_weights = False
+    offload_states_impl.reload(engine, non_blocking=False)  # local: safe on the error path too
     full = full_state_dict(model) if keep_weights else {}
     engine.ended = engine.ended or "zero_strategy.teardown(model) released it"
     engine.remove_hooks()
@@ -228,6 +231,81 @@ def memory_report(model: nn.Module) -> MemoryReport:
     return measure(engine, engine.optimizers())
 
 
+def _optimizers_of(engine: ZeroEngine, optimizer, where: str) -> list:
+    """``optimizer`` (None: all of the model's; one or a list of those ``setup`` returned) as a list."""
+    mine = engine.optimizers()
+    if optimizer is None:
+        return mine
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in given:
+        if not any(opt is z or opt is z.optimizer for z in mine):
+            raise ValueError(f"{where}: {type(opt).__name__} is not an optimizer setup() returned for this "
+                             "model; pass the one(s) from model, optimizer = zero_strategy.setup(...), or None")
+    return [z for z in mine if any(opt is z or opt is z.optimizer for opt in given)]
+
+
+def offload_states(model: nn.Module, optimizer=None, include=None, device: str = "cpu",
+                   pin_memory: bool = True, non_blocking: bool = False) -> None:
+    """Move the model's training state off the compute device into host memory, until
+    :func:`reload_states`: DeepSpeed's ``engine.offload_states(include=..., device=..., pin_memory=...,
+    non_blocking=...)`` for a set-up model (a rollout phase hands the GPU to generation or vLLM).
+
+    ``include``: the kinds to move (default: all), by DeepSpeed's ``OffloadStateTypeEnum`` names,
+    members or strings (``optim_states``, ``hp_params`` fp32 masters, ``lp_params`` compute-dtype
+    parameters, ``lp_grads`` reduced gradient shards, ``contiguous_grad_buffer`` full gradient
+    buffers) or ours (``optimizer_state``, ``master``, ``params``, ``grads``). ``optimizer``: whose
+    masters, optimizer state and gradients move (default: every optimizer setup returned for the
+    model); the parameters are the model's. What an offload policy already keeps on the host or
+    on NVMe stays there (nothing to move), and kinds already offloaded are skipped, so a second
+    call is a no-op. Until ``reload_states`` the model refuses what needs the moved state
+    (forward with ``lp_params`` off; backward, ``zero_grad`` with gradients off; ``step``,
+    checkpoints and state dicts), naming ``reload_states``. Exact: the bytes come back unchanged.
+    ``non_blocking=True`` with pinned memory leaves the copies queued on the current CUDA stream.
+    Local to each rank (no collective). See [Note: what offload_states moves] in _offload_states.py.
+    """
+    engine = engine_of(model)
+    if str(getattr(device, "value", device)).lower() != "cpu":
+        raise ValueError(f"zero_strategy.offload_states: device={device!r} is not supported; states move to "
+                         "host memory (device='cpu'); NVMe offload is a config policy (offload_optimizer=NVMeOffload)")
+    offload_states_impl.offload(engine, _optimizers_of(engine, optimizer, "zero_strategy.offload_states"),
+                                include, pin_memory=pin_memory, non_blocking=non_blocking)
+
+
+def reload_states(model: nn.Module, optimizer=None, non_blocking: bool = False) -> None:
+    """Bring back everything :func:`offload_states` moved for this model, bit for bit (DeepSpeed's
+    ``engine.reload_states()``); a no-op when nothing is offloaded. ``optimizer`` is checked to
+    belong to the model; the model's whole offloaded state comes back in any case."""
+    engine = engine_of(model)
+    _optimizers_of(engine, optimizer, "zero_strategy.reload_states")
+    offload_states_impl.reload(engine, non_blocking=non_blocking)
+
+
+@contextlib.contextmanager
+def states_offloaded(model: nn.Module, optimizer=None, include=None, *, pin_memory: bool = True,
+                     non_blocking: bool = False) -> Iterator[None]:
+    """Context: :func:`offload_states` on entry, :func:`reload_states` on exit (also when the block
+    raises). For a rollout phase: ``with zs.states_offloaded(model, include=["optim_states", ...]):
+    outputs = model.generate(...)``. When states were offloaded before the block already, it leaves
+    them, and what it added, offloaded (``reload_states`` brings everything back)."""
+    engine = engine_of(model)
+    before = set(engine.offloaded.kinds) if engine.offloaded is not None else set()
+    offload_states(model, optimizer, include, pin_memory=pin_memory, non_blocking=non_blocking)
+    try:
+        yield
+    finally:
+        if not before:
+            reload_states(model, non_blocking=non_blocking)
+
+
+def states_offloaded_for_generation(model: nn.Module) -> contextlib.AbstractContextManager:
+    """What the front ends wrap around a generation phase: :func:`states_offloaded` with the kinds
+    of ``ZeroConfig(offload_states_during_generation=...)``, or a no-op context when it is off."""
+    kinds = engine_of(model).config.offload_states_during_generation
+    if not kinds:
+        return contextlib.nullcontext()
+    return states_offloaded(model, include=kinds)
+
+
 def comm_stats(model: nn.Module) -> dict:
     """What this rank communicated during the last ``optimizer.step()`` cycle (see _collectives)."""
     return engine_of(model).last_step_comm
@@ -242,6 +320,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     other ranks return ``{}``. ``dtype=None`` keeps each tensor's stored dtype.
     """
     engine = engine_of(model)
+    refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
     comm = engine.comm
     comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _faults.py
     values: dict[int, torch.Tensor] = {}
@@ -313,6 +392,7 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 def _gathered(model: nn.Module, params: Iterable[nn.Parameter] | None, kind: str):
     """Gather the units holding ``params`` (all: None) for the block; release those that were sharded."""
     engine = engine_of(model)
+    refuse_while_offloaded(engine, kind, ("lp_params", "hp_params") if kind == "modify" else ("lp_params",))
     groups = engine.groups if params is None else _groups_holding(engine, params)
     units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
     was_sharded = {id(u): u.state.value == "sharded" for u in units}

@@ -35,6 +35,7 @@ from typing import Any, Union
 
 import torch
 
+from ._state_kinds import TRAINING_ONLY, parse_kinds
 from ._config_values import (  # ZeroConfigError is public here too
     _DTYPES,
     ZeroConfigError,
@@ -280,6 +281,13 @@ class ZeroConfig:
             memory measured on this machine (see :mod:`zero_strategy._auto`); the other
             fields are kept. Until then ``stage`` is 3 (a model built under a front end's
             stage-3 meta-device context is counted without being materialised).
+        offload_states_during_generation: what the trainer integrations move off the compute
+            device while the policy generates (online RL: GRPO and kin), with
+            :func:`~zero_strategy.offload_states` / ``reload_states`` around each generation:
+            ``False`` (nothing), ``True`` (everything only training needs: optimizer state,
+            masters, gradients), or a list of kinds (DeepSpeed's ``OffloadStateTypeEnum``
+            names or ours). The parameters cannot be among them: generation runs the model.
+            Stored as the tuple of kinds (empty: off).
     """
 
     stage: int = 3
@@ -297,6 +305,7 @@ class ZeroConfig:
     collective_timeout: float | None = 300.0
     auto: bool = False
     shard_group_size: int | str | None = None
+    offload_states_during_generation: bool | tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -347,6 +356,8 @@ class ZeroConfig:
         if self.shard_group_size is not None and self.shard_group_size != "node":
             size = _as_int("shard_group_size", self.shard_group_size, 1)
             set_("shard_group_size", size)
+        set_("offload_states_during_generation",
+             _as_generation_offload(self.offload_states_during_generation))
         if self.collective_timeout is not None:
             timeout = _as_float("collective_timeout", self.collective_timeout)
             if not timeout > 0 or timeout == float("inf"):
@@ -391,6 +402,8 @@ class ZeroConfig:
             "collective_timeout": self.collective_timeout,
             "shard_group_size": self.shard_group_size,
             **({"auto": True} if self.auto else {}),
+            **({"offload_states_during_generation": list(self.offload_states_during_generation)}
+               if self.offload_states_during_generation else {}),
         }
 
     @classmethod
@@ -468,6 +481,26 @@ class ZeroConfig:
 
 
 _FIELD_NAMES = [f.name for f in dataclasses.fields(ZeroConfig)]
+
+
+def _as_generation_offload(value: Any) -> tuple[str, ...]:
+    """``offload_states_during_generation``: False/True/kinds -> the tuple of kinds (empty: off)."""
+    key = "offload_states_during_generation"
+    if isinstance(value, bool):
+        return TRAINING_ONLY if value else ()
+    if value is None:
+        return ()
+    try:
+        kinds = parse_kinds(value, key)
+    except (TypeError, ValueError) as err:
+        raise ZeroConfigError(key, str(err).split(": ", 1)[-1],
+                              "Write true, false, or a list such as [optim_states, hp_params].") from None
+    if "lp_params" in kinds:
+        raise ZeroConfigError(key, "lp_params (the parameters) cannot be offloaded during generation: "
+                              "generation runs the model's forward on them",
+                              "Drop lp_params/params; call zero_strategy.offload_states(model, include=[...]) "
+                              "yourself around a phase that does not use the model (a separate vLLM engine).")
+    return kinds
 
 
 def _as_unit_classes(value: Any) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .._offload_states import refuse_while_offloaded
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata,
                       resolve_zero_optimizers)
@@ -106,6 +107,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     side (with a warning) instead of raising.
     """
     engine = engine_of(model)
+    refuse_while_offloaded(engine, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
     error, meta, extra, reader, hyper = None, None, None, None, []

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .._offload_states import refuse_while_offloaded
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
                       GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,
@@ -51,6 +52,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     replaced atomically; any other existing file or directory there is refused.
     """
     engine = engine_of(model)
+    refuse_while_offloaded(engine, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     comm = engine.comm
     if comm.replicas == 1:
         _save_in_group(path, model, engine, optimizer, extra_state)
