@@ -32,7 +32,8 @@ slices of the pretrained safetensors (``load_sharded_weights``).
 
 While it runs: a tqdm bar on the main process (in a terminal) with loss and samples/s,
 and a line every ``--log-every`` steps with loss, samples/s and, per rank, model-state
-MiB on the device and on the host and MiB sent in the step. At the end, in
+MiB on the device and on the host, the process's anonymous resident and peak MiB beside
+them (the peak is ``torch.cuda.max_memory_allocated`` on a GPU), and MiB sent in the step. At the end, in
 ``--output-dir``: the consolidated model + tokenizer (``save_pretrained``, loads with
 ``from_pretrained``), ``probe.json`` (the trained sharded model's logits on fixed probe
 texts), ``metrics.jsonl``, ``summary.json``, ``loss_memory.png`` (needs matplotlib:
@@ -151,27 +152,26 @@ def main(argv=None) -> None:
                     accelerator.clip_grad_norm_(model.parameters(), args.clip)
                 optimizer.step()
                 if accelerator.sync_gradients:
-                    rm = data.rank_metrics(model)  # after the step, gradients still held
+                    rm = data.rank_metrics(model, device)  # after the step, gradients still held
                 optimizer.zero_grad()
             loss_sum += float(loss.detach()) / args.accum
             if not accelerator.sync_gradients:
                 continue
             schedule.step()
             progress.step += 1
-            per_rank = accelerator.gather(torch.tensor([loss_sum] + rm, device=device)).reshape(-1, 4).cpu()
+            per_rank = accelerator.gather(torch.tensor([loss_sum] + rm, device=device))
+            per_rank = per_rank.reshape(-1, 1 + len(data.RANK_METRICS)).cpu()
             now = time.perf_counter()
             row = {"step": progress.step, "loss": float(per_rank[:, 0].mean()),
                    "samples_per_s": global_batch / (now - t_step)}
-            for r, (_, dev, host, sent) in enumerate(per_rank.tolist()):
-                row.update({f"rank{r}/device_mib": dev, f"rank{r}/host_mib": host, f"rank{r}/sent_mib": sent})
+            row.update(data.rank_row(per_rank.tolist()))
             rows.append(row)
             loss_sum, t_step = 0.0, now
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}", sps=f"{row['samples_per_s']:.0f}")
             s = progress.step
             if main_rank and (s == 1 or s % args.log_every == 0 or s == total_steps):
-                mem = " ".join(f"r{r} dev {row[f'rank{r}/device_mib']:.1f} host {row[f'rank{r}/host_mib']:.1f} "
-                               f"sent {row[f'rank{r}/sent_mib']:.1f}" for r in range(per_rank.shape[0]))
+                mem = data.memory_line(row, per_rank.shape[0])
                 line = f"step {s}/{total_steps} loss {row['loss']:.4f} {row['samples_per_s']:.1f} samples/s MiB: {mem}"
                 (bar.write(line) if not bar.disable else print(line, flush=True))
             if progress.step >= total_steps:

@@ -382,15 +382,59 @@ def probe_view(logits: torch.Tensor) -> torch.Tensor:
     return logits[..., :PROBE_VOCAB]
 
 
-def rank_metrics(model) -> list[float]:
-    """[device MiB, host MiB, MiB sent in the last step] of this rank's model state."""
+#: the columns of :func:`rank_metrics`, as metrics.jsonl names them per rank (``rank{r}/<name>``)
+RANK_METRICS = ("device_mib", "host_mib", "sent_mib", "rss_mib", "peak_mib")
+
+
+def _proc_status_mib(field: str) -> float:
+    """A ``/proc/self/status`` memory field in MiB (NaN where there is no procfs)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return float("nan")
+
+
+def process_memory_mib(device=None) -> tuple[float, float]:
+    """(this process's anonymous resident memory now, its peak), in MiB.
+
+    The model-state figures count the engine's own tensors; what a user runs out of is the
+    process: anonymous RSS on the host (heap and tensors; mapped libraries and page cache
+    left out) and, on a GPU, ``torch.cuda.max_memory_allocated``, which is the peak there.
+    Without a GPU the peak is the resident set's high-water mark (``VmHWM``, which also
+    counts mapped files)."""
+    rss = _proc_status_mib("RssAnon")
+    if device is not None and torch.device(device).type == "cuda":
+        return rss, torch.cuda.max_memory_allocated(device) / MiB
+    return rss, _proc_status_mib("VmHWM")
+
+
+def rank_metrics(model, device=None) -> list[float]:
+    """This rank's :data:`RANK_METRICS`: model-state MiB on the device and on the host, MiB sent in the
+    last step, and the process's memory (:func:`process_memory_mib`) beside them."""
     import zero_strategy as zs
     mem = zs.memory_report(model)
-    return [mem.device_bytes / MiB, mem.host_bytes / MiB, zs.comm_stats(model).get("sent_bytes", 0) / MiB]
+    return [mem.device_bytes / MiB, mem.host_bytes / MiB, zs.comm_stats(model).get("sent_bytes", 0) / MiB,
+            *process_memory_mib(device)]
+
+
+def rank_row(per_rank: list[list[float]]) -> dict:
+    """metrics.jsonl's per-rank columns from each rank's ``[loss] + rank_metrics(...)``."""
+    return {f"rank{r}/{name}": value for r, values in enumerate(per_rank)
+            for name, value in zip(RANK_METRICS, values[1:])}
+
+
+def memory_line(row: dict, world: int) -> str:
+    """The progress line's memory part: each rank's model state beside what its process holds."""
+    return " ".join(f"r{r} state dev {row[f'rank{r}/device_mib']:.1f} host {row[f'rank{r}/host_mib']:.1f}, "
+                    f"process rss {row[f'rank{r}/rss_mib']:.0f} peak {row[f'rank{r}/peak_mib']:.0f}, "
+                    f"sent {row[f'rank{r}/sent_mib']:.1f}" for r in range(world))
 
 
 def plot_metrics(rows: list[dict], png) -> Path | None:
-    """Loss and per-rank device/host memory over steps; None (with a note) without matplotlib."""
+    """Loss, per-rank model-state memory and process memory over steps; None (with a note) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -399,17 +443,19 @@ def plot_metrics(rows: list[dict], png) -> Path | None:
         print("no plot: matplotlib is not installed (pip install matplotlib)", flush=True)
         return None
     steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     ax1.plot(steps, [r["loss"] for r in rows], label="train loss")
     ax1.set_ylabel("loss")
     ax1.legend()
     ranks = sorted({k.split("/")[0] for r in rows for k in r if k.startswith("rank")})
-    for rk in ranks:
-        for kind, style in (("device_mib", "-"), ("host_mib", "--")):
-            ax2.plot(steps, [r.get(f"{rk}/{kind}", float("nan")) for r in rows], style, label=f"{rk} {kind[:-4]}")
-    ax2.set_ylabel("model-state MiB")
-    ax2.set_xlabel("optimizer step")
-    ax2.legend(fontsize=7)
+    for ax, kinds, label in ((ax2, (("device_mib", "-"), ("host_mib", "--")), "model-state MiB"),
+                             (ax3, (("rss_mib", "-"), ("peak_mib", ":")), "process MiB")):
+        for rk in ranks:
+            for kind, style in kinds:
+                ax.plot(steps, [r.get(f"{rk}/{kind}", float("nan")) for r in rows], style, label=f"{rk} {kind[:-4]}")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    ax3.set_xlabel("optimizer step")
     fig.tight_layout()
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)

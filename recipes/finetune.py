@@ -216,8 +216,9 @@ def main(argv=None) -> int:
             step += 1
             now = time.perf_counter()
             sent = zs.comm_stats(model).get("sent_bytes", 0)
+            rss, peak = data.process_memory_mib(device)
             last_log = {"loss": loss_sum, "samples_per_s": global_batch / (now - t_step),
-                        "model_state_mib": mem.total / MiB, "sent_mib": sent / MiB}
+                        "model_state_mib": mem.total / MiB, "sent_mib": sent / MiB, "rss_mib": rss, "peak_mib": peak}
             loss_sum, t_step = 0.0, now
             if bar is not None:
                 bar.update(1)
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
                                 sent_mib=f"{last_log['sent_mib']:.0f}")
             if step == 1 or step % args.log_every == 0 or step == total_steps:
                 line = (f"step {step}/{total_steps} loss {last_log['loss']:.4f} "
-                        f"{last_log['samples_per_s']:.1f} samples/s model-state {last_log['model_state_mib']:.1f} MiB/rank "
+                        f"{last_log['samples_per_s']:.1f} samples/s model-state {last_log['model_state_mib']:.1f} MiB/rank, "
+                        f"process rss {last_log['rss_mib']:.0f} peak {last_log['peak_mib']:.0f} MiB (rank {rank}), "
                         f"sent {last_log['sent_mib']:.1f} MiB/rank")
                 (bar.write(line) if bar is not None else say(line))
             if step >= total_steps:

@@ -32,11 +32,14 @@ pretrained safetensors (``load_sharded_weights``), so no rank holds the whole mo
 While it runs: Lightning's progress bar (in a terminal) with loss and samples/s, and
 ``self.log`` metrics per optimizer step (CSV in OUTPUT_DIR/lightning_logs): ``loss``,
 ``samples_per_s``, ``rank{r}/device_mib``, ``rank{r}/host_mib`` (model-state bytes of
-each rank by placement) and ``rank{r}/sent_mib`` (bytes each rank sent in the step).
+each rank by placement), ``rank{r}/sent_mib`` (bytes each rank sent in the step), and
+beside them what each rank's process holds: ``rank{r}/rss_mib`` (anonymous resident
+memory) and ``rank{r}/peak_mib`` (on a GPU ``torch.cuda.max_memory_allocated``, else the
+resident high-water mark).
 At the end, in ``--output-dir``: the consolidated model + tokenizer (``save_pretrained``,
 loads with ``from_pretrained``), ``probe.json`` (the trained sharded model's logits on
-fixed probe texts), ``metrics.jsonl``, ``summary.json``, ``loss_memory.png`` (loss and
-per-rank memory over steps; needs matplotlib: ``pip install matplotlib``), and
+fixed probe texts), ``metrics.jsonl``, ``summary.json``, ``loss_memory.png`` (loss,
+per-rank model-state and process memory over steps; needs matplotlib: ``pip install matplotlib``), and
 ``checkpoint/`` (sharded, for ``--resume``). The causal-LM task also runs a short
 ``generate(..., synced_gpus=True)`` with a different length on each rank.
 """
@@ -143,20 +146,19 @@ def main(argv=None) -> None:
             if self._micro % args.accum:
                 return  # not an optimizer step yet
             step = self.trainer.global_step
-            vals = torch.tensor([self._loss_sum / args.accum] + data.rank_metrics(self), device=self.device)
-            per_rank = self.all_gather(vals).reshape(-1, 4).cpu()
+            vals = torch.tensor([self._loss_sum / args.accum] + data.rank_metrics(self, self.device),
+                                device=self.device)
+            per_rank = self.all_gather(vals).reshape(-1, 1 + len(data.RANK_METRICS)).cpu()
             now = time.perf_counter()
             row = {"step": step, "loss": float(per_rank[:, 0].mean()), "samples_per_s": global_batch / (now - self._t)}
-            for r, (_, dev, host, sent) in enumerate(per_rank.tolist()):
-                row.update({f"rank{r}/device_mib": dev, f"rank{r}/host_mib": host, f"rank{r}/sent_mib": sent})
+            row.update(data.rank_row(per_rank.tolist()))
             self._loss_sum, self._t = 0.0, now
             self.rows.append(row)
             self.log("loss", row["loss"], prog_bar=True, rank_zero_only=True)
             self.log("samples_per_s", row["samples_per_s"], prog_bar=True, rank_zero_only=True)
             self.log_dict({k: v for k, v in row.items() if k.startswith("rank")}, rank_zero_only=True)
             if self.trainer.is_global_zero and (step == 1 or step % args.log_every == 0 or step == total_steps):
-                mem = " ".join(f"r{r} dev {row[f'rank{r}/device_mib']:.1f} host {row[f'rank{r}/host_mib']:.1f} "
-                               f"sent {row[f'rank{r}/sent_mib']:.1f}" for r in range(per_rank.shape[0]))
+                mem = data.memory_line(row, per_rank.shape[0])
                 print(f"step {step}/{total_steps} loss {row['loss']:.4f} {row['samples_per_s']:.1f} samples/s "
                       f"MiB: {mem}", flush=True)
 

@@ -96,7 +96,8 @@ def recipe_args(task: str, model: Path, out: Path) -> list[str]:
 def check_recipe_run(rc: int, log: str, task: str, out_dir: Path, start_model: Path) -> None:
     """A 3-step run of :func:`recipe_args`: its final and step lines, the generate lengths, the saved files."""
     assert re.search(r"^final: held-out .* 3 steps", log, re.M), f"no final line (exit code {rc}):\n{log[-4000:]}"
-    assert re.search(r"^step 3/3 loss [0-9.]+ [0-9.]+ samples/s MiB: r0 dev [0-9.]+ host [0-9.]+ sent", log, re.M)
+    assert re.search(r"^step 3/3 loss [0-9.]+ [0-9.]+ samples/s MiB: r0 state dev [0-9.]+ host [0-9.]+, "
+                     r"process rss [0-9]+ peak [0-9]+, sent", log, re.M)
     if task == "causal-lm":  # generate with a different length per rank returned on both
         assert "rank 0: generate(synced_gpus=True) returned 7 tokens" in log, log[-3000:]
         assert "rank 1: generate(synced_gpus=True) returned 9 tokens" in log, log[-3000:]
@@ -125,6 +126,10 @@ def check_outputs(out_dir: Path, task: str, start_model: Path, steps: int, log: 
     assert [r["step"] for r in rows][-1] == steps
     assert {"loss", "samples_per_s", "rank0/device_mib", "rank1/host_mib", "rank1/sent_mib"} <= set(rows[-1])
     assert rows[-1]["rank1/sent_mib"] > 0
+    for r in (0, 1):  # the process beside the engine's accounting: on a CPU run it holds all of it and more
+        last = rows[-1]
+        assert last[f"rank{r}/rss_mib"] > last[f"rank{r}/device_mib"] + last[f"rank{r}/host_mib"], last
+        assert last[f"rank{r}/peak_mib"] >= last[f"rank{r}/rss_mib"], last
     if task == "causal-lm":  # trained: differs from the start (the classifier head is new anyway)
         start = cls.from_pretrained(start_model, local_files_only=True).eval()
         with torch.no_grad():

@@ -57,7 +57,7 @@ def test_finetune_two_ranks_saves_a_model_that_reloads(tiny_model, tmp_path):
     _, held = data.load_splits()
     assert int(total) == len(held), "every held-out example is counted exactly once across ranks"
     assert 0.0 <= float(acc) <= 1.0
-    assert re.search(r"^step 3/3 loss [0-9.]+ .* sent [0-9.]+ MiB/rank", log, re.M), log[-3000:]
+    assert re.search(r"^step 3/3 loss [0-9.]+ .* process rss [0-9]+ peak [0-9]+ MiB \(rank 0\), sent [0-9.]+ MiB/rank", log, re.M), log[-3000:]
 
     probe = json.loads((out_dir / "probe.json").read_text())
     assert probe["world_size"] == 2 and probe["steps"] == 3
