@@ -13,9 +13,10 @@ five"``), and a rule-based reward, the share of the completion's words that are 
 is a tiny Llama built from a config (randomly initialized, so it starts by guessing)
 with a word-level tokenizer made in memory (number words, ``plus`` and some distractor
 words), saved to ``OUTPUT_DIR/base`` and handed to the trainer by path as TRL's docs hand
-it a model id (with ``--beta`` > 0 the trainer loads the reference model from there). The trainer is ``zero_trainer(GRPOTrainer)`` at ``--preset zero3`` with
-``param_persistence_threshold=0`` (``--persistence-threshold``): otherwise a model this small
-would stay whole on every rank, below the default threshold.
+it a model id (with ``--beta`` > 0 the trainer loads the reference model from there).
+The trainer is ``zero_trainer(GRPOTrainer)`` at ``--preset zero3`` with
+``param_persistence_threshold=0`` (``--persistence-threshold``): otherwise a model this
+small would stay whole on every rank, below the default threshold.
 
 Before and after training, every prompt is completed greedily (``model.generate``; after
 training on the sharded model, every rank generating its share) and scored with the same
@@ -26,10 +27,10 @@ moved).
 
 Measured on the shared 2-core dev machine (2 CPU processes, gloo, fp32, seed 0, the
 defaults: 17 prompts, 16 completions each, 300 steps, lr 3e-3; 47 s and 77 s in all in two
-runs, load average 3-7, the same figures both times): greedy mean reward 0.020 -> 0.725, exact answers 0.000 -> 0.765 (13 of 17),
-parameters 0.15 of 0.29 MiB per rank. The reward logged per step (sampled at temperature
-1) averages 0.054 over the first 10 steps and 0.693 over the last 100 (noisy: 0.28 to 1.0
-there). README "GRPO recipe".
+runs at load average 3-7, the same figures both times): greedy mean reward 0.020 -> 0.725,
+exact answers 0.000 -> 0.765 (13 of 17), parameters 0.15 of 0.29 MiB per rank. The reward
+logged per step (sampled at temperature 1) averages 0.054 over the first 10 steps and
+0.693 over the last 100 (noisy: 0.28 to 1.0 there). README "GRPO recipe".
 """
 
 from __future__ import annotations
