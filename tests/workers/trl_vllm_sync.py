@@ -1,4 +1,4 @@
-"""GRPOTrainer with ``use_vllm=True`` through ``zero_trainer``: what a vLLM engine would receive.
+"""GRPOTrainer and RLOOTrainer with ``use_vllm=True`` through ``zero_trainer``: what a vLLM engine would receive.
 
 Run under ``accelerate launch`` with 2 CPU processes. vLLM needs a GPU and is not
 installed, so the engine is a fake that generates deterministic completions and records
@@ -9,9 +9,9 @@ several), colocate mode to a fake ``LLM`` (``...model.load_weights([(name, tenso
 on every process). Only ``trl.generation.vllm_generation``'s names are replaced, inside
 this worker.
 
-Each case trains a tiny Llama for 2 GRPO steps (a sync before each generation) and then
-syncs once more by hand. Reported per case: every sync's received tensors compared with
-the stock ``GRPOTrainer`` on DDP fed the same completions, the last sync compared with
+Each case trains a tiny Llama for 2 GRPO (or RLOO) steps (a sync before each generation)
+and then syncs once more by hand. Reported per case: every sync's received tensors compared with
+the stock trainer on DDP fed the same completions, the last sync compared with
 ``zs.full_state_dict(model)``, the most stage-3 units gathered at once while the engine
 received, and what TRL's own iterator would have sent at stage 3 (the placeholders).
 """
@@ -30,7 +30,7 @@ from zero_strategy.transformers import zero_trainer  # before any TrainingArgume
 import datasets  # noqa: E402
 import trl.generation.vllm_generation as vllm_generation  # noqa: E402
 from accelerate_trl import WORDS, make_model, sentences, tokenizer  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
 
@@ -145,22 +145,24 @@ def prompts() -> datasets.Dataset:
     return datasets.Dataset.from_dict({"prompt": [t + " " for t in texts]})  # ends on a token boundary
 
 
-def run(which: str, mode: str, zero_config, out: Path, lora: bool) -> dict:
+def run(which: str, mode: str, zero_config, out: Path, lora: bool, rloo: bool) -> dict:
     global ENGINE
     ENGINE = FakeEngine()
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
-                      max_steps=2, learning_rate=1e-2, beta=0.0, logging_steps=1, save_strategy="no", report_to=[],
-                      seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
-                      use_vllm=True, vllm_mode=mode,
-                      # the fake engine's logprobs are not the policy's: no importance-sampling correction
-                      vllm_importance_sampling_correction=False)
+    common = dict(output_dir=str(out), per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+                  max_steps=2, learning_rate=1e-2, beta=0.0, logging_steps=1, save_strategy="no", report_to=[],
+                  seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
+                  use_vllm=True, vllm_mode=mode)
+    if rloo:
+        args, trainer_cls = RLOOConfig(**common), RLOOTrainer
+    else:  # the fake engine's logprobs are not the policy's: no importance-sampling correction
+        args, trainer_cls = GRPOConfig(**common, vllm_importance_sampling_correction=False), GRPOTrainer
     peft_config = None
     if lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                                  init_lora_weights=False)  # B != 0: the merged weights differ from the base ones
-    cls = zero_trainer(GRPOTrainer) if which == "zero" else GRPOTrainer
+    cls = zero_trainer(trainer_cls) if which == "zero" else trainer_cls
     extra = {"zero_config": zero_config} if which == "zero" else {}
     torch.manual_seed(1)  # the LoRA matrices are drawn when the trainer wraps the model
     trainer = cls(model=make_model(), reward_funcs=even_tokens, args=args, train_dataset=prompts(),
@@ -218,14 +220,14 @@ def main() -> None:
     fake_vllm()
     configs = {"zero3": ZERO3, "zero2": "zero2"}
     report, refs = {}, {}
-    for case in args["cases"]:  # e.g. "zero3_server", "zero2_server", "zero3_colocate", "zero3_lora_server"
+    for case in args["cases"]:  # e.g. "zero3_server", "zero2_server", "zero3_lora_server", "zero3_rloo_colocate"
         stage, *rest = case.split("_")
-        mode, lora = rest[-1], "lora" in rest
+        mode, lora, rloo = rest[-1], "lora" in rest, "rloo" in rest
         try:
-            key = (mode, lora)
+            key = (mode, lora, rloo)
             if key not in refs:
-                refs[key] = run("ref", mode, None, out / f"ref_{mode}_{lora}", lora)
-            zero = run("zero", mode, configs[stage], out / case, lora)
+                refs[key] = run("ref", mode, None, out / f"ref_{mode}_{lora}_{rloo}", lora, rloo)
+            zero = run("zero", mode, configs[stage], out / case, lora, rloo)
             report[case] = compare(zero, refs[key], lora)
         except Exception:  # noqa: BLE001 - reported to the test; the ranks stop together
             import traceback

@@ -12,9 +12,12 @@ iterator gathers parameters only when it detects DeepSpeed ZeRO-3 or FSDP; other
 reads ``param.data``, which at our stage 3 is a NaN placeholder between forwards, so
 vLLM would silently generate from NaN weights until the rewards collapse.
 
-So the ZeRO trainer replaces that one iterator (a subclass of the trainer's
-``VLLMGeneration`` class that overrides ``_iter_named_params``; everything else, the two
-modes, sleep mode, the prefix-cache reset, stays TRL's). When the model's parameters are
+So the ZeRO trainer replaces that one iterator: once the trainer is built, its
+``vllm_generation`` object gets a subclass of its own class that overrides only
+``_iter_named_params`` (the trainer builds the object inside its ``__init__``, so it cannot
+be handed another class; the subclass adds no state, so switching the instance's class
+changes nothing else). Everything else, the two modes, sleep mode, the prefix-cache reset,
+stays TRL's. When the model's parameters are
 sharded it yields every parameter under the name TRL would give it, unit by unit: the
 unit is gathered, its parameters are yielded, the unit is released before the next one
 is gathered. Units come in the order their first parameter appears in the model, so the
