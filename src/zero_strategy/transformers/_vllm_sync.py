@@ -81,7 +81,8 @@ def adopt_vllm_weight_sync(trainer) -> None:
         return
     if stage3:
         _check_peft_method(trainer.model, name)
-    generation.__class__ = _zero_generation_class(type(generation))
+    if type(generation) not in _ZERO_GENERATION_CLASSES.values():
+        generation.__class__ = _zero_generation_class(type(generation))
 
 
 def _talks_to_vllm(trainer) -> bool:
