@@ -1,9 +1,10 @@
-"""GRPOTrainer(use_vllm=True) through ``zero_trainer``: vLLM receives the real, current weights, one unit at a time.
+"""Online trainers with use_vllm=True through ``zero_trainer``: vLLM receives the real, current weights, unit by unit.
 
 One ``accelerate launch`` with 2 CPU processes (tests/workers/trl_vllm_sync.py) trains a tiny
-Llama for 2 GRPO steps per case with TRL's own ``VLLMGeneration`` talking to a fake vLLM
-engine (vLLM needs a GPU) that records every tensor it is sent: before each generation
-and once more by hand after training. Each case is compared with the stock
+Llama for 2 steps per case (GRPO; RLOO and OnlineDPO once each) with TRL's own code
+(``VLLMGeneration``, OnlineDPOTrainer's push) talking to a fake vLLM engine (vLLM needs a
+GPU) that records every tensor it is sent: before each generation and once more by hand
+after training. Each case is compared with the stock
 ``GRPOTrainer`` on DDP fed the same completions, and the last sync with
 ``zs.full_state_dict(model)``. At stage 3 ``param_persistence_threshold=0``, so every
 weight really is sharded and TRL's own iterator would read NaN placeholders.
@@ -21,7 +22,8 @@ pytest.importorskip("peft")
 
 from _accelerate_launch import accelerate_launch  # noqa: E402
 
-CASES = ["zero3_server", "zero3_colocate", "zero2_server", "zero3_lora_server", "zero3_rloo_colocate"]
+CASES = ["zero3_server", "zero3_colocate", "zero2_server", "zero3_lora_server", "zero3_rloo_colocate",
+         "zero3_odpo_colocate"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +51,7 @@ def _sent_what_ddp_sends(rep: dict) -> None:
     assert rep["weights_moved"] > 1e-3  # the syncs carried new weights, not the initial ones again
     assert rep["changed_after_handover"][0] == []  # copies: valid after their unit is released
     assert rep["rewards"][0] == pytest.approx(rep["rewards"][1])
+    assert rep["losses"][0] == pytest.approx(rep["losses"][1], rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.multiprocess
@@ -80,6 +83,15 @@ def test_lora_at_stage_3_sends_the_merged_base_weights_as_trl_names_them(reports
         assert rep["max_gathered_units"] == 1
 
 
+@pytest.mark.multiprocess
+def test_online_dpo_trainers_own_push_streams_the_same_way(reports):
+    """OnlineDPOTrainer pushes weights with its own _move_model_to_vllm_inner, which zero_trainer overrides."""
+    for rep in _receivers(reports, "zero3_odpo_colocate"):
+        assert (rep["trainer"], rep["sharded"], rep["stock_iterator_nan"]) == ("ZeroOnlineDPOTrainer", True, True)
+        _sent_what_ddp_sends(rep)
+        assert rep["last_vs_full_state_dict"] == 0.0 and rep["max_gathered_units"] == 1
+
+
 def _trainer_stub(stage: int, generation=None, model=None):
     """What adopt_vllm_weight_sync reads of a trainer: its arguments, stage, model and generation backend."""
     from zero_strategy import ZeroConfig
@@ -89,7 +101,8 @@ def _trainer_stub(stage: int, generation=None, model=None):
 
 
 def test_a_trainer_with_its_own_weight_push_is_refused_at_stage_3_only():
-    """OnlineDPOTrainer and the asynchronous trainers push weights with their own code (no VLLMGeneration)."""
+    """The asynchronous trainers (and a trainer class not built by zero_trainer) push weights with their own
+    code: no VLLMGeneration, no streaming _move_model_to_vllm_inner."""
     from zero_strategy.transformers._vllm_sync import adopt_vllm_weight_sync
 
     with pytest.raises(NotImplementedError, match=r"zero_config='zero2'.*use_vllm=False"):

@@ -1,19 +1,21 @@
-"""GRPOTrainer and RLOOTrainer with ``use_vllm=True`` through ``zero_trainer``: what a vLLM engine would receive.
+"""Online trainers with ``use_vllm=True`` through ``zero_trainer``: what a vLLM engine would receive.
 
 Run under ``accelerate launch`` with 2 CPU processes. vLLM needs a GPU and is not
 installed, so the engine is a fake that generates deterministic completions and records
-every weight it is sent, with TRL's own ``VLLMGeneration`` driving it unchanged: server
-mode talks to a fake ``VLLMClient`` (``update_named_params``: metadata, then the stream;
-the fake keeps every tensor until the stream ends, as vLLM's packed NCCL producer keeps
-several), colocate mode to a fake ``LLM`` (``...model.load_weights([(name, tensor)])``
-on every process). Only ``trl.generation.vllm_generation``'s names are replaced, inside
-this worker.
+every weight it is sent, with TRL's own code driving it unchanged (``VLLMGeneration`` for
+GRPO and RLOO, OnlineDPOTrainer's own push): server mode talks to a fake ``VLLMClient``
+(``update_named_params``: metadata, then the stream; the fake keeps every tensor until the
+stream ends, as vLLM's packed NCCL producer keeps several), colocate mode to a fake
+``LLM`` (``...model.load_weights([(name, tensor)])`` on every process). Only the names
+``trl.generation.vllm_generation`` and TRL's online-DPO module import from vLLM are
+replaced, inside this worker.
 
-Each case trains a tiny Llama for 2 GRPO (or RLOO) steps (a sync before each generation)
-and then syncs once more by hand. Reported per case: every sync's received tensors compared with
-the stock trainer on DDP fed the same completions, the last sync compared with
-``zs.full_state_dict(model)``, the most stage-3 units gathered at once while the engine
-received, and what TRL's own iterator would have sent at stage 3 (the placeholders).
+Each case trains a tiny Llama for 2 steps (a sync before each generation) and then syncs
+once more by hand. Reported per case: every sync's received tensors compared with the
+stock trainer on DDP fed the same completions (and both runs' losses and rewards), the
+last sync compared with ``zs.full_state_dict(model)``, the most stage-3 units gathered at
+once while the engine received, whether a tensor changed while the engine held it, and
+what TRL's own code would have sent at stage 3 (the placeholders).
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from _worker import finish, worst_rel_diff
 from zero_strategy.transformers import zero_trainer  # before any TrainingArguments (see its module note)
 
 import datasets  # noqa: E402
+import trl.experimental.online_dpo.online_dpo_trainer as online_dpo_trainer  # noqa: E402
 import trl.generation.vllm_generation as vllm_generation  # noqa: E402
 from accelerate_trl import WORDS, make_model, sentences, tokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
 
 ZERO3 = {"stage": 3, "param_persistence_threshold": 0}
+TOKENIZER = tokenizer()
 
 
 class FakeEngine:
@@ -115,21 +120,27 @@ class FakeLLM:
         ENGINE.end_sync()  # the last call of sync_weights in colocate mode
 
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        """VLLMGeneration sends token ids (``n=1`` per copy), OnlineDPOTrainer texts (``n=2``)."""
+        n = getattr(sampling_params, "n", 1)
         outs = []
         for k, p in enumerate(prompts):
-            ids = ENGINE.completion(p["prompt_token_ids"], k)
-            lps = [{t: types.SimpleNamespace(logprob=-1.0, rank=1)} for t in ids]
-            outs.append(types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
-                                              outputs=[types.SimpleNamespace(token_ids=ids, logprobs=lps)]))
+            prompt_ids = p["prompt_token_ids"] if isinstance(p, dict) else TOKENIZER(p)["input_ids"]
+            completions = []
+            for j in range(n):
+                ids = ENGINE.completion(prompt_ids, k * n + j)
+                lps = [{t: types.SimpleNamespace(logprob=-1.0, rank=1)} for t in ids]
+                completions.append(types.SimpleNamespace(token_ids=ids, logprobs=lps))
+            outs.append(types.SimpleNamespace(prompt_token_ids=prompt_ids, outputs=completions))
         ENGINE.calls += 1
         return outs
 
 
 def fake_vllm() -> None:
-    vllm_generation.is_vllm_available = lambda: True
-    vllm_generation.VLLMClient = FakeVLLMClient
-    vllm_generation.LLM = FakeLLM
-    vllm_generation.SamplingParams = lambda **kwargs: kwargs
+    for module in (vllm_generation, online_dpo_trainer):
+        module.is_vllm_available = lambda: True
+        module.VLLMClient = FakeVLLMClient
+        module.LLM = FakeLLM
+        module.SamplingParams = types.SimpleNamespace  # vllm.SamplingParams(**kwargs): read by attribute
 
 
 def even_tokens(completions, **kwargs) -> list[float]:
@@ -145,17 +156,20 @@ def prompts() -> datasets.Dataset:
     return datasets.Dataset.from_dict({"prompt": [t + " " for t in texts]})  # ends on a token boundary
 
 
-def run(which: str, mode: str, zero_config, out: Path, lora: bool, rloo: bool) -> dict:
+def run(which: str, kind: str, mode: str, zero_config, out: Path, lora: bool) -> dict:
+    """``kind``: "grpo", "rloo" or "odpo" (OnlineDPOTrainer, which pushes weights with its own method)."""
     global ENGINE
     ENGINE = FakeEngine()
-    common = dict(output_dir=str(out), per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
-                  max_steps=2, learning_rate=1e-2, beta=0.0, logging_steps=1, save_strategy="no", report_to=[],
-                  seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
-                  use_vllm=True, vllm_mode=mode)
-    if rloo:
-        args, trainer_cls = RLOOConfig(**common), RLOOTrainer
+    common = dict(output_dir=str(out), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2,
+                  logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+                  dataloader_num_workers=0, bf16=False, use_vllm=True, vllm_mode=mode)
+    online = dict(num_generations=2, max_completion_length=4, beta=0.0)
+    if kind == "rloo":
+        args, trainer_cls = RLOOConfig(**common, **online), RLOOTrainer
+    elif kind == "odpo":
+        args, trainer_cls = OnlineDPOConfig(**common, max_new_tokens=4), OnlineDPOTrainer
     else:  # the fake engine's logprobs are not the policy's: no importance-sampling correction
-        args, trainer_cls = GRPOConfig(**common, vllm_importance_sampling_correction=False), GRPOTrainer
+        args, trainer_cls = GRPOConfig(**common, **online, vllm_importance_sampling_correction=False), GRPOTrainer
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -170,18 +184,26 @@ def run(which: str, mode: str, zero_config, out: Path, lora: bool, rloo: bool) -
     model = trainer.model
     ENGINE.model = model
     trainer.train()
-    trainer.vllm_generation.sync_weights()  # by hand, after the last step
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is not None:
+        generation.sync_weights()  # by hand, after the last step
+    else:
+        trainer._move_model_to_vllm()
+    logs = trainer.state.log_history
     r = {"trainer": type(trainer).__name__, "wrapped": type(trainer.model_wrapped).__name__,
-         "generation": type(trainer.vllm_generation).__name__, "syncs": ENGINE.syncs,
+         "generation": type(generation).__name__, "syncs": ENGINE.syncs,
          "max_gathered_units": ENGINE.max_gathered_units, "changed_after_handover": ENGINE.changed_after_handover,
-         "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h]}
+         "rewards": [h["reward"] for h in logs if "reward" in h], "losses": [h["loss"] for h in logs if "loss" in h]}
     if which == "zero":
         r["stage"] = trainer.accelerator.zero_config.stage
         r["sharded"] = zs.is_set_up(model) and zs.engine_of(model).plan.shards_parameters
         r["full"] = zs.full_state_dict(model)
-        # what TRL's own iterator reads at stage 3 (no DeepSpeed, no FSDP detected): the placeholders
-        stock = vllm_generation.VLLMGeneration._iter_named_params(trainer.vllm_generation)
-        r["stock_iterator_nan"] = any(bool(t.isnan().any()) for _, t in stock)
+        # what TRL's own code reads at stage 3 (no DeepSpeed, no FSDP detected): the placeholders
+        if generation is not None:
+            stock = vllm_generation.VLLMGeneration._iter_named_params(generation)
+        else:
+            stock = model.named_parameters()  # OnlineDPOTrainer's push: param.data of each
+        r["stock_iterator_nan"] = any(bool(t.data.isnan().any()) for _, t in stock)
     return r
 
 
@@ -191,6 +213,7 @@ def compare(zero: dict, ref: dict, lora: bool) -> dict:
     report["ref_wrapped"] = ref["wrapped"]
     report["changed_after_handover"] = (zero["changed_after_handover"], ref["changed_after_handover"])
     report["rewards"] = (zero["rewards"], ref["rewards"])
+    report["losses"] = (zero["losses"], ref["losses"])
     report["receives"] = bool(ref["syncs"])  # server mode: only the main process holds a client
     if not report["receives"]:
         return report
@@ -220,14 +243,15 @@ def main() -> None:
     fake_vllm()
     configs = {"zero3": ZERO3, "zero2": "zero2"}
     report, refs = {}, {}
-    for case in args["cases"]:  # e.g. "zero3_server", "zero2_server", "zero3_lora_server", "zero3_rloo_colocate"
+    for case in args["cases"]:  # "<stage>[_<kind>][_lora]_<mode>": "zero3_server", "zero3_rloo_colocate", ...
         stage, *rest = case.split("_")
-        mode, lora, rloo = rest[-1], "lora" in rest, "rloo" in rest
+        mode, lora = rest[-1], "lora" in rest
+        kind = next((k for k in ("rloo", "odpo") if k in rest), "grpo")
         try:
-            key = (mode, lora, rloo)
+            key = (kind, mode, lora)
             if key not in refs:
-                refs[key] = run("ref", mode, None, out / f"ref_{mode}_{lora}_{rloo}", lora, rloo)
-            zero = run("zero", mode, configs[stage], out / case, lora, rloo)
+                refs[key] = run("ref", kind, mode, None, out / "ref_{}_{}_{}".format(*key), lora)
+            zero = run("zero", kind, mode, configs[stage], out / case, lora)
             report[case] = compare(zero, refs[key], lora)
         except Exception:  # noqa: BLE001 - reported to the test; the ranks stop together
             import traceback

@@ -37,9 +37,13 @@ weight is computed out of place from its gathered unit (PEFT's own ``get_delta_w
 or the variant's ``merge_safe`` for DoRA and the other LoRA variants), so nothing is written
 into the model and nothing has to be unmerged. Other PEFT methods are refused at stage 3.
 
-Trainers that push weights their own way (``OnlineDPOTrainer._move_model_to_vllm``,
-the asynchronous trainers' weight transfer) read ``param.data`` as well; at stage 3 they
-are refused when the trainer is built, naming the fix.
+``OnlineDPOTrainer`` (experimental) pushes weights with its own method,
+``_move_model_to_vllm_inner``, which reads ``param.data`` the same way; the ZeRO class that
+``zero_trainer`` builds for a trainer class with that method overrides it with the same
+stream (``update_named_param`` per weight from the main process inside the one
+``weight_update()`` its caller opens, or ``load_weights`` on every process). Trainers that
+push weights any other way (the asynchronous trainers' weight transfer) are refused at
+stage 3 when the trainer is built, naming the fix.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from .. import api
 from .._plan import plan_for
 
 _ZERO_GENERATION_CLASSES: dict[type, type] = {}
+_STREAMING_PUSHES: set = set()  # the _move_model_to_vllm_inner overrides made by weight_push_overrides
 
 
 def adopt_vllm_weight_sync(trainer) -> None:
@@ -71,13 +76,18 @@ def adopt_vllm_weight_sync(trainer) -> None:
     except ImportError:  # a trainer with vLLM settings from elsewhere: its weight push is its own
         VLLMGeneration = None
 
+    if getattr(type(trainer), "_move_model_to_vllm_inner", None) in _STREAMING_PUSHES:
+        if stage3:
+            _check_peft_method(trainer.model, name)
+        return
     if VLLMGeneration is None or not isinstance(generation, VLLMGeneration):
         if stage3:
             raise NotImplementedError(
                 f"{name}: this trainer pushes its weights to vLLM with its own code (not through TRL's "
                 "VLLMGeneration), which reads the stage-3 placeholders and would send NaN weights; use stage 1 or 2 "
-                "(zero_config='zero2'), generate without vLLM (use_vllm=False), or GRPOTrainer/RLOOTrainer, whose "
-                "weight sync the ZeRO trainer streams unit by unit")
+                "(zero_config='zero2'), generate without vLLM (use_vllm=False), or a trainer whose weight sync "
+                "the ZeRO trainer streams unit by unit (GRPOTrainer, RLOOTrainer, OnlineDPOTrainer: build it with "
+                "zero_trainer(cls))")
         return
     if stage3:
         _check_peft_method(trainer.model, name)
@@ -119,6 +129,31 @@ def _zero_generation_class(cls: type) -> type:
         made = type(f"Zero{cls.__name__}", (cls,), {"__module__": __name__, "_iter_named_params": _iter_named_params})
         _ZERO_GENERATION_CLASSES[cls] = made
     return made
+
+
+def weight_push_overrides(trainer_cls: type) -> dict:
+    """For ``zero_trainer(trainer_cls)``: a streaming ``_move_model_to_vllm_inner`` if the class has one."""
+    stock = getattr(trainer_cls, "_move_model_to_vllm_inner", None)
+    if not callable(stock):
+        return {}
+
+    def _move_model_to_vllm_inner(self):
+        model = self.model
+        if not (api.is_set_up(model) and api.engine_of(model).plan.shards_parameters):
+            return stock(self)  # replicated parameters: the trainer's own push is right
+        stream = stream_named_parameters(model, self._fix_param_name_to_vllm)
+        if self.vllm_mode == "server":
+            for name, tensor in stream:  # every process iterates: each unit is an all-gather
+                if self.accelerator.is_main_process:
+                    self.vllm_client.update_named_param(name, tensor)
+        else:
+            engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+            for name, tensor in stream:
+                engine_model.load_weights([(name, tensor)])
+
+    _move_model_to_vllm_inner.__doc__ = "The model's weights to vLLM, one gathered unit at a time (see _vllm_sync.py)."
+    _STREAMING_PUSHES.add(_move_model_to_vllm_inner)
+    return {"_move_model_to_vllm_inner": _move_model_to_vllm_inner}
 
 
 @torch.no_grad()
