@@ -57,6 +57,7 @@ from .. import api
 from .._plan import plan_for
 from ..accelerate import ZeroAccelerator
 from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint
+from ._vllm_sync import adopt_vllm_weight_sync, weight_push_overrides
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
 SCHEDULER_NAME = "scheduler.pt"
@@ -103,6 +104,7 @@ class ZeroTrainerMixin:
         super().__init__(*args, **kwargs)
         self.add_callback(_ZeroGradAfterStep())
         self._prepare_frozen_models()
+        adopt_vllm_weight_sync(self)  # See [Note: weight sync to vLLM at stage 3] in _vllm_sync.py
 
     # ------------------------------------------------------------------ accelerator
     def create_accelerator_and_postprocess(self) -> None:
@@ -223,7 +225,8 @@ def zero_trainer(trainer_cls: type) -> type:
         made = type(name, (ZeroTrainerMixin, trainer_cls), {
             "__module__": __name__, "__qualname__": name,
             "__doc__": f"``{trainer_cls.__qualname__}`` trained with ZeRO; see ``ZeroTrainerMixin``.\n\n"
-                       + (trainer_cls.__doc__ or "")})
+                       + (trainer_cls.__doc__ or ""),
+            **weight_push_overrides(trainer_cls)})  # OnlineDPOTrainer's vLLM push, see _vllm_sync.py
         _ZERO_CLASSES[trainer_cls] = made
     return made
 
