@@ -47,8 +47,14 @@ def test_stage_matches_plain_training_on_gpu(stage, precision):
         zopt.step()
         zopt.zero_grad()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-4)
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     full = zs.full_state_dict(model)
+    # in host memory, gathered one group at a time: the device held at most one group beyond its shards
+    largest = max(g.padded_numel * 4 for g in zs.engine_of(model).groups)
+    assert torch.cuda.max_memory_allocated() - before <= 2 * largest + 2 ** 20
+    assert all(t.device.type == "cpu" for t in full.values())
     for name, t in master.state_dict().items():
         if name != "frozen_mix":
-            torch.testing.assert_close(full[name], t.float(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(full[name], t.float().cpu(), rtol=1e-4, atol=1e-5)
     assert zs.memory_report(model).by_location.get("cuda", {}).get("params", 0) > 0

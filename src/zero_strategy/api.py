@@ -185,7 +185,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
-                p.data = full[name].to(engine.compute_dtype)
+                p.data = full[name].to(engine.device, engine.compute_dtype)  # full_state_dict: on the host
 
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:
@@ -314,10 +314,14 @@ def comm_stats(model: nn.Module) -> dict:
 @torch.no_grad()
 def full_state_dict(model: nn.Module, rank0_only: bool = False,
                     dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
-    """Full, unsharded weights (from the fp32 masters) plus buffers, keyed like ``model.state_dict()``.
+    """Full, unsharded weights (from the fp32 masters) plus buffers, keyed like ``model.state_dict()``,
+    in host memory.
 
-    Every rank must call it (it all-gathers group by group). With ``rank0_only`` the
-    other ranks return ``{}``. ``dtype=None`` keeps each tensor's stored dtype.
+    Every rank must call it (it all-gathers group by group). Each group's gathered values
+    go to the host before the next group is gathered, so the compute device holds one
+    group beyond its shards at any time (a 13B model's fp32 weights are 52 GB: never on
+    one GPU). With ``rank0_only`` the other ranks keep nothing and return ``{}``.
+    ``dtype=None`` keeps each tensor's stored dtype.
     """
     engine = engine_of(model)
     refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
@@ -337,8 +341,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
         if rank0_only and comm.rank != 0:
             continue
         for s in g.slots:
-            t = full[s.offset:s.offset + s.numel].view(s.shape)
-            values[id(s.param)] = (t.to(dtype) if dtype is not None else t).clone()
+            values[id(s.param)] = _to_host(full[s.offset:s.offset + s.numel].view(s.shape), dtype)
     if rank0_only and comm.rank != 0:
         return {}
     out: dict[str, torch.Tensor] = {}
@@ -346,9 +349,13 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
         if id(t) in values:
             out[name] = values[id(t)]
         else:
-            v = t.detach()
-            out[name] = (v.to(dtype) if dtype is not None and v.is_floating_point() else v).clone()
+            out[name] = _to_host(t.detach(), dtype if t.is_floating_point() else None)
     return out
+
+
+def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A copy of ``t`` in host memory (in ``dtype``), cast and moved in one copy."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu").copy_(t)
 
 
 @contextlib.contextmanager
