@@ -201,6 +201,17 @@ TASKS = ("classification", "causal-lm")
 MiB = 2 ** 20
 
 
+def launched_rank():
+    """(world, rank, device, say) of a process ``torch.distributed.run`` started (one process
+    without it): its CUDA device when there is one, and a ``print`` that only rank 0 does."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    return world, rank, device, say
+
+
 def add_common_args(p, default_output: str) -> None:
     """The options both framework recipes take (same names, same meaning)."""
     p.add_argument("--task", default="classification", choices=TASKS,

@@ -144,11 +144,8 @@ def main(argv=None) -> None:
 
     disable_progress_bars()
     hf_logging.disable_progress_bar()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    world, rank, device, say = data.launched_rank()
+    cuda = device.type == "cuda"
     out = Path(args.output_dir)
 
     tok = tokenizer()

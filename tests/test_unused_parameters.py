@@ -68,11 +68,19 @@ def reports(stage: int) -> tuple:
     return tuple(launch("routed.py", 2, {"cases": cases}, timeout=240))
 
 
-def _matches_the_plain_model(case: dict) -> None:
+def per_rank(case: dict, ok: bool = True) -> list[dict]:
+    """Each rank's result of ``case``; ``ok``: it finished without an error."""
+    out = []
     for rank, rep in enumerate(reports(case["stage"])):
         res = next((r for r in rep["results"] if r["case"] == case), None)
         assert res is not None, f"rank {rank} never reached {case}: {rep['results'][-1]}"
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+        assert not ok or "error" not in res, f"rank {rank}:\n{res['error']}"
+        out.append(res)
+    return out
+
+
+def _matches_the_plain_model(case: dict) -> None:
+    for rank, res in enumerate(per_rank(case)):
         assert res["weight_rel_diff"] <= TOL, (rank, res["worst"], res["weight_rel_diff"])
         assert res["losses_ref"][0] != res["losses_ref"][-1]  # it trained
         assert res["warnings"] == [], res["warnings"]
@@ -93,9 +101,7 @@ def test_model_zero_grad_clears_what_other_ranks_brought(case):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", LIKE_DDP, ids=_key)
 def test_parameters_have_a_grad_after_backward_where_ddp_gives_them_one(case):
-    for rank, rep in enumerate(reports(case["stage"])):
-        res = next(r for r in rep["results"] if r["case"] == case)
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    for rank, res in enumerate(per_rank(case)):
         assert len(res["grads_ddp"]) == 4
         for step, (zero, ddp) in enumerate(zip(res["grads_zero"], res["grads_ddp"])):
             assert zero == ddp, (rank, step, sorted(set(zero) ^ set(ddp)))
@@ -109,9 +115,7 @@ def test_parameters_have_a_grad_after_backward_where_ddp_gives_them_one(case):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", WARNED, ids=_key)
 def test_a_parameter_kept_behind_its_groups_step_count_is_warned_about_when_used_again(case):
-    for rank, rep in enumerate(reports(case["stage"])):
-        res = next(r for r in rep["results"] if r["case"] == case)
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+    for rank, res in enumerate(per_rank(case)):
         assert len(res["warnings"]) == 2, res["warnings"]  # once per block's group
         for block, message in enumerate(res["warnings"]):
             assert f"layers.{block}.adapter.weight" in message and "step count" in message, message
@@ -120,8 +124,7 @@ def test_a_parameter_kept_behind_its_groups_step_count_is_warned_about_when_used
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", REFUSED, ids=_key)
 def test_unfreezing_after_setup_on_one_ranks_batch_is_refused_on_every_rank(case):
-    for rank, rep in enumerate(reports(case["stage"])):
-        res = next(r for r in rep["results"] if r["case"] == case)
+    for rank, res in enumerate(per_rank(case, ok=False)):
         assert "error" in res, res
         assert "RuntimeError" in res["error"] and "when the model was set up" in res["error"], res["error"]
         # rank 0 had the gradients and names them; rank 1 learned it from the agreement
