@@ -39,7 +39,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .config import NVMeOffload
 
 from ._collectives import Collectives
-from ._conversions import unfrozen_error, unfrozen_names
+from ._conversions import unfrozen_names
 from ._flat import FlatGroup, ParamSlot, ShardState
 from ._hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
 from ._module_state import register_module_state_hooks
@@ -52,7 +52,7 @@ from ._reduce import MAX_IN_FLIGHT, ReduceQueue
 from ._schedule import GatherSchedule, Pass
 from ._tree import map_tensors, tensors_in
 from ._units import Unit, build_units
-from ._untouched import GradientAgreement
+from ._untouched import StepAgreements
 
 
 class ZeroEngine:
@@ -111,6 +111,7 @@ class ZeroEngine:
         self._handles: list[Any] = []
         if self.plan.shards_parameters:
             comm.split_gradient_stream()  # See [Note: two streams of collectives]
+        self.agreements = StepAgreements(comm, self.plan.keeps_full_gradients)
         self.reduces = ReduceQueue(comm.gradients, self.trainable_groups, in_place=self.plan.keeps_full_gradients,
                                    in_flight_limit=lambda: 1 if self._overlapping() else MAX_IN_FLIGHT,
                                    on_reduced=self._on_reduced)
@@ -120,7 +121,6 @@ class ZeroEngine:
         # and reset_iter_state() puts each back.
         self.training_state = TrainingState.IDLE
         self._backward_task = -1  # graph task the end-of-backward callback is queued on
-        self._unfrozen_agreed = False  # the last backward's agreement: some rank unfroze a parameter
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
@@ -481,13 +481,10 @@ class ZeroEngine:
                 g.grads.apply_clearings(keep_full=self.plan.keeps_full_gradients)
             self.reduces.flush()  # what is left, in the reduce order (zeros where unused)
             # See [Note: the agreement at the end of backward]
-            agreement = GradientAgreement(self.comm, self.trainable_groups, self.plan.keeps_full_gradients,
-                                          unfrozen_names(self))
+            agreement = self.agreements.begin(self.trainable_groups, self._unfrozen)
         self.reduces.wait_all()
         if agreement is not None:
-            _, self._unfrozen_agreed = agreement.decide(in_backward=True)
-            for g in self.trainable_groups:
-                g.grads.agreed = True
+            self.agreements.decide_in_backward(agreement)
         self.reduces.end_backward()
         for g in self.groups:
             g.grads.end_backward()
@@ -511,25 +508,14 @@ class ZeroEngine:
             refuse_while_offloaded(self, "optimizer.step() (or gradient clipping)")
         self.reduces.wait_all()
         groups = self.trainable_groups if groups is None else groups
-        keep_full = self.plan.keeps_full_gradients
-        agreed = all(g.grads.agreed for g in groups)  # at the end of the last backward: the same on every rank
-        for g in groups:  # model.zero_grad() & co. since the last backward: See [Note: param.grad after backward]
-            if g.grads.take_cleared_slots(keep_full=keep_full) and agreed:
-                self.comm.note_local("gradients cleared after backward", g.name)
-        if agreed:
-            to_reduce, unfrozen = [], self._unfrozen_agreed
-        else:
-            to_reduce, unfrozen = GradientAgreement(self.comm, groups, keep_full, unfrozen_names(self)).decide(
-                in_backward=False)
-        if unfrozen:  # requires_grad_(True) after setup: See [Note: conversions on a set-up model]
-            raise unfrozen_error(unfrozen_names(self))
-        for g in to_reduce:
+        for g in self.agreements.for_step(groups, self._unfrozen):
             self.reduces.launch(g)  # every rank reduces it, with zeros where it has no gradient
         self.reduces.wait_all(notify=False)
-        for g in groups:
-            g.grads.agreed = False  # used by this step
         for g in self.groups:
             g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time
+
+    def _unfrozen(self) -> list[str]:
+        return unfrozen_names(self)  # See [Note: conversions on a set-up model] in _conversions.py
 
     def zero_grad(self, groups: list[FlatGroup] | None = None) -> None:
         """Drop the gradients of ``groups`` (default: all); also ends an abandoned iteration."""

@@ -55,6 +55,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ._conversions import unfrozen_error
+
 
 
 class GradientAgreement:
@@ -95,6 +97,45 @@ class GradientAgreement:
             if any_needs:
                 to_reduce.append(g)
         return to_reduce, bool(agreed[-1])
+
+
+class StepAgreements:
+    """Where the step agreement runs for one engine, and what the step takes from it: at the end
+    of a synced backward at stages 2-3, else in the step (See [Note: the agreement at the end of
+    backward])."""
+
+    def __init__(self, comm, keep_full: bool):
+        self.comm, self.keep_full = comm, keep_full
+        self._unfrozen = False  # what the last backward's agreement said of unfrozen parameters
+
+    def begin(self, groups: list, unfrozen_names) -> GradientAgreement:
+        """End of a synced backward, once its last reduce-scatters are issued: start, do not wait.
+        ``unfrozen_names()``: this rank's parameters frozen at setup that have a gradient now."""
+        return GradientAgreement(self.comm, groups, self.keep_full, unfrozen_names())
+
+    def decide_in_backward(self, agreement: GradientAgreement) -> None:
+        """End of backward, its reduce-scatters waited: the step that follows needs no agreement."""
+        _, self._unfrozen = agreement.decide(in_backward=True)
+        for g in agreement.groups:
+            g.grads.agreed = True
+
+    def for_step(self, groups: list, unfrozen_names) -> list:
+        """The step of ``groups``: apply the user's clearings since the last backward, agree unless
+        that backward did, refuse unfrozen parameters; returns the groups to reduce now."""
+        agreed = all(g.grads.agreed for g in groups)  # by the last backward: the same on every rank
+        for g in groups:  # model.zero_grad() & co. since then: See [Note: param.grad after backward]
+            if g.grads.take_cleared_slots(keep_full=self.keep_full) and agreed:
+                self.comm.note_local("gradients cleared after backward", g.name)
+        if agreed:
+            to_reduce, unfrozen = [], self._unfrozen
+        else:
+            to_reduce, unfrozen = GradientAgreement(self.comm, groups, self.keep_full,
+                                                    unfrozen_names()).decide(in_backward=False)
+        if unfrozen:  # requires_grad_(True) after setup: See [Note: conversions on a set-up model]
+            raise unfrozen_error(unfrozen_names())
+        for g in groups:
+            g.grads.agreed = False  # used by this step
+        return to_reduce
 
 
 #: state torch's elementwise optimizers start from something other than zeros: key -> the
