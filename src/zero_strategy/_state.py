@@ -41,6 +41,7 @@ from .config import NVMeOffload
 from ._collectives import Collectives
 from ._conversions import unfrozen_names
 from ._flat import FlatGroup, ParamSlot, ShardState
+from ._generation import GenerationGathers, refuse_grad_forward
 from ._hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
 from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
@@ -123,6 +124,8 @@ class ZeroEngine:
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
         self.undo_on_teardown: list = []  # what setup adjusted on library models (_model_integrations.py)
+        #: generate() policy and the gathered_for_generation block (_generation.py)
+        self.generation = GenerationGathers()
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step
         self.ended: str | None = None
         self._register_hooks()
@@ -258,6 +261,8 @@ class ZeroEngine:
         if self._root_forward_depth == 0 and not in_backward():
             self._recover_if_abandoned()
             self._assert_state(TrainingState.IDLE)
+            if self.generation.active and torch.is_grad_enabled():
+                refuse_grad_forward()  # See [Note: gathered for generation] in _generation.py
             self._check_units_in_place()
             self.training_state = TrainingState.FORWARD
             self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
