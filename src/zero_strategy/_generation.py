@@ -47,7 +47,7 @@ import os
 
 import torch
 
-from ._auto import HEADROOM, host_available_bytes
+from ._auto import HEADROOM, _size, host_available_bytes
 from ._flat import ShardState
 from ._logging import rank_zero_logger
 
@@ -130,9 +130,9 @@ def gathered_for_generation(engine, budget_bytes: int | None = None):
     if not fits:
         if not state.fallback_logged:
             state.fallback_logged = True
-            logger.info("zero_strategy: gathered_for_generation gathers per unit: the whole model (%.1f MiB of "
-                        "parameters per rank) exceeds the budget (%.1f MiB on some rank)", needed / 2**20,
-                        budget / 2**20)
+            logger.info("zero_strategy: gathered_for_generation gathers per unit: the whole model's parameters "
+                        "(%s per rank) exceed the budget on at least one rank (rank %d's: %s); pass "
+                        "budget_bytes=... to change it", _size(needed), engine.comm.rank, _size(budget))
         yield
         return
     was_sharded = [u for u in units if u.state is ShardState.SHARDED]
