@@ -12,7 +12,10 @@ placement and the units may as well stay gathered for the whole call:
   gathered, so the forward hooks' releases (a unit's post-forward, the root's
   end-of-forward ``release_all``, the gather schedule passing units) change nothing,
   and their gathers find the unit gathered and issue no collective. A forward inside
-  the block communicates nothing (``synced_gpus``' one scalar per token aside);
+  the block communicates nothing, so ranks may run different numbers of them: a
+  ``generate()`` inside leaves ``synced_gpus`` off (See [Note: generate() under stage 3]
+  in _model_integrations.py), and such forwards are not counted as calls that issue
+  collectives (See [Note: naming the rank that failed] in _faults.py);
 * on exit, also when the block raised, the hold ends and the units that were sharded
   at entry are released again (those gathered before, inside ``gathered_parameters``,
   stay as they were);

@@ -17,7 +17,10 @@ the default of every ``GenerationMixin`` module in a set-up model whose paramete
 are sharded over more than one rank; an explicit ``synced_gpus=False`` is kept (and
 a mismatch then ends in :class:`~zero_strategy.CollectiveTimeout`, not a hang). The
 same wrapper runs ``generate()`` inside ``gathered_for_generation`` when
-``gather_once_in_generate(model)`` asked for it (the TRL front end does).
+``gather_once_in_generate(model)`` asked for it (the TRL front end does). Inside that
+block (also one the user opened) every unit stays gathered and a forward issues no
+collective, so ranks may stop at different steps: ``synced_gpus`` is left off there,
+which saves one all-reduce and one wait for the slowest rank per token.
 
 [Note: PEFT merges under stage 3]
 ``merge_and_unload()``, ``merge_adapter()`` and ``unmerge_adapter()`` rewrite base
@@ -98,9 +101,9 @@ def _stage3_generate(engine: "ZeroEngine", original: Callable) -> Callable:
         engine = engine_ref()
         if engine is None or engine.ended:
             return original(*args, **kwargs)
-        if engine.comm.world_size > 1 and kwargs.get("synced_gpus") is None:
-            kwargs["synced_gpus"] = True
         with around_generate(engine):
+            if kwargs.get("synced_gpus") is None:  # held gathered, a forward communicates nothing
+                kwargs["synced_gpus"] = engine.comm.world_size > 1 and not engine.generation.active
             return original(*args, **kwargs)
     return generate
 

@@ -265,7 +265,8 @@ class ZeroEngine:
                 refuse_grad_forward()  # See [Note: gathered for generation] in _generation.py
             self._check_units_in_place()
             self.training_state = TrainingState.FORWARD
-            self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
+            if not self.generation.active:  # held gathered, a forward issues no collective
+                self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
             if self.plan.shards_parameters:
                 self.schedule.begin(Pass.FORWARD)
         self._root_forward_depth += 1

@@ -3,7 +3,8 @@
 Each case sets up a tiny Llama (transformers, built from a config) with AdamW at a given
 config and compares what it generates, per rank and on prompts of different lengths per
 rank, with an unsharded copy of the same weights generating the same prompts (greedy and
-sampled from one seed). Reported per case: whether the tokens are equal, the all-gathers
+sampled from one seed; and one more call where the ranks ask for different numbers of new
+tokens, so they stop at different steps). Reported per case: whether the tokens are equal, the all-gathers
 issued by one generate() inside the block and without it, the number of sharded flat
 groups, the log lines the block wrote, and the unit states after the block.
 
@@ -111,10 +112,16 @@ def run_generate(case: dict, out) -> dict:
         before = gathers(model)
         per_unit = generate(model, ids, False)
         without_block = gathers(model) - before
+        # ranks stopping at different steps: inside the block a forward communicates nothing
+        uneven_kwargs = dict(do_sample=False, max_new_tokens=2 + 5 * dist.get_rank(), pad_token_id=0)
+        with zs.gathered_for_generation(model, budget_bytes=case.get("budget")):
+            uneven = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **uneven_kwargs).tolist()
+        uneven_expected = plain.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **uneven_kwargs).tolist()
     finally:
         logging.getLogger("zero_strategy").removeHandler(lines)
     return {"stage": zs.engine_of(model).plan.stage, "greedy_equal": greedy == expected[False],
             "sampled_equal": sampled == expected[True], "per_unit_equal": per_unit == expected[False],
+            "uneven_equal": uneven == uneven_expected,
             "gathers_in_block": in_block, "gathers_without_block": without_block,
             "sharded_groups": sharded_groups(model), "log": [ln for ln in lines.lines if "gathered_for_generation" in ln],
             "states_after": unit_states(model)}
