@@ -7,8 +7,8 @@ model 64 times. Training needs that (the working set stays one unit or a few), b
 generation runs without gradients, so nothing saved for backward depends on the
 placement and the units may as well stay gathered for the whole call:
 
-* on entry every unit with sharded groups is gathered, unit by unit (one all-gather
-  per sharded flat group), and *held*: :meth:`Unit.release` leaves a held unit
+* on entry every unit with sharded groups is gathered (one all-gather per sharded flat
+  group, ``prefetch + 1`` units in flight, as many as the forward keeps), and *held*: :meth:`Unit.release` leaves a held unit
   gathered, so the forward hooks' releases (a unit's post-forward, the root's
   end-of-forward ``release_all``, the gather schedule passing units) change nothing,
   and their gathers find the unit gathered and issue no collective. A forward inside
@@ -144,9 +144,12 @@ def gathered_for_generation(engine, budget_bytes: int | None = None):
     try:
         for u in units:
             u.held = True
-        for u in was_sharded:
+        window = engine.config.prefetch + 1  # in flight at once: what the NVMe slot pool is sized for
+        for k, u in enumerate(was_sharded):
             with torch.profiler.record_function(f"zero::gather_for_generation::{u.name}"):
-                u.gather(engine.comm)
+                for ahead in was_sharded[k:k + window]:
+                    ahead.begin_gather(engine.comm)  # no-op for one already begun
+                u.wait_gather()
         versions = [(s, s.param._version) for u in units for g in u.sharded_groups for s in g.slots]
         yield
         written = [s.fqn for s, v in versions if s.param._version != v]
