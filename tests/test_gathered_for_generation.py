@@ -89,3 +89,93 @@ def test_writes_and_grad_forwards_are_refused_and_an_exception_still_releases(re
         # the write was discarded and nothing else moved: the next step equals DDP's first
         assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5)
         assert case["weights_rel"] < 1e-5
+
+
+# ---- one process (a world of one): the argument checks and the block's bookkeeping ----------------------------
+
+
+def _one_rank_model(stage: int = 3):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zero_strategy as zs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    zs.setup(model, torch.optim.AdamW(model.parameters()), {"stage": stage, "param_persistence_threshold": 0})
+    return model
+
+
+def test_a_negative_budget_and_a_model_not_set_up_are_refused():
+    import torch
+
+    import zero_strategy as zs
+
+    model = _one_rank_model()
+    with pytest.raises(ValueError, match="budget_bytes=-1"):
+        with zs.gathered_for_generation(model, budget_bytes=-1):
+            pass
+    with pytest.raises(ValueError, match="budget_bytes=-1"):
+        zs.gather_once_in_generate(model, budget_bytes=-1)
+    with pytest.raises(ValueError, match="not set up"):
+        with zs.gathered_for_generation(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_a_nested_block_holds_until_the_outer_one_ends():
+    import torch
+
+    import zero_strategy as zs
+
+    model = _one_rank_model()
+    engine = zs.engine_of(model)
+    states = lambda: {u.state.value for u in engine.units if u.sharded_groups}  # noqa: E731
+    with zs.gathered_for_generation(model):
+        with torch.no_grad(), zs.gathered_for_generation(model):
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert states() == {"gathered"}  # the inner exit released nothing
+    assert states() == {"sharded"}
+
+
+def test_inside_a_forward_the_block_is_refused():
+    import torch
+
+    import zero_strategy as zs
+
+    model = _one_rank_model()
+    raised = []
+
+    def enter_inside(module, args):
+        try:
+            with zs.gathered_for_generation(model):
+                pass
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    handle = model.model.layers[0].register_forward_pre_hook(enter_inside)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    handle.remove()
+    assert raised and "between iterations" in raised[0]
+
+
+def test_gather_once_in_generate_makes_generate_gather_once():
+    import torch
+
+    import zero_strategy as zs
+
+    model = _one_rank_model()
+    engine = zs.engine_of(model)
+    seen = []
+    original = engine.units[1].release
+
+    ids = torch.tensor([[1, 2, 3]])
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    per_unit = model.generate(input_ids=ids, **kwargs)
+    zs.gather_once_in_generate(model)
+    engine.units[1].release = lambda: (seen.append(engine.units[1].held), original())
+    once = model.generate(input_ids=ids, **kwargs)
+    assert torch.equal(per_unit, once)
+    assert seen and all(seen[:-1]) and seen[-1] is False  # held during the call, released at its end
