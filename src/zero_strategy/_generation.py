@@ -8,9 +8,10 @@ generation runs without gradients, so nothing saved for backward depends on the
 placement and the units may as well stay gathered for the whole call:
 
 * on entry every unit with sharded groups is gathered (one all-gather per sharded flat
-  group, ``prefetch + 1`` units in flight, as many as the forward keeps), and *held*: :meth:`Unit.release` leaves a held unit
-  gathered, so the forward hooks' releases (a unit's post-forward, the root's
-  end-of-forward ``release_all``, the gather schedule passing units) change nothing,
+  group, ``prefetch + 1`` units in flight, as many as the forward keeps), and *held*:
+  :meth:`Unit.release` leaves a held unit gathered, so the forward hooks' releases (a
+  unit's post-forward, the root's end-of-forward ``release_all``, the gather schedule
+  passing units) change nothing,
   and their gathers find the unit gathered and issue no collective. A forward inside
   the block communicates nothing, so ranks may run different numbers of them: a
   ``generate()`` inside leaves ``synced_gpus`` off (See [Note: generate() under stage 3]

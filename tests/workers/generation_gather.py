@@ -123,7 +123,8 @@ def run_generate(case: dict, out) -> dict:
             "sampled_equal": sampled == expected[True], "per_unit_equal": per_unit == expected[False],
             "uneven_equal": uneven == uneven_expected,
             "gathers_in_block": in_block, "gathers_without_block": without_block,
-            "sharded_groups": sharded_groups(model), "log": [ln for ln in lines.lines if "gathered_for_generation" in ln],
+            "sharded_groups": sharded_groups(model),
+            "log": [ln for ln in lines.lines if "gathered_for_generation" in ln],
             "states_after": unit_states(model)}
 
 

@@ -1,4 +1,4 @@
-"""A Trainer subclass that keeps its own state in ``_save/_load_optimizer_and_scheduler``, resumed through ``zero_trainer``.
+"""A Trainer subclass keeping its own state in ``_save/_load_optimizer_and_scheduler``, resumed via ``zero_trainer``.
 
 ``TrainerWithExtraState`` is written the way a trainer author writes one (GRPOTrainer restores its
 adaptive-entropy state the same way): it counts the micro-batches it trained and the sum of

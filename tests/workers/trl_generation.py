@@ -2,12 +2,12 @@
 
 Run under ``accelerate launch`` with 2 CPU processes. Written the way TRL's docs write a GRPO
 script: a ``GRPOConfig``, a rule-based reward function, a prompt dataset, ``trainer.train()``;
-here the model is a tiny Llama built from a ``LlamaConfig`` with a word-level tokenizer made
-in memory (the model given by path, as the docs give a hub id), ``num_generations=2``, 3 steps, ``use_vllm=False``. Each case trains once; the
-report holds, per case, the completion token ids the reward function received, the logged
-losses, rewards (and KL), the final weights' worst relative difference from the stock run
-with the same ``beta``, and for each ``generate()`` call how many all-gathers the policy
-model's engine issued during it.
+here the model is a tiny Llama built from a ``LlamaConfig`` (given by path, as the docs give
+a hub id) with a word-level tokenizer made in memory, ``num_generations=2``, 3 steps,
+``use_vllm=False``. Each case trains once; the report holds, per case, the completion
+token ids the reward function received, the logged losses, rewards (and KL), the final
+weights' worst relative difference from the stock run with the same ``beta``, and for each
+``generate()`` call how many all-gathers the policy model's engine issued during it.
 
 Cases (``args["cases"]``): ``ref`` / ``ref_beta`` (stock GRPOTrainer, beta 0 / 0.04),
 ``zero2``, ``zero3``, ``zero3_beta`` (the reference model sharded too), ``zero3_tiny_budget``
