@@ -24,6 +24,8 @@ from .api import (
     engine_of,
     full_shapes,
     full_state_dict,
+    gather_once_in_generate,
+    gathered_for_generation,
     gathered_parameters,
     is_set_up,
     memory_report,
@@ -45,7 +47,8 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveDesync", "CollectiveError", "CollectiveTimeout", "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
-    "AvailableMemory", "choose_preset", "comm_stats", "engine_of", "full_shapes", "full_state_dict", "gathered_parameters", "is_set_up", "memory_report",
+    "AvailableMemory", "choose_preset", "comm_stats", "engine_of", "full_shapes", "full_state_dict",
+    "gather_once_in_generate", "gathered_for_generation", "gathered_parameters", "is_set_up", "memory_report",
     "no_sync", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "reset_iter_state", "setup", "teardown", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "load_full_state_dict", "save_checkpoint",

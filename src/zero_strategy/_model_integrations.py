@@ -15,7 +15,12 @@ keeps running dummy forwards until all are done; each step costs one scalar
 all-reduce), and turns it on by itself only for DeepSpeed ZeRO-3 and FSDP. We make it
 the default of every ``GenerationMixin`` module in a set-up model whose parameters
 are sharded over more than one rank; an explicit ``synced_gpus=False`` is kept (and
-a mismatch then ends in :class:`~zero_strategy.CollectiveTimeout`, not a hang).
+a mismatch then ends in :class:`~zero_strategy.CollectiveTimeout`, not a hang). The
+same wrapper runs ``generate()`` inside ``gathered_for_generation`` when
+``gather_once_in_generate(model)`` asked for it (the TRL front end does). Inside that
+block (also one the user opened) every unit stays gathered and a forward issues no
+collective, so ranks may stop at different steps: ``synced_gpus`` is left off there,
+which saves one all-reduce and one wait for the slowest rank per token.
 
 [Note: PEFT merges under stage 3]
 ``merge_and_unload()``, ``merge_adapter()`` and ``unmerge_adapter()`` rewrite base
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import TYPE_CHECKING, Callable
 
 from torch import nn
@@ -58,11 +64,10 @@ def install(model: nn.Module, engine: "ZeroEngine") -> list[Callable[[], None]]:
     generation_mixin = getattr(transformers, "GenerationMixin", None) if transformers else None
     pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
     base_tuner = getattr(peft_tuners, "BaseTuner", None) if peft_tuners else None
-    sharded = engine.plan.shards_parameters and engine.comm.world_size > 1
     undo: list[Callable[[], None]] = []
     for module in model.modules():
-        if sharded and generation_mixin is not None and isinstance(module, generation_mixin):
-            undo.append(shadow(module, "generate", _synced_generate))
+        if engine.plan.shards_parameters and generation_mixin is not None and isinstance(module, generation_mixin):
+            undo.append(shadow(module, "generate", functools.partial(_stage3_generate, engine)))
         if pretrained is not None and isinstance(module, pretrained):
             undo.append(shadow(module, "resize_token_embeddings", _refuse_resize))
         if base_tuner is not None and isinstance(module, base_tuner):
@@ -85,12 +90,21 @@ def shadow(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
     return remove
 
 
-def _synced_generate(original: Callable) -> Callable:
-    """See [Note: generate() under stage 3]."""
+def _stage3_generate(engine: "ZeroEngine", original: Callable) -> Callable:
+    """See [Note: generate() under stage 3]; gathers once when the engine's policy says so
+    (See [Note: gathered for generation] in _generation.py)."""
+    from ._generation import around_generate
+
+    engine_ref = weakref.ref(engine)  # the model holds the wrapper: no cycle through the engine
+
     def generate(*args, **kwargs):
-        if kwargs.get("synced_gpus") is None:
-            kwargs["synced_gpus"] = True
-        return original(*args, **kwargs)
+        engine = engine_ref()
+        if engine is None or engine.ended:
+            return original(*args, **kwargs)
+        with around_generate(engine):
+            if kwargs.get("synced_gpus") is None:  # held gathered, a forward communicates nothing
+                kwargs["synced_gpus"] = engine.comm.world_size > 1 and not engine.generation.active
+            return original(*args, **kwargs)
     return generate
 
 

@@ -41,6 +41,7 @@ from .config import NVMeOffload
 from ._collectives import Collectives
 from ._conversions import unfrozen_names
 from ._flat import FlatGroup, ParamSlot, ShardState
+from ._generation import GenerationGathers, refuse_grad_forward
 from ._hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
 from ._module_state import register_module_state_hooks
 from ._nvme import NVMeStore
@@ -125,6 +126,8 @@ class ZeroEngine:
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
         self.undo_on_teardown: list = []  # what setup adjusted on library models (_model_integrations.py)
+        #: generate() policy and the gathered_for_generation block (_generation.py)
+        self.generation = GenerationGathers()
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step
         self.ended: str | None = None
         #: what zero_strategy.offload_states moved to the host (None: nothing offloaded)
@@ -264,9 +267,12 @@ class ZeroEngine:
             self._assert_state(TrainingState.IDLE)
             if self.offloaded is not None:
                 refuse_while_offloaded(self, "forward (or generate)", ("lp_params",))
+            if self.generation.active and torch.is_grad_enabled():
+                refuse_grad_forward()  # See [Note: gathered for generation] in _generation.py
             self._check_units_in_place()
             self.training_state = TrainingState.FORWARD
-            self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
+            if not self.generation.active:  # held gathered, a forward issues no collective
+                self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
             if self.plan.shards_parameters:
                 self.schedule.begin(Pass.FORWARD)
         self._root_forward_depth += 1

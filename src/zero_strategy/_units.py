@@ -252,6 +252,8 @@ class Unit:
         self.sharded_groups = [g for g in groups if g.shard_params]
         self._gather_handles: list[tuple[FlatGroup, Handle | None]] | None = None
         self._comm: Collectives | None = None  # of the gather in flight, for its error message
+        #: kept gathered by release() while True: See [Note: gathered for generation] in _generation.py
+        self.held = False
 
     def __repr__(self) -> str:
         return f"Unit({self.name}, groups={len(self.groups)}, state={self.state.value})"
@@ -293,6 +295,8 @@ class Unit:
 
     def release(self) -> None:
         self.wait_gather()  # never free memory an all-gather is still writing
+        if self.held:
+            return  # See [Note: gathered for generation] in _generation.py
         for g in self.sharded_groups:
             g.release()
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from . import _auto
 from . import _conversions as conversions
+from . import _generation as generation
 from . import _model_integrations as model_integrations
 from ._collectives import Collectives
 from ._faults import failing_exception
@@ -378,6 +379,39 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
                         g.adopt_replaced_data()
                         engine.comm.broadcast(g.full, src_rank=modifier_rank, label=g.name)
                         g.write_back_gathered()
+
+
+def gathered_for_generation(model: nn.Module, budget_bytes: int | None = None):
+    """Context: at stage 3 every unit stays gathered for the block, for a whole ``generate()``.
+
+    ::
+
+        with torch.no_grad(), zero_strategy.gathered_for_generation(model):
+            out = model.generate(**inputs)
+
+    One all-gather per unit on entry instead of one per unit per new token; released at
+    exit (also when the block raises). Read-only and for no-grad forwards: a parameter
+    written in place raises at exit, a forward with gradients enabled raises at once.
+    ``budget_bytes``: the most this rank may hold gathered; when the whole model's
+    parameters exceed it on some rank, the block gathers per unit as training does (one
+    log line). Default: 3/4 of the free device memory (CPU: of the host memory available
+    to this rank). A no-op at stages 1-2. Every rank must enter it. See [Note: gathered
+    for generation] in _generation.py.
+    """
+    return generation.gathered_for_generation(engine_of(model), budget_bytes)
+
+
+def gather_once_in_generate(model: nn.Module, enabled: bool = True, budget_bytes: int | None = None) -> None:
+    """Make every later ``generate()`` of the model's transformers modules run inside
+    :func:`gathered_for_generation` (``enabled=False``: gather per unit again, the default).
+
+    ``zero_trainer(...)`` turns it on for the trainer's models unless the trainer's arguments
+    say ``ds3_gather_for_generation=False`` (TRL's switch for DeepSpeed ZeRO-3).
+    """
+    if budget_bytes is not None and budget_bytes < 0:
+        raise ValueError(f"gather_once_in_generate: budget_bytes={budget_bytes} must be >= 0 (or None: measured)")
+    policy = engine_of(model).generation
+    policy.once_in_generate, policy.budget_bytes = bool(enabled), budget_bytes
 
 
 @contextlib.contextmanager

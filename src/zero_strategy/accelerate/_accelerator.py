@@ -101,6 +101,9 @@ class ZeroAccelerator(Accelerator):
     #: (Accelerate: yes, with a warning) or must equal it (the HF Trainer's integration).
     deepspeed_auto_gradient_clipping: float | None = 1.0
     deepspeed_accumulation_wins: bool = True
+    #: every generate() of the models this accelerator sets up gathers each unit once (stage 3;
+    #: ``zero_strategy.gather_once_in_generate``); the Trainer front end turns it on
+    gather_once_in_generate: bool = False
 
     def __init__(self, zero_config=None, *, param_init_fn=None, **accelerator_kwargs):
         adopt_deepspeed_launch()  # see [Note: adopting a DeepSpeed launch] in _launch.py
@@ -286,6 +289,7 @@ class ZeroAccelerator(Accelerator):
             _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config,
                                  param_init_fn=self.param_init_fn)
             self._adopt_auto_choice(model)
+            api.gather_once_in_generate(model, self.gather_once_in_generate)
             zopts = zopts if isinstance(zopts, list) else [zopts]
             record = ZeroModelRecord(model)
             for (i, _, ids), zopt in zip(entries, zopts):
@@ -330,6 +334,7 @@ class ZeroAccelerator(Accelerator):
             model = model.to(self.device)
         api.setup(model, None, self._zero_config, param_init_fn=self.param_init_fn)
         self._adopt_auto_choice(model)
+        api.gather_once_in_generate(model, self.gather_once_in_generate)
         self._zero_records.append(ZeroModelRecord(model, frozen=True))
         if model not in self._models:
             self._models.append(model)

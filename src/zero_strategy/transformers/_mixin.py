@@ -25,7 +25,27 @@ builds that subclass, once per class.
   sharded optimizer is rank 0's shard. We save every rank's shard (and the fp32
   masters) with :func:`zero_strategy.save_checkpoint` into ``checkpoint-N/zero_checkpoint``
   and load it back re-sharded, so ``train(resume_from_checkpoint=...)`` continues the
-  same run, also on another number of processes or another stage.
+  same run, also on another number of processes or another stage. The subclass's own
+  overrides still run (See [Note: the subclass's checkpoint overrides]).
+* ``generate()``: every generate of the trainer's models gathers the units once
+  (the accelerator calls ``zero_strategy.gather_once_in_generate`` on each model it
+  sets up, the policy when ``train()`` prepares it), unless the arguments say
+  ``ds3_gather_for_generation=False``, TRL's switch for DeepSpeed ZeRO-3, which then
+  means per-unit gathering here as there. TRL's trainers (GRPO, RLOO, online DPO, GKD,
+  distillation, the completion-logging callbacks) all generate through ``model.generate``
+  inside ``unwrap_model_for_generation``, whose DeepSpeed gather does not apply to us;
+  nothing of TRL is patched.
+
+[Note: the subclass's checkpoint overrides]
+``zero_trainer(Name)`` builds ``Zero<Name>(ZeroTrainerMixin, Name, _StockCheckpointFloor)``,
+whose MRO is ``Zero<Name>, ZeroTrainerMixin, Name, ..., _StockCheckpointFloor, Trainer``:
+the floor sits right above ``transformers.Trainer``. The mixin saves / loads the ZeRO
+record and then calls ``super()``, so ``Name``'s own overrides run (GRPOTrainer restores
+``entropy_ctrl_state.json`` in ``_load_optimizer_and_scheduler``); when their ``super()``
+calls reach the floor, it stops them on a ZeRO model, because the stock implementation
+would save or load rank 0's shard as ``optimizer.pt``. A class written by hand as
+``(ZeroTrainerMixin, Name)`` without the floor keeps the old behaviour: its overrides
+of these two methods are not called on a ZeRO model.
 * ``save_model``: every rank takes part in consolidating the fp32 weights
   (``full_state_dict(rank0_only=True)``); the main process writes them with
   ``save_pretrained``, so ``from_pretrained(checkpoint-N)`` works, also under stage 3.
@@ -119,7 +139,10 @@ class ZeroTrainerMixin:
             super().create_accelerator_and_postprocess()
         finally:
             hf_trainer.Accelerator = stock
-        if not isinstance(self.accelerator, ZeroAccelerator):
+        if isinstance(self.accelerator, ZeroAccelerator):  # See [Note: what is overridden and why] (generate)
+            once = getattr(self.args, "ds3_gather_for_generation", True) is not False
+            self.accelerator.gather_once_in_generate = once
+        else:
             import transformers
 
             raise RuntimeError(
@@ -159,12 +182,11 @@ class ZeroTrainerMixin:
         save_checkpoint(os.path.join(output_dir, ZERO_CHECKPOINT_DIR), record.model, self._optimizers(record))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        self._subclass_checkpoint_chain("_save_optimizer_and_scheduler", output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
         record = self._zero_record()
-        if record is None:
+        if record is None or checkpoint is None:  # with a record, the floor stops the stock load
             return super()._load_optimizer_and_scheduler(checkpoint)
         ckpt = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
         if not os.path.isdir(ckpt):
@@ -175,6 +197,12 @@ class ZeroTrainerMixin:
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler) and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        self._subclass_checkpoint_chain("_load_optimizer_and_scheduler", checkpoint)
+
+    def _subclass_checkpoint_chain(self, name: str, path: str) -> None:
+        """The trainer class's own ``name`` after the ZeRO part; See [Note: the subclass's checkpoint overrides]."""
+        if isinstance(self, _StockCheckpointFloor):
+            getattr(super(), name)(path)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Consolidated fp32 weights via ``save_pretrained`` on the main process; every rank must call it."""
@@ -205,11 +233,25 @@ class ZeroTrainerMixin:
         load_sharded_weights(record.model, safetensors_reader(best))
 
 
+class _StockCheckpointFloor(Trainer):
+    """Right above ``Trainer`` in a ``zero_trainer`` class's MRO: the stock optimizer save / load
+    does not run on a ZeRO model. See [Note: the subclass's checkpoint overrides]."""
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._zero_record() is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._zero_record() is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+
 _ZERO_CLASSES: dict[type, type] = {}
 
 
 def zero_trainer(trainer_cls: type) -> type:
-    """The ZeRO version of a ``transformers.Trainer`` subclass: ``Zero<Name>(ZeroTrainerMixin, trainer_cls)``.
+    """The ZeRO version of a ``transformers.Trainer`` subclass: ``Zero<Name>(ZeroTrainerMixin, trainer_cls)``
+    (and a floor above ``Trainer``: See [Note: the subclass's checkpoint overrides]).
 
     Takes every argument ``trainer_cls`` takes, plus ``zero_config``. The same class comes
     back for the same ``trainer_cls`` (``zero_trainer(Trainer) is ZeroTrainer``), and a class
@@ -222,7 +264,9 @@ def zero_trainer(trainer_cls: type) -> type:
     made = _ZERO_CLASSES.get(trainer_cls)
     if made is None:
         name = f"Zero{trainer_cls.__name__}"
-        made = type(name, (ZeroTrainerMixin, trainer_cls), {
+        bases = (ZeroTrainerMixin, trainer_cls, _StockCheckpointFloor) if trainer_cls is not Trainer else (
+            ZeroTrainerMixin, _StockCheckpointFloor)
+        made = type(name, bases, {
             "__module__": __name__, "__qualname__": name,
             "__doc__": f"``{trainer_cls.__qualname__}`` trained with ZeRO; see ``ZeroTrainerMixin``.\n\n"
                        + (trainer_cls.__doc__ or ""),
