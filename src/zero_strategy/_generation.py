@@ -54,6 +54,7 @@ import torch
 from ._auto import HEADROOM, _size, host_available_bytes
 from ._flat import ShardState
 from ._logging import rank_zero_logger
+from ._offload_states import offloaded_for_generation
 
 logger = rank_zero_logger("zero_strategy")
 
@@ -169,8 +170,14 @@ def gathered_for_generation(engine, budget_bytes: int | None = None):
                                                          len(was_sharded))
 
 
+@contextlib.contextmanager
 def around_generate(engine):
-    """The context every ``generate()`` of the model runs in: the block when the policy says so."""
-    if engine.generation.once_in_generate:
-        return gathered_for_generation(engine, engine.generation.budget_bytes)
-    return contextlib.nullcontext()
+    """The context every ``generate()`` of the model runs in: the training state the config names
+    off the device first (``offload_states_during_generation``, which frees memory for the
+    gathers), then the block when the policy says so."""
+    with offloaded_for_generation(engine):
+        if engine.generation.once_in_generate:
+            with gathered_for_generation(engine, engine.generation.budget_bytes):
+                yield
+        else:
+            yield

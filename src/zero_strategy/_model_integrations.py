@@ -66,8 +66,9 @@ def install(model: nn.Module, engine: "ZeroEngine") -> list[Callable[[], None]]:
     base_tuner = getattr(peft_tuners, "BaseTuner", None) if peft_tuners else None
     undo: list[Callable[[], None]] = []
     for module in model.modules():
-        if engine.plan.shards_parameters and generation_mixin is not None and isinstance(module, generation_mixin):
-            undo.append(shadow(module, "generate", functools.partial(_stage3_generate, engine)))
+        wraps_generate = engine.plan.shards_parameters or engine.config.offload_states_during_generation
+        if wraps_generate and generation_mixin is not None and isinstance(module, generation_mixin):
+            undo.append(shadow(module, "generate", functools.partial(_engine_generate, engine)))
         if pretrained is not None and isinstance(module, pretrained):
             undo.append(shadow(module, "resize_token_embeddings", _refuse_resize))
         if base_tuner is not None and isinstance(module, base_tuner):
@@ -90,9 +91,10 @@ def shadow(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
     return remove
 
 
-def _stage3_generate(engine: "ZeroEngine", original: Callable) -> Callable:
-    """See [Note: generate() under stage 3]; gathers once when the engine's policy says so
-    (See [Note: gathered for generation] in _generation.py)."""
+def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
+    """See [Note: generate() under stage 3]; gathers once when the engine's policy says so (See
+    [Note: gathered for generation] in _generation.py), with the training state the config names
+    (``offload_states_during_generation``) off the device meanwhile, at every stage."""
     from ._generation import around_generate
 
     engine_ref = weakref.ref(engine)  # the model holds the wrapper: no cycle through the engine
@@ -102,7 +104,7 @@ def _stage3_generate(engine: "ZeroEngine", original: Callable) -> Callable:
         if engine is None or engine.ended:
             return original(*args, **kwargs)
         with around_generate(engine):
-            if kwargs.get("synced_gpus") is None:  # held gathered, a forward communicates nothing
+            if kwargs.get("synced_gpus") is None and engine.plan.shards_parameters:  # held gathered: no collective
                 kwargs["synced_gpus"] = engine.comm.world_size > 1 and not engine.generation.active
             return original(*args, **kwargs)
     return generate

@@ -50,6 +50,7 @@ counts the moved bytes as "offloaded" on every machine; the memory a GPU gets ba
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -266,3 +267,19 @@ def reload(engine, *, non_blocking: bool) -> None:
     if engine.device.type == "cuda" and not non_blocking:
         torch.cuda.current_stream(engine.device).synchronize()
     engine.offloaded = None  # the host copies go with the record (pinned blocks wait for their copies)
+
+
+@contextlib.contextmanager
+def offloaded_for_generation(engine):
+    """Around a generation phase: the kinds of ``ZeroConfig(offload_states_during_generation=...)``
+    off the compute device, back afterwards (also when generation raises). Off when the knob is
+    off, and when the user offloaded states already (they stay as the user left them)."""
+    kinds = engine.config.offload_states_during_generation
+    if not kinds or engine.offloaded is not None:
+        yield
+        return
+    offload(engine, engine.optimizers(), kinds, pin_memory=True, non_blocking=False)
+    try:
+        yield
+    finally:
+        reload(engine, non_blocking=False)

@@ -299,12 +299,10 @@ def states_offloaded(model: nn.Module, optimizer=None, include=None, *, pin_memo
 
 
 def states_offloaded_for_generation(model: nn.Module) -> contextlib.AbstractContextManager:
-    """What the front ends wrap around a generation phase: :func:`states_offloaded` with the kinds
-    of ``ZeroConfig(offload_states_during_generation=...)``, or a no-op context when it is off."""
-    kinds = engine_of(model).config.offload_states_during_generation
-    if not kinds:
-        return contextlib.nullcontext()
-    return states_offloaded(model, include=kinds)
+    """What a generation phase runs in: :func:`states_offloaded` with the kinds of
+    ``ZeroConfig(offload_states_during_generation=...)``, or nothing when it is off. Every
+    ``generate()`` of a set-up model runs in it by itself; this is for other rollout code."""
+    return offload_states_impl.offloaded_for_generation(engine_of(model))
 
 
 def comm_stats(model: nn.Module) -> dict:
