@@ -52,7 +52,7 @@ from ._placement import single_device, swap_bytes
 from ._reduce import MAX_IN_FLIGHT, ReduceQueue
 from ._schedule import GatherSchedule, Pass
 from ._tree import map_tensors, tensors_in
-from ._units import Unit, build_units
+from ._units import Unit, build_units, refuse_replaced_units
 from ._untouched import StepAgreements
 
 
@@ -269,7 +269,7 @@ class ZeroEngine:
                 refuse_while_offloaded(self, "forward (or generate)", ("lp_params",))
             if self.generation.active and torch.is_grad_enabled():
                 refuse_grad_forward()  # See [Note: gathered for generation] in _generation.py
-            self._check_units_in_place()
+            refuse_replaced_units(self.model, self.units[1:])
             self.training_state = TrainingState.FORWARD
             if not self.generation.active:  # held gathered, a forward issues no collective
                 self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
@@ -282,24 +282,6 @@ class ZeroEngine:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t  # noqa: E731
             return map_tensors(args, cast), map_tensors(kwargs, cast)
         return None
-
-    def _check_units_in_place(self) -> None:
-        """Refuse a unit module replaced in the model after setup (``model.layers[i] =
-        torch.compile(block)``): the engine's hooks stay on the old module object and the
-        parameters' names change under the engine, so checkpoints and state dicts would
-        disagree with the names recorded at setup. See [Note: torch.compile and the hooks]."""
-        for unit in self.units[1:]:
-            try:
-                found = self.model.get_submodule(unit.name)
-            except AttributeError:
-                found = None
-            if found is not unit.module:
-                raise RuntimeError(
-                    f"zero_strategy: unit {unit.name!r} was replaced in the model after setup (now "
-                    f"{type(found).__name__}), e.g. by model.layers[i] = torch.compile(block). The engine "
-                    "shards the module it found at setup and its parameter names. Compile in place "
-                    "instead (block.compile(), torchtitan-style, or torch.compile(model)), or replace "
-                    "blocks before zero_strategy.setup / Trainer / accelerator.prepare.")
 
     def _gather_root_on_demand(self, module, args) -> None:
         """Inside the root's forward (the usual call) the root is gathered already: this test

@@ -386,3 +386,23 @@ def build_units(
         if groups or unit_name == ROOT:
             units.append(Unit(unit_name, modules[unit_name], groups, is_root=unit_name == ROOT))
     return units
+
+
+def refuse_replaced_units(model: nn.Module, units: list[Unit]) -> None:
+    """Refuse a unit module replaced in the model after setup (``model.layers[i] =
+    torch.compile(block)``): the engine's hooks stay on the old module object and the
+    parameters' names change under the engine, so checkpoints and state dicts would
+    disagree with the names recorded at setup. See [Note: torch.compile and the hooks]
+    in _hook_tools.py."""
+    for unit in units:
+        try:
+            found = model.get_submodule(unit.name)
+        except AttributeError:
+            found = None
+        if found is not unit.module:
+            raise RuntimeError(
+                f"zero_strategy: unit {unit.name!r} was replaced in the model after setup (now "
+                f"{type(found).__name__}), e.g. by model.layers[i] = torch.compile(block). The engine "
+                "shards the module it found at setup and its parameter names. Compile in place "
+                "instead (block.compile(), torchtitan-style, or torch.compile(model)), or replace "
+                "blocks before zero_strategy.setup / Trainer / accelerator.prepare.")

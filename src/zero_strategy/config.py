@@ -28,21 +28,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 
-from ._state_kinds import TRAINING_ONLY, parse_kinds
 from ._config_values import (  # ZeroConfigError is public here too
     _DTYPES,
     ZeroConfigError,
     _as_bool,
     _as_dtype_name,
     _as_float,
+    _as_generation_offload,
     _as_int,
+    _as_unit_classes,
     _check_keys,
     _suggest,
     FILE_SUFFIXES,
@@ -481,41 +482,6 @@ class ZeroConfig:
 
 
 _FIELD_NAMES = [f.name for f in dataclasses.fields(ZeroConfig)]
-
-
-def _as_generation_offload(value: Any) -> tuple[str, ...]:
-    """``offload_states_during_generation``: False/True/kinds -> the tuple of kinds (empty: off)."""
-    key = "offload_states_during_generation"
-    if isinstance(value, bool):
-        return TRAINING_ONLY if value else ()
-    if value is None:
-        return ()
-    try:
-        kinds = parse_kinds(value, key)
-    except (TypeError, ValueError) as err:
-        raise ZeroConfigError(key, str(err).split(": ", 1)[-1],
-                              "Write true, false, or a list such as [optim_states, hp_params].") from None
-    if "lp_params" in kinds:
-        raise ZeroConfigError(key, "lp_params (the parameters) cannot be offloaded during generation: "
-                              "generation runs the model's forward on them",
-                              "Drop lp_params/params; call zero_strategy.offload_states(model, include=[...]) "
-                              "yourself around a phase that does not use the model (a separate vLLM engine).")
-    return kinds
-
-
-def _as_unit_classes(value: Any) -> tuple[str, ...]:
-    items = [value] if isinstance(value, (str, type)) else value
-    if not isinstance(items, Iterable) or isinstance(items, Mapping):
-        raise ZeroConfigError("unit_classes", f"expected a class name or a list of them, got {value!r}",
-                              'Write e.g. unit_classes: ["LlamaDecoderLayer"].')
-    names = []
-    for item in items:
-        name = item.__name__ if isinstance(item, type) else item
-        if not isinstance(name, str) or not name.strip():
-            raise ZeroConfigError("unit_classes", f"expected class names, got {item!r}",
-                                  'Write e.g. unit_classes: ["LlamaDecoderLayer"].')
-        names.append(name.strip())
-    return tuple(names)
 
 
 # ------------------------------------------------------------------ presets
