@@ -270,16 +270,22 @@ def reload(engine, *, non_blocking: bool) -> None:
 
 
 @contextlib.contextmanager
-def offloaded_for_generation(engine):
-    """Around a generation phase: the kinds of ``ZeroConfig(offload_states_during_generation=...)``
-    off the compute device, back afterwards (also when generation raises). Off when the knob is
-    off, and when the user offloaded states already (they stay as the user left them)."""
-    kinds = engine.config.offload_states_during_generation
-    if not kinds or engine.offloaded is not None:
-        yield
-        return
-    offload(engine, engine.optimizers(), kinds, pin_memory=True, non_blocking=False)
+def offloaded(engine, optimizers: list, include, *, pin_memory: bool, non_blocking: bool):
+    """:func:`offload` on entry, :func:`reload` on exit (also when the block raises). When states
+    were offloaded before the block, it leaves them, and what it added, offloaded."""
+    before = engine.offloaded is not None
+    offload(engine, optimizers, include, pin_memory=pin_memory, non_blocking=non_blocking)
     try:
         yield
     finally:
-        reload(engine, non_blocking=False)
+        if not before:
+            reload(engine, non_blocking=non_blocking)
+
+
+def offloaded_for_generation(engine) -> contextlib.AbstractContextManager:
+    """Around a generation phase: :func:`offloaded` with the kinds of
+    ``ZeroConfig(offload_states_during_generation=...)``, nothing when the knob is off."""
+    kinds = engine.config.offload_states_during_generation
+    if not kinds:
+        return contextlib.nullcontext()
+    return offloaded(engine, engine.optimizers(), kinds, pin_memory=True, non_blocking=False)

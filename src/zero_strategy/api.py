@@ -281,21 +281,15 @@ def reload_states(model: nn.Module, optimizer=None, non_blocking: bool = False) 
     offload_states_impl.reload(engine, non_blocking=non_blocking)
 
 
-@contextlib.contextmanager
 def states_offloaded(model: nn.Module, optimizer=None, include=None, *, pin_memory: bool = True,
-                     non_blocking: bool = False) -> Iterator[None]:
+                     non_blocking: bool = False) -> contextlib.AbstractContextManager:
     """Context: :func:`offload_states` on entry, :func:`reload_states` on exit (also when the block
     raises). For a rollout phase: ``with zs.states_offloaded(model, include=["optim_states", ...]):
     outputs = model.generate(...)``. When states were offloaded before the block already, it leaves
     them, and what it added, offloaded (``reload_states`` brings everything back)."""
     engine = engine_of(model)
-    before = set(engine.offloaded.kinds) if engine.offloaded is not None else set()
-    offload_states(model, optimizer, include, pin_memory=pin_memory, non_blocking=non_blocking)
-    try:
-        yield
-    finally:
-        if not before:
-            reload_states(model, non_blocking=non_blocking)
+    return offload_states_impl.offloaded(engine, _optimizers_of(engine, optimizer, "zero_strategy.states_offloaded"),
+                                         include, pin_memory=pin_memory, non_blocking=non_blocking)
 
 
 def states_offloaded_for_generation(model: nn.Module) -> contextlib.AbstractContextManager:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import sys
 import traceback
@@ -75,3 +76,14 @@ def finish(out: Path, report: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class LogLines(logging.Handler):
+    """Collects the messages of a logger it is added to (``logging.getLogger("zero_strategy")``)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())

@@ -18,31 +18,11 @@ import torch
 from _worker import finish
 from zero_strategy.transformers import ZeroTrainer  # before TrainingArguments (see its module note)
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
+from _tiny_trainer_data import Tokens, make_model  # noqa: E402
 
-VOCAB, SEQ, EXAMPLES = 64, 16, 16
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        g = torch.Generator().manual_seed(5)
-        self.ids = torch.randint(0, VOCAB, (EXAMPLES, SEQ), generator=g)
-
-    def __len__(self):
-        return EXAMPLES
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def make_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
 
 
 def arguments(output_dir: Path, save: bool = True) -> TrainingArguments:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _worker import finish, run_named_cases, start, worst_rel_diff
+from _worker import LogLines, finish, run_named_cases, start, worst_rel_diff
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import zero_strategy as zs
@@ -54,15 +54,6 @@ def generate(model, ids: torch.Tensor, sample: bool) -> list[list[int]]:
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, pad_token_id=0,
                          **kwargs)
     return out.tolist()
-
-
-class LogLines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def gathers(model) -> int:

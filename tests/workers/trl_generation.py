@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from _worker import finish, worst_rel_diff
+from _worker import LogLines, finish, worst_rel_diff
 from zero_strategy.transformers import zero_trainer  # before any TrainingArguments (see its module note)
 
 import datasets  # noqa: E402
@@ -135,15 +135,6 @@ class Instrument(TrainerCallback):
                 self.counts.append(stats.all_gather.calls - before)
 
         model.__dict__["generate"] = generate
-
-
-class LogLines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def main() -> None:
