@@ -3,7 +3,7 @@ exact: whatever the batching, the result equals ``torch.optim`` on the unsharded
 
 Two concerns:
 
-* which groups are stepped together (``_step_batches``): every group exactly once, in
+* which groups are stepped together (``step_batches``): every group exactly once, in
   order; a group that stepped during backward (overlap_step) and a master that cannot
   step beside others (NVMe) are alone; a batch closes once it holds
   ``STEP_BATCH_NUMEL`` elements;
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
-from zero_strategy import _optimizer
+from zero_strategy import _offload, _optimizer
 
 
 def _group(name: str, numel: int, together: bool = True):
@@ -38,31 +38,31 @@ def _names(batches):
 
 
 def test_every_group_once_in_order_and_batches_close_at_the_threshold(monkeypatch):
-    monkeypatch.setattr(_optimizer, "STEP_BATCH_NUMEL", 10)
+    monkeypatch.setattr(_offload, "STEP_BATCH_NUMEL", 10)
     groups = [_group(c, n) for c, n in zip("abcdefg", (4, 4, 4, 12, 1, 1, 3))]
-    batches = list(_optimizer._step_batches(groups, early={}))
+    batches = list(_offload.step_batches(groups, early={}))
     # a: 4, +b: 8, +c: 12 >= 10 closes; d alone reaches 12; e, f, g: 5 (the rest)
     assert _names(batches) == [["a", "b", "c"], ["d"], ["e", "f", "g"]]
     assert [g.name for batch, _ in batches for g in batch] == list("abcdefg")
 
 
 def test_rest_lists_the_groups_after_each_batch(monkeypatch):
-    monkeypatch.setattr(_optimizer, "STEP_BATCH_NUMEL", 5)
+    monkeypatch.setattr(_offload, "STEP_BATCH_NUMEL", 5)
     groups = [_group(c, 3) for c in "abcd"]
-    rests = [[g.name for g in rest] for _, rest in _optimizer._step_batches(groups, early={})]
+    rests = [[g.name for g in rest] for _, rest in _offload.step_batches(groups, early={})]
     assert rests == [["c", "d"], []]
 
 
 def test_early_and_untogether_groups_step_alone(monkeypatch):
-    monkeypatch.setattr(_optimizer, "STEP_BATCH_NUMEL", 100)
+    monkeypatch.setattr(_offload, "STEP_BATCH_NUMEL", 100)
     groups = [_group("a", 1), _group("b", 1), _group("c", 1), _group("nvme", 1, together=False),
               _group("d", 1), _group("e", 1)]
     early = {id(groups[1]): object()}
-    assert _names(_optimizer._step_batches(groups, early)) == [["a"], ["b"], ["c"], ["nvme"], ["d", "e"]]
+    assert _names(_offload.step_batches(groups, early)) == [["a"], ["b"], ["c"], ["nvme"], ["d", "e"]]
 
 
 def test_no_groups_no_batches():
-    assert list(_optimizer._step_batches([], early={})) == []
+    assert list(_offload.step_batches([], early={})) == []
 
 
 # ------------------------------------------------------------------ numbers vs torch.optim
@@ -142,10 +142,10 @@ def _zero(opt_name: str, precision: str, stage: int):
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("threshold", [1, 700, 10**9], ids=["alone", "several", "one-call"])
 def test_batched_offloaded_step_equals_torch_optim(monkeypatch, stage, precision, opt_name, threshold):
-    monkeypatch.setattr(_optimizer, "STEP_BATCH_NUMEL", threshold)
+    monkeypatch.setattr(_offload, "STEP_BATCH_NUMEL", threshold)
     calls = []
-    real = _optimizer._step_batches
-    monkeypatch.setattr(_optimizer, "_step_batches",
+    real = _offload.step_batches
+    monkeypatch.setattr(_optimizer, "step_batches",  # the name the optimizer calls
                         lambda groups, early: [calls.append(len(b)) or (b, r) for b, r in real(groups, early)])
     ref_losses, ref_state = _reference(opt_name, precision)
     losses, state, groups = _zero(opt_name, precision, stage)

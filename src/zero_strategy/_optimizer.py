@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ._loss_scale import LossScaler
+from ._offload import step_batches
 from ._offload_states import refuse_while_offloaded
 from ._state import ZeroEngine
 from ._untouched import keep_untouched
@@ -345,7 +346,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         read_ahead = self.engine.swap.policy.read_ahead if self.engine.swap is not None else 0
         early, self._early = self._early, {}
         jobs = []  # (groups, future of their upload events), in group order
-        for batch, rest in _step_batches(groups, early):
+        for batch, rest in step_batches(groups, early):
             fut = early.pop(id(batch[0]), None) if len(batch) == 1 else None
             jobs.append((batch, fut or pool.submit(self._cpu_step_groups, batch, factor, rest[:read_ahead])))
         handles = []
@@ -448,40 +449,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
             g.masters.track_optimizer_state(self.optimizer.state.get(g.master, {}), replace=True)
         self.scaler.load_state_dict(state_dict["loss_scaler"])
-
-
-#: the fewest master elements one CPU optimizer call steps (see [Note: step batches])
-STEP_BATCH_NUMEL = 1 << 23
-
-
-def _step_batches(groups: list, early: dict):
-    """Split ``groups`` (in order) into the batches the CPU worker steps in one call each.
-
-    [Note: step batches]
-    One optimizer call has a fixed cost (Python dispatch over every param group, the
-    kernel launch, a worker hand-off: ~0.1-0.3 ms) that 16 small groups pay 16 times;
-    on a 1M-parameter model that was most of the step. Consecutive groups are stepped
-    together until a batch holds ``STEP_BATCH_NUMEL`` elements (8M: ~0.3 ms of Adam on
-    two cores, so the fixed cost stays under a few percent while a large model still
-    pipelines its uploads and all-gathers with the next batch's step). A group that
-    already stepped during backward (overlap_step) is its own batch, and a master that
-    cannot step beside others (``steps_together`` false: NVMe, whose host slots are
-    few) steps alone. Yields ``(batch, groups after it)``.
-    """
-    batch: list = []
-    size = 0
-    for i, g in enumerate(groups):
-        alone = id(g) in early or not g.masters.steps_together
-        if batch and (alone or size >= STEP_BATCH_NUMEL):
-            yield batch, groups[i:]
-            batch, size = [], 0
-        batch.append(g)
-        size += g.master.numel()
-        if alone:
-            yield batch, groups[i + 1:]
-            batch, size = [], 0
-    if batch:
-        yield batch, []
 
 
 def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
