@@ -13,11 +13,11 @@ from .config import (
     ZeroConfigError,
     preset_names,
 )
-from ._collectives import CollectiveDesync, CollectiveError, CollectiveTimeout
+from ._comm.collectives import CollectiveDesync, CollectiveError, CollectiveTimeout
 from .estimate import MemoryEstimate, estimate_memory
-from ._memory import MemoryReport
-from ._optimizer import ZeroOptimizer
-from ._auto import AvailableMemory
+from ._engine.memory import MemoryReport
+from ._optim.optimizer import ZeroOptimizer
+from ._zero_auto import AvailableMemory
 from .api import (
     choose_preset,
     comm_stats,

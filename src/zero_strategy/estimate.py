@@ -310,7 +310,7 @@ def estimate_memory(
 
 @dataclass(frozen=True)
 class UnitSizes:
-    """Parameter elements of the stage-3 units of a model (see [Note: choosing units] in _units.py).
+    """Parameter elements of the stage-3 units of a model (see [Note: choosing units] in _engine/units.py).
 
     ``root``: elements outside every unit (embeddings, final norm, head), gathered from the
     start of forward to the end of backward; ``largest``: the largest unit; ``count``: units.
@@ -329,7 +329,7 @@ class UnitSizes:
 
 def unit_sizes(model: torch.nn.Module, unit_classes: Sequence[str] = ()) -> UnitSizes:
     """Units as setup would choose them; reads only ``numel`` (works on the meta device)."""
-    from ._units import find_unit_modules
+    from ._engine.units import find_unit_modules
 
     units = find_unit_modules(model, tuple(unit_classes))
     seen: set[int] = set()

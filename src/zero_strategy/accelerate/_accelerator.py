@@ -52,7 +52,7 @@ from accelerate.utils.other import compile_regions_deepspeed, is_compiled_module
 from torch import nn
 
 from .. import api
-from .._plan import plan_for
+from .._engine.plan import plan_for
 from ..config import ZeroConfig
 from . import _checkpointing
 from ._config import apply_precision, choose_spec, deepspeed_accumulation_steps, describe, load_config
@@ -238,7 +238,7 @@ class ZeroAccelerator(Accelerator):
         with ``use_regional_compilation``, ``block.compile()`` on each repeated block
         (Accelerate's own in-place variant for DeepSpeed). Compilation is lazy: tracing
         starts at the first forward, after setup, with the engine's hooks run eagerly
-        around the compiled code (See [Note: torch.compile and the hooks] in _hook_tools.py).
+        around the compiled code (See [Note: torch.compile and the hooks] in _engine/hook_tools.py).
         """
         plugin = self.state.dynamo_plugin
         if plugin.backend == DynamoBackend.NO or is_compiled_module(model):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from accelerate.optimizer import AcceleratedOptimizer
 
-from .._optimizer import ZeroOptimizer
+from .._optim.optimizer import ZeroOptimizer
 
 
 class ZeroAcceleratedOptimizer(AcceleratedOptimizer):

@@ -265,7 +265,7 @@ def resolve_zero_optimizers(engine, optimizer) -> list:
     """
     if optimizer is None:
         return []
-    from .._optimizer import ZeroOptimizer
+    from .._optim.optimizer import ZeroOptimizer
 
     given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     mine = engine.optimizers()

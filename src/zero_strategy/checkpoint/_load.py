@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._offload_states import refuse_while_offloaded
+from .._engine.offload_states import refuse_while_offloaded
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata,
                       resolve_zero_optimizers)

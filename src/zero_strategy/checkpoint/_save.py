@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .._offload_states import refuse_while_offloaded
+from .._engine.offload_states import refuse_while_offloaded
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
                       GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,

@@ -29,7 +29,7 @@ from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroFabricPrecision, check_precision_flag
 from ._rank_zero import on_rank_zero
-from .._optimizer import ZeroOptimizer
+from .._optim.optimizer import ZeroOptimizer
 
 _KEYS = "__zero_strategy_fabric__"
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from .. import api as zs_api
-from .._optimizer import ZeroOptimizer
+from .._optim.optimizer import ZeroOptimizer
 
 
 def setup_model_and_optimizers(model: torch.nn.Module, optimizers: list, config, device=None,

@@ -48,7 +48,9 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import api as zs
-from . import _checkpoint, _summary, _toggle
+from . import _checkpoint
+from . import _summary
+from . import _toggle
 from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
@@ -363,7 +365,7 @@ class ZeroStrategy(DDPStrategy):
         if not state_dict:
             return  # a sharded checkpoint: loaded in load_checkpoint
         # a full state dict from a plain .ckpt (e.g. a DDP run), read by every rank: load_state_dict
-        # on a set-up model writes each rank's slices into the shards and fp32 masters (_module_state.py)
+        # on a set-up model writes each rank's slices into the shards and fp32 masters (_engine/module_state.py)
         self.lightning_module.load_state_dict(state_dict, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:

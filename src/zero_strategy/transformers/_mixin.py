@@ -74,7 +74,7 @@ import transformers.trainer as hf_trainer
 from transformers import Trainer, TrainerCallback
 
 from .. import api
-from .._plan import plan_for
+from .._engine.plan import plan_for
 from ..accelerate import ZeroAccelerator
 from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint
 from ._vllm_sync import adopt_vllm_weight_sync, weight_push_overrides

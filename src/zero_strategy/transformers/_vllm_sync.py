@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .. import api
-from .._plan import plan_for
+from .._engine.plan import plan_for
 
 _ZERO_GENERATION_CLASSES: dict[type, type] = {}
 _STREAMING_PUSHES: set = set()  # the _move_model_to_vllm_inner overrides made by weight_push_overrides

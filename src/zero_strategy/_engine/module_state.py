@@ -57,12 +57,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from ._flat import FlatGroup, ShardState
-from ._offload_states import refuse_while_offloaded
-from ._units import Unit
+from .flat import FlatGroup, ShardState
+from .offload_states import refuse_while_offloaded
+from .units import Unit
 
 if TYPE_CHECKING:  # the engine imports this module
-    from ._state import ZeroEngine
+    from .engine import ZeroEngine
 
 
 class _Call:
@@ -143,7 +143,7 @@ class ModuleStateHooks:
             if self.engine.offloaded is not None and self._sharded_unit_of:  # stage 3 would gather
                 refuse_while_offloaded(self.engine, "model.state_dict()", ("lp_params",))
             call = self._save = _Call(module)
-            self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _waits.py
+            self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _comm/waits.py
         self._gather_for(call, module)
 
     def after_save(self, module: nn.Module, destination: dict, prefix: str) -> None:

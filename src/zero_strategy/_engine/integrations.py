@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Callable
 from torch import nn
 
 if TYPE_CHECKING:
-    from ._state import ZeroEngine
+    from .engine import ZeroEngine
 
 _PEFT_MERGES = ("merge_and_unload", "merge_adapter", "unmerge_adapter")
 
@@ -93,9 +93,9 @@ def shadow(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
 
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
     """See [Note: generate() under stage 3]; gathers once when the engine's policy says so (See
-    [Note: gathered for generation] in _generation.py), with the training state the config names
+    [Note: gathered for generation] in _engine/generation.py), with the training state the config names
     (``offload_states_during_generation``) off the device meanwhile, at every stage."""
-    from ._generation import around_generate
+    from .generation import around_generate
 
     engine_ref = weakref.ref(engine)  # the model holds the wrapper: no cycle through the engine
 
@@ -113,7 +113,7 @@ def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
 def _merge_gathered(root: nn.Module, original: Callable) -> Callable:
     """See [Note: PEFT merges under stage 3]."""
     def merge(*args, **kwargs):
-        from .api import modified_on_every_rank
+        from ..api import modified_on_every_rank
 
         with modified_on_every_rank(root):
             return original(*args, **kwargs)

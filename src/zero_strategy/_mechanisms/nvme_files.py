@@ -204,7 +204,7 @@ def reserve(fd: int, path: Path, start: int, end: int) -> None:
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise NVMeError(_no_room(path, end - start, e)) from None
-    from ._nvme import aligned_empty  # the filesystem cannot fallocate: write zeros (aligned, for O_DIRECT)
+    from .nvme import aligned_empty  # the filesystem cannot fallocate: write zeros (aligned, for O_DIRECT)
 
     zeros = aligned_empty(min(end - start, 16 << 20), pin=False).zero_()
     view = memoryview(zeros.numpy())

@@ -21,7 +21,7 @@ filesystem allows it, buffered I/O where it does not (e.g. tmpfs).
 
 [Note: failures]
 The path is checked before training (created, writable) and this rank's whole swap
-size is reserved there (see _nvme_files.py), so a disk too small fails at setup. An
+size is reserved there (see _mechanisms/nvme_files.py), so a disk too small fails at setup. An
 I/O error during training (a full disk on a filesystem that cannot reserve, a
 vanished file) raises ``NVMeError`` naming the file, the operation and the free
 space, on the rank that hit it, within seconds: the store is marked failed, the
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ._nvme_files import (ALIGN, JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs,
+from .nvme_files import (ALIGN, JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs,
                           reserve, resolve_nvme_path)
 
 __all__ = ["NVMeError", "NVMeStore", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]

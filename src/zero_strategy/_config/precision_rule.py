@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import ZeroConfig, ZeroConfigError
+from ..config import ZeroConfig, ZeroConfigError
 
 ENGINE_PRECISIONS = ("fp32", "bf16", "fp16")
 

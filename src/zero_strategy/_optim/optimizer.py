@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from ._loss_scale import LossScaler
-from ._offload import step_batches
-from ._offload_states import refuse_while_offloaded
-from ._state import ZeroEngine
-from ._untouched import keep_untouched
+from .loss_scale import LossScaler
+from .._mechanisms.transfers import step_batches
+from .._engine.offload_states import refuse_while_offloaded
+from .._engine.engine import ZeroEngine
+from .._engine.untouched import keep_untouched
 
 #: optimizers whose update of each element depends only on that element's history
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -321,7 +321,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if mg is not None and factor is not None:
                 mg.mul_(factor)
             g.master.grad = mg
-        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _untouched.py
+        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _engine/untouched.py
             self._unhooked_step(self.optimizer)
         handles = [g.publish_master(self.engine.comm) for g in groups]
         for g, h in zip(groups, handles):

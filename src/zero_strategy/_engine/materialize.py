@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ._collectives import Collectives
+from .._comm.collectives import Collectives
 
 
 def default_init(module: nn.Module) -> bool:

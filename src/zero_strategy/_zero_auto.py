@@ -87,7 +87,7 @@ def host_available_bytes() -> int:
 
 def nvme_free_bytes(config: ZeroConfig) -> int | None:
     """Free space of the disk NVMe offload would write to (its nearest existing directory)."""
-    from ._nvme_files import default_base
+    from ._mechanisms.nvme_files import default_base
 
     policy = config.offload_optimizer if isinstance(config.offload_optimizer, NVMeOffload) else None
     path = Path((policy.path if policy else None) or os.environ.get("ZERO_STRATEGY_NVME_PATH") or default_base())

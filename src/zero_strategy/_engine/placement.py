@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._offload import OffloadPlan
+from .._mechanisms.transfers import OffloadPlan
 
 
 def swap_bytes(model: nn.Module, offload: OffloadPlan, config, world_size: int) -> int:

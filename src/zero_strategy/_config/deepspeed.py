@@ -8,7 +8,7 @@ belongs to the training loop or the front end: it is accepted, not used, listed 
 :attr:`DeepSpeedTranslation.ignored`, and named in one WARNING (rank 0) that says what
 is used instead (:data:`INSTEAD`). A key DeepSpeed does not know raises, with a "did
 you mean" suggestion. ``"auto"`` values are resolved first, by the rules of
-:mod:`zero_strategy._deepspeed_auto` (the same for every front end).
+:mod:`zero_strategy._config.deepspeed_auto` (the same for every front end).
 
 | DeepSpeed key | ZeroConfig field | notes |
 |---|---|---|
@@ -60,10 +60,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._config_values import _finite
-from ._deepspeed_auto import resolve_auto
-from ._logging import rank_zero_logger
-from .config import CPUOffload, NVMeOffload, ZeroConfigError, _check_keys
+from .values import _finite
+from .deepspeed_auto import resolve_auto
+from .._logging import rank_zero_logger
+from ..config import CPUOffload, NVMeOffload, ZeroConfigError, _check_keys
 
 __all__ = ["DeepSpeedTranslation", "translate_deepspeed", "INSTEAD"]
 
@@ -365,7 +365,7 @@ _SOURCE_KEYS = {
 
 def _validate(fields: dict) -> None:
     """Build the config once so that errors name the DeepSpeed key, not ours."""
-    from .config import ZeroConfig
+    from ..config import ZeroConfig
 
     try:
         ZeroConfig(**fields)
