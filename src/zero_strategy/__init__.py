@@ -42,7 +42,7 @@ from .api import (
 from . import checkpoint
 from .checkpoint import CheckpointError, load_checkpoint, load_full_state_dict, save_checkpoint
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "CollectiveDesync", "CollectiveError", "CollectiveTimeout", "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",

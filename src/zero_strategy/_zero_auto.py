@@ -46,12 +46,11 @@ import torch
 
 from .config import NVMeOffload, ZeroConfig
 from .estimate import MemoryEstimate, UnitSizes, count_parameters, estimate_memory, unit_sizes
+from ._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
 
 logger = logging.getLogger("zero_strategy")
 
 CANDIDATES = ("zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_nvme")
-HEADROOM = 0.25
-_GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -72,17 +71,6 @@ class Candidate:
     host: int
     nvme: int
     fits: bool
-
-
-def host_available_bytes() -> int:
-    """Host memory available to new allocations without swapping (MemAvailable)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def nvme_free_bytes(config: ZeroConfig) -> int | None:
@@ -148,21 +136,13 @@ def _resolved(config: ZeroConfig, name: str) -> ZeroConfig:
                           offload_params=fields.offload_params, auto=False)
 
 
-def _size(nbytes: float) -> str:
-    """Bytes for people: GiB with two decimals, or MiB/KiB below a GiB."""
-    for unit, scale in (("GiB", _GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale or unit == "KiB":
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def format_candidates(rows: list[Candidate], available: AvailableMemory, headroom: float = HEADROOM) -> str:
-    dev = "cpu-only (device = host)" if available.device is None else _size(available.device)
-    nvme = "n/a" if available.nvme is None else _size(available.nvme)
-    lines = [f"zero_auto: available per rank: device {dev}, host {_size(available.host)}, nvme {nvme}; "
+    dev = "cpu-only (device = host)" if available.device is None else human_bytes(available.device)
+    nvme = "n/a" if available.nvme is None else human_bytes(available.nvme)
+    lines = [f"zero_auto: available per rank: device {dev}, host {human_bytes(available.host)}, nvme {nvme}; "
              f"model states may use {1 - headroom:.0%} of each",
              f"  {'preset':<20}{'device':>12}{'host':>12}{'nvme':>12}  fits"]
-    lines += [f"  {r.name:<20}{_size(r.device):>12}{_size(r.host):>12}{_size(r.nvme):>12}  "
+    lines += [f"  {r.name:<20}{human_bytes(r.device):>12}{human_bytes(r.host):>12}{human_bytes(r.nvme):>12}  "
               f"{'yes' if r.fits else 'no'}" for r in rows]
     return "\n".join(lines)
 
@@ -175,13 +155,13 @@ def shortfall_message(rows: list[Candidate], available: AvailableMemory, headroo
     for name in ("zero3_offload", "zero3_offload_nvme"):
         row, extra = by_name[name], []
         if need(row.host, available.host):
-            extra.append(f"{_size(need(row.host, available.host))} more host memory")
+            extra.append(f"{human_bytes(need(row.host, available.host))} more host memory")
         if row.nvme and need(row.nvme, available.nvme):
-            extra.append(f"{_size(need(row.nvme, available.nvme))} more NVMe space"
+            extra.append(f"{human_bytes(need(row.nvme, available.nvme))} more NVMe space"
                          + ("" if available.nvme is not None else " (no NVMe directory could be measured: set "
                             "ZERO_STRATEGY_NVME_PATH)"))
         if available.device is not None and need(row.device, available.device):
-            extra.append(f"{_size(need(row.device, available.device))} more device memory")
+            extra.append(f"{human_bytes(need(row.device, available.device))} more device memory")
         parts.append(f"{name} would fit with " + (" and ".join(extra) or "nothing more") + " per rank")
     return ("; ".join(parts) + ". More ranks shrink every sharded term, not the stage-3 gathered units "
             "(name smaller units with unit_classes).")

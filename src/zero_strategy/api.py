@@ -25,6 +25,7 @@ from torch import nn
 
 from . import _zero_auto as _auto
 from ._engine import conversions
+from ._engine import gather
 from ._engine import generation
 from ._engine import integrations as model_integrations
 from ._comm.collectives import Collectives
@@ -316,39 +317,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     one GPU). With ``rank0_only`` the other ranks keep nothing and return ``{}``.
     ``dtype=None`` keeps each tensor's stored dtype.
     """
-    engine = engine_of(model)
-    refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
-    comm = engine.comm
-    comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _comm/faults.py
-    values: dict[int, torch.Tensor] = {}
-    for g in engine.groups:
-        with g.resident(write_back=False):
-            if g.master is None and not g.shard_params:
-                full = g.full
-            else:
-                source = g.master.data if g.master is not None else g.param_shard
-                if source.device != engine.device and comm.backend == "nccl":
-                    source = source.to(engine.device)  # offloaded: NCCL gathers device tensors
-                full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
-                comm.all_gather(full, source, async_op=False, label=g.name)
-        if rank0_only and comm.rank != 0:
-            continue
-        for s in g.slots:
-            values[id(s.param)] = _to_host(full[s.offset:s.offset + s.numel].view(s.shape), dtype)
-    if rank0_only and comm.rank != 0:
-        return {}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in values:
-            out[name] = values[id(t)]
-        else:
-            out[name] = _to_host(t.detach(), dtype if t.is_floating_point() else None)
-    return out
-
-
-def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A copy of ``t`` in host memory (in ``dtype``), cast and moved in one copy."""
-    return torch.empty(t.shape, dtype=dtype or t.dtype, device="cpu").copy_(t)
+    return gather.full_state_dict(engine_of(model), rank0_only, dtype)
 
 
 @contextlib.contextmanager
@@ -361,16 +330,8 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
     ranks and written into the fp32 masters on exit; otherwise changes are discarded
     (stage 3) and must not be made. Every rank must enter the context.
     """
-    with _gathered(model, params, "gathered_parameters") as (engine, groups):
-        try:
-            yield
-        finally:
-            if modifier_rank is not None:
-                with torch.no_grad():
-                    for g in groups:
-                        g.adopt_replaced_data()
-                        engine.comm.broadcast(g.full, src_rank=modifier_rank, label=g.name)
-                        g.write_back_gathered()
+    with gather.gathered_parameters(engine_of(model), params, modifier_rank):
+        yield
 
 
 def gathered_for_generation(model: nn.Module, budget_bytes: int | None = None):
@@ -413,45 +374,8 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 
     Front ends use it around library calls that rewrite weights in place (PEFT's merges).
     """
-    with _gathered(model, params, "modify") as (_, groups):
+    with gather.modified_on_every_rank(engine_of(model), params):
         yield
-        with torch.no_grad():
-            for g in groups:
-                g.adopt_replaced_data()
-                g.write_back_gathered()
-
-
-@contextlib.contextmanager
-def _gathered(model: nn.Module, params: Iterable[nn.Parameter] | None, kind: str):
-    """Gather the units holding ``params`` (all: None) for the block; release those that were sharded."""
-    engine = engine_of(model)
-    refuse_while_offloaded(engine, kind, ("lp_params", "hp_params") if kind == "modify" else ("lp_params",))
-    groups = engine.groups if params is None else _groups_holding(engine, params)
-    units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
-    was_sharded = {id(u): u.state.value == "sharded" for u in units}
-    if any(u.sharded_groups for u in units):
-        engine.comm.enter(kind)  # see [Note: bounded waits] in _comm/waits.py
-    for u in units:
-        u.gather(engine.comm)
-    try:
-        yield engine, groups
-    finally:
-        for u in units:
-            if was_sharded[id(u)]:
-                u.release()
-
-
-def _groups_holding(engine: ZeroEngine, params: Iterable[nn.Parameter]):
-    out, seen = [], set()
-    for p in params:
-        g = engine.group_of(p)
-        if g is None:
-            raise ValueError(f"gathered_parameters: a parameter of shape {tuple(p.shape)} is not managed "
-                             "by zero_strategy (not in the set-up model)")
-        if id(g) not in seen:
-            seen.add(id(g))
-            out.append(g)
-    return out
 
 
 def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto", *, world_size: int | None = None,

@@ -60,12 +60,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .values import _finite
-from .deepspeed_auto import resolve_auto
 from .._logging import rank_zero_logger
-from ..config import CPUOffload, NVMeOffload, ZeroConfigError, _check_keys
+from .deepspeed_auto import resolve_auto
+from .policies import CPUOffload, NVMeOffload
+from .values import ZeroConfigError, _check_keys, _finite
 
-__all__ = ["DeepSpeedTranslation", "translate_deepspeed", "INSTEAD"]
+__all__ = ["DeepSpeedTranslation", "translate_deepspeed", "deepspeed_error", "INSTEAD"]
 
 log = rank_zero_logger(__name__)  # see [Note: which rank logs] in _logging.py
 
@@ -164,6 +164,17 @@ class DeepSpeedTranslation:
 
     fields: dict
     ignored: tuple[str, ...]
+    dropped: tuple[str, ...] = ()  # the top-level sections among ``ignored``
+
+    def report(self) -> None:
+        """Log what was not used: once the fields are known to make a valid config."""
+        if self.dropped:
+            log.warning("DeepSpeed config: %d section(s) not used by zero_strategy:\n%s", len(self.dropped),
+                        "\n".join(f"  {key}: {INSTEAD.get(key, NOT_USED)}" for key in self.dropped))
+        knobs = [k for k in self.ignored if k not in self.dropped]
+        if knobs:
+            log.info("DeepSpeed config: accepted without effect on ZeRO (tuning knobs the engine sizes itself, or "
+                     '"auto" supplied by the front end): %s', ", ".join(knobs))
 
 
 def _is_auto(value: Any) -> bool:
@@ -363,21 +374,20 @@ _SOURCE_KEYS = {
 }
 
 
-def _validate(fields: dict) -> None:
-    """Build the config once so that errors name the DeepSpeed key, not ours."""
-    from ..config import ZeroConfig
-
-    try:
-        ZeroConfig(**fields)
-    except ZeroConfigError as err:
-        key = _SOURCE_KEYS.get(err.key or "", err.key)
-        if err.key and err.key.startswith("loss_scale.") and err.key not in _SOURCE_KEYS:
-            key = "fp16." + err.key.split(".", 1)[1]
-        raise ZeroConfigError(key, err.problem, err.fix) from None
+def deepspeed_error(err: ZeroConfigError) -> ZeroConfigError:
+    """``err``, raised while building a config from translated fields, named by the DeepSpeed key."""
+    key = _SOURCE_KEYS.get(err.key or "", err.key)
+    if err.key and err.key.startswith("loss_scale.") and err.key not in _SOURCE_KEYS:
+        key = "fp16." + err.key.split(".", 1)[1]
+    return ZeroConfigError(key, err.problem, err.fix)
 
 
 def translate_deepspeed(data: Mapping) -> DeepSpeedTranslation:
-    """Map a parsed ``ds_config`` to ZeroConfig keyword arguments (see the module table)."""
+    """Map a parsed ``ds_config`` to ZeroConfig keyword arguments (see the module table).
+
+    The fields are not validated here: ``ZeroConfig.from_deepspeed`` builds the config,
+    renames an error's key with :func:`deepspeed_error` and then calls ``report()``.
+    """
     if not isinstance(data, Mapping):
         raise ZeroConfigError(None, f"a DeepSpeed config must be a mapping, got {type(data).__name__}",
                               "Pass the parsed ds_config dict or a path to it.")
@@ -398,12 +408,4 @@ def translate_deepspeed(data: Mapping) -> DeepSpeedTranslation:
     comm = data.get("communication_data_type")
     if comm is not None:
         fields["reduce_dtype"] = _no_auto("communication_data_type", comm, '"fp32"')
-    _validate(fields)
-    if dropped:
-        log.warning("DeepSpeed config: %d section(s) not used by zero_strategy:\n%s", len(dropped),
-                    "\n".join(f"  {key}: {INSTEAD.get(key, NOT_USED)}" for key in dropped))
-    knobs = [k for k in ignored if k not in dropped]
-    if knobs:
-        log.info("DeepSpeed config: accepted without effect on ZeRO (tuning knobs the engine sizes itself, or "
-                 '"auto" supplied by the front end): %s', ", ".join(knobs))
-    return DeepSpeedTranslation(fields=fields, ignored=tuple(ignored))
+    return DeepSpeedTranslation(fields=fields, ignored=tuple(ignored), dropped=tuple(dropped))

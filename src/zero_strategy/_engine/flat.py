@@ -161,6 +161,13 @@ class FlatGroup:
         return self.params.tensor
 
     @property
+    def weight_shard(self) -> torch.Tensor:
+        """This rank's authoritative slice of the weights: the fp32 master where the group
+        trains, else the resting parameter shard. Checkpoints, ``full_state_dict`` and
+        sharded loading read and write this one tensor, so they agree on which it is."""
+        return self.master.data if self.master is not None else self.param_shard
+
+    @property
     def master_aliases_params(self) -> bool:
         return self.masters is not None and self.masters.aliases_params
 

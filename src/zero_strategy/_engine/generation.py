@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from .._zero_auto import HEADROOM, _size, host_available_bytes
+from .._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
 from .flat import ShardState
 from .._logging import rank_zero_logger
 from .offload_states import offloaded_for_generation
@@ -137,7 +137,7 @@ def gathered_for_generation(engine, budget_bytes: int | None = None):
             state.fallback_logged = True
             logger.info("zero_strategy: gathered_for_generation gathers per unit: the whole model's parameters "
                         "(%s per rank) exceed the budget on at least one rank (rank %d's: %s); pass "
-                        "budget_bytes=... to change it", _size(needed), engine.comm.rank, _size(budget))
+                        "budget_bytes=... to change it", human_bytes(needed), engine.comm.rank, human_bytes(budget))
         yield
         return
     was_sharded = [u for u in units if u.state is ShardState.SHARDED]

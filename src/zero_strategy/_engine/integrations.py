@@ -49,6 +49,9 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
+from .gather import modified_on_every_rank
+from .generation import around_generate
+
 if TYPE_CHECKING:
     from .engine import ZeroEngine
 
@@ -74,7 +77,7 @@ def install(model: nn.Module, engine: "ZeroEngine") -> list[Callable[[], None]]:
         if base_tuner is not None and isinstance(module, base_tuner):
             for name in _PEFT_MERGES:
                 if hasattr(module, name):
-                    undo.append(shadow(module, name, functools.partial(_merge_gathered, model)))
+                    undo.append(shadow(module, name, functools.partial(_merge_gathered, engine)))
     return undo
 
 
@@ -95,8 +98,6 @@ def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
     """See [Note: generate() under stage 3]; gathers once when the engine's policy says so (See
     [Note: gathered for generation] in _engine/generation.py), with the training state the config names
     (``offload_states_during_generation``) off the device meanwhile, at every stage."""
-    from .generation import around_generate
-
     engine_ref = weakref.ref(engine)  # the model holds the wrapper: no cycle through the engine
 
     def generate(*args, **kwargs):
@@ -110,12 +111,15 @@ def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
     return generate
 
 
-def _merge_gathered(root: nn.Module, original: Callable) -> Callable:
+def _merge_gathered(engine: "ZeroEngine", original: Callable) -> Callable:
     """See [Note: PEFT merges under stage 3]."""
-    def merge(*args, **kwargs):
-        from ..api import modified_on_every_rank
+    engine_ref = weakref.ref(engine)  # as in _engine_generate: no cycle through the engine
 
-        with modified_on_every_rank(root):
+    def merge(*args, **kwargs):
+        engine = engine_ref()
+        if engine is None or engine.ended:
+            return original(*args, **kwargs)
+        with modified_on_every_rank(engine):
             return original(*args, **kwargs)
     return merge
 

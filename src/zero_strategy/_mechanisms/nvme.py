@@ -48,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from .nvme_files import (ALIGN, JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs,
+from .aligned import ALIGN, aligned_empty, round_up
+from .nvme_files import (JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs,
                           reserve, resolve_nvme_path)
 
 __all__ = ["NVMeError", "NVMeStore", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
@@ -57,18 +58,6 @@ __all__ = ["NVMeError", "NVMeStore", "SwapFile", "SlotPool", "aligned_empty", "r
 SLOT_TIMEOUT_S = 300.0
 #: seconds one I/O request may take before the store is declared failed
 IO_TIMEOUT_S = 300.0
-
-
-def aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
-    """A uint8 host tensor whose data pointer and size are multiples of ALIGN (for O_DIRECT)."""
-    nbytes = _round_up(max(nbytes, 1))
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    offset = (-raw.data_ptr()) % ALIGN
-    return raw[offset:offset + nbytes]
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class SwapFile:
@@ -84,7 +73,7 @@ class SwapFile:
         self.path = self.dir.path / "swap.bin"
         try:
             self.fd, self.direct = self.dir.create_file("swap.bin", direct=hasattr(os, "O_DIRECT"))
-            self.reserved = _round_up(reserve_bytes)
+            self.reserved = round_up(reserve_bytes)
             reserve(self.fd, self.path, 0, self.reserved)
         except BaseException:
             if hasattr(self, "fd"):
@@ -104,11 +93,11 @@ class SwapFile:
     def region(self, key: str, nbytes: int) -> tuple[int, int]:
         with self._lock:
             if key not in self.regions:
-                end = self._end + _round_up(nbytes)
+                end = self._end + round_up(nbytes)
                 if end > self.reserved:  # beyond the up-front estimate: reserve the growth now
                     reserve(self.fd, self.path, self.reserved, end)
                     self.reserved = end
-                self.regions[key] = (self._end, _round_up(nbytes))
+                self.regions[key] = (self._end, round_up(nbytes))
                 self._end = end
             return self.regions[key]
 
@@ -323,7 +312,7 @@ class NVMeStore:
 
     # --------------------------------------------------------------- residency
     def _slot_bytes(self, key) -> int:
-        return sum(_round_up(dt.itemsize * n) for dt, n in self._meta[key].values())
+        return sum(round_up(dt.itemsize * n) for dt, n in self._meta[key].values())
 
     def _check_healthy(self, s: _SwapSet | None = None) -> None:
         if self._failed is not None:
@@ -362,7 +351,7 @@ class NVMeStore:
                 if self._failed is not None:  # failed while we waited: _fail's sweep may have missed us
                     raise NVMeError(f"NVMe offload stopped: {self._failed}")
                 for key, (dt, n) in (meta.items() if read else ()):
-                    size = _round_up(dt.itemsize * n)
+                    size = round_up(dt.itemsize * n)
                     s.reads.extend(self.file.submit(False, f"{s.name}:{key}", s.slot[offset:offset + size]))
                     offset += size
             except BaseException as e:  # e.g. the I/O pool is shut down
@@ -410,7 +399,7 @@ class NVMeStore:
                     nbytes = dt.itemsize * n
                     s.tensors[key].data = s.slot[offset:offset + nbytes].view(dt)
                     s.in_slot.add(key)
-                    offset += _round_up(nbytes)
+                    offset += round_up(nbytes)
                 s.resident = True
         if error is not None:
             self._fail(error, s)  # returns the slot; see [Note: failures]
@@ -425,7 +414,7 @@ class NVMeStore:
         if write and s.slot is not None:
             offset = 0
             for key, (dt, n) in self._meta[(id(group), kind)].items():
-                size = _round_up(dt.itemsize * n)
+                size = round_up(dt.itemsize * n)
                 if key in s.in_slot:  # adopted-while-resident tensors were written by adopt()
                     futures.extend(self.file.submit(True, f"{s.name}:{key}", s.slot[offset:offset + size]))
                 offset += size

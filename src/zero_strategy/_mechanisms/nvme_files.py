@@ -42,7 +42,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-ALIGN = 4096
+from .aligned import aligned_empty
+
 JOB_DIR_RE = re.compile(r"zero_swap-[A-Za-z0-9_.]{1,64}-r\d{1,7}-[0-9a-f]{16}")
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
@@ -204,8 +205,7 @@ def reserve(fd: int, path: Path, start: int, end: int) -> None:
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise NVMeError(_no_room(path, end - start, e)) from None
-    from .nvme import aligned_empty  # the filesystem cannot fallocate: write zeros (aligned, for O_DIRECT)
-
+    # the filesystem cannot fallocate: write zeros (aligned, for O_DIRECT)
     zeros = aligned_empty(min(end - start, 16 << 20), pin=False).zero_()
     view = memoryview(zeros.numpy())
     at = start

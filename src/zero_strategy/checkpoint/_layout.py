@@ -236,7 +236,7 @@ def describe_groups(engine) -> list[GroupLayout]:
     """The saving run's flat groups (without optimizer state), from the engine's public attributes."""
     out = []
     for i, g in enumerate(engine.groups):
-        stored = g.master.dtype if g.trainable else g.param_shard.dtype
+        stored = g.weight_shard.dtype
         out.append(GroupLayout(
             index=i, name=g.name, trainable=bool(g.trainable), optimizer_group=g.optimizer_group,
             optimizer_index=g.optimizer_index,

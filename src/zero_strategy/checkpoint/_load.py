@@ -209,7 +209,7 @@ def _load_shards(reader: _Reader, names, engine, zopts) -> None:
 
 
 def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
-    target = g.master.data if g.trainable else g.param_shard
+    target = g.weight_shard
     for s, lo, hi, where in g.slot_ranges_in_shard():
         fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
         if fqn is None:

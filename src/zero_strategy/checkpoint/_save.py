@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .._engine.offload_states import refuse_while_offloaded
+from .._version import __version__
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
                       GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,
@@ -212,7 +213,7 @@ def _optimizer_state(zopts, g, layout: GroupLayout) -> list[tuple[str, torch.Ten
 
 
 def _group_entries(g, layout: GroupLayout, zopts) -> list[tuple[str, torch.Tensor]]:
-    weight = g.master if g.trainable else g.param_shard
+    weight = g.weight_shard
     entries = [(layout.weight_tensor, weight.detach())]
     for key, t in _optimizer_state(zopts, g, layout):
         entries.append((layout.state_tensor(key), t.detach()))
@@ -287,8 +288,6 @@ def _write_extra_state(tmp: Path, extra_state: Any) -> tuple[dict | None, FileRe
 
 
 def _metadata(model, engine, zopts, groups, files, extra_meta) -> Metadata:
-    from .. import __version__
-
     managed = {id(s.param): s.fqn for g in engine.groups for s in g.slots}
     keys = [[k, "param", managed[id(t)]] if id(t) in managed else [k, "buffer", k]
             for k, t in model.state_dict(keep_vars=True).items()]

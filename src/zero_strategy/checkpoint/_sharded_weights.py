@@ -35,7 +35,7 @@ def load_sharded_weights(model: torch.nn.Module, read: SliceReader, strict: bool
     missing: list[str] = []
     for g in engine.groups:
         with g.resident(write_back=True):
-            target = g.master.data if g.trainable else g.param_shard
+            target = g.weight_shard
             for s, lo, hi, where in g.slot_ranges_in_shard():
                 values = read(names.get(id(s.param), [s.fqn]), lo, hi)
                 if values is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._config.deepspeed import translate_deepspeed
-from ..config import ZeroConfigError
+from ..config import ZeroConfig, ZeroConfigError
 
 #: argument -> (section of the ds_config it goes to, key there)
 TRANSLATED = {
@@ -113,10 +113,11 @@ def translate_deepspeed_kwargs(kwargs: dict[str, Any], offload_optimizer: Any, s
     ds: dict[str, Any] = {"zero_optimization": zero}
     if sections["fp16"]:
         ds["fp16"] = {"enabled": True, **sections["fp16"]}  # only the loss scale is taken from it
-    fields = translate_deepspeed(ds).fields
+    translated = translate_deepspeed(ds).fields
+    config = ZeroConfig.from_deepspeed(ds)  # validated: an error names the DeepSpeed key
     for key in ("offload_optimizer", "offload_params", "loss_scale"):
-        if key in fields:
-            changes[key] = fields[key]
+        if key in translated:
+            changes[key] = getattr(config, key)
     ignored = [n for n in kwargs if n in NO_EFFECT]
     ignored += [n for n, (section, key) in TRANSLATED.items()  # e.g. offload_params_device without the offload
                 if n in kwargs and key is not None and section.startswith("offload") and not _section_used(section, zero)]
