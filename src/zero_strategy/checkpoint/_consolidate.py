@@ -38,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata
+from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name
+from ._metadata_io import read_metadata
 from ._load import resolve_checkpoint_dir
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamReader, StreamWriter, verify_file

@@ -28,11 +28,13 @@ slice at a time. Nothing here depends on where the engine keeps its tensors
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .._optim.optimizer import ZeroOptimizer
 
 FORMAT_NAME = "zero_strategy.checkpoint"
 FORMAT_VERSION = 1
@@ -138,37 +140,6 @@ class Metadata:
     #: sha256 of the canonical JSON of every other key. See [Note: the metadata is input, not truth]
     checksum: str = ""
 
-    # ------------------------------------------------------------ (de)serialize
-    def to_json(self) -> str:
-        from ._validate import digest
-
-        d = asdict(self)
-        d["checksum"] = digest(d)
-        return json.dumps(d, indent=1, sort_keys=False)
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str, path: Path | None = None) -> "Metadata":
-        """Parse and validate (``path``: the metadata file, named in errors)."""
-        from ._validate import check_metadata, check_raw
-
-        if not isinstance(d, dict):
-            raise CheckpointError(f"{where} is not a zero_strategy checkpoint (its metadata is not a mapping)")
-        if d.get("format") != FORMAT_NAME:
-            raise CheckpointError(f"{where} is not a zero_strategy checkpoint (format {d.get('format')!r})")
-        if d.get("version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{where}: unknown checkpoint format version {d.get('version')!r}; this zero_strategy "
-                f"reads version {FORMAT_VERSION} (upgrade zero_strategy to read newer checkpoints)")
-        path = path if path is not None else Path(where) / METADATA_FILE
-        check_raw(d, path)
-        d = dict(d)
-        d["groups"] = [GroupLayout(**g) for g in d["groups"]]
-        d["params"] = {k: ParamLayout(**p) for k, p in d["params"].items()}
-        d["files"] = [FileRecord(**f) for f in d["files"]]
-        meta = cls(**d)
-        check_metadata(meta, path)
-        return meta
-
     # ----------------------------------------------------------------- queries
     def file(self, name: str) -> FileRecord:
         for f in self.files:
@@ -197,22 +168,6 @@ class Metadata:
             a, b = max(first, k * s), min(last, (k + 1) * s)
             out.append((k, a - k * s, b - k * s, a - first))
         return out
-
-
-def read_metadata(ckpt_dir: Path) -> Metadata:
-    path = ckpt_dir / METADATA_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir} is not a zero_strategy checkpoint: it has no {METADATA_FILE} "
-                              "(an interrupted save never leaves one)")
-    try:
-        d = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8
-        raise CheckpointError(f"{path} is unreadable or corrupted: {err}") from None
-    if isinstance(d, dict) and d.get("format") == FORMAT_NAME and d.get("version") == FORMAT_VERSION:
-        from ._validate import check_checksum
-
-        check_checksum(d, path)
-    return Metadata.from_dict(d, str(ckpt_dir), path)
 
 
 def is_checkpoint_dir(path: Path) -> bool:
@@ -265,8 +220,6 @@ def resolve_zero_optimizers(engine, optimizer) -> list:
     """
     if optimizer is None:
         return []
-    from .._optim.optimizer import ZeroOptimizer
-
     given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     mine = engine.optimizers()
     out = []

@@ -30,8 +30,8 @@ import torch
 
 from .._engine.offload_states import refuse_while_offloaded
 from ..api import engine_of
-from ._layout import (BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, read_metadata,
-                      resolve_zero_optimizers)
+from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
+from ._metadata_io import read_metadata
 from ._safetensors_stream import verify_file
 from ._sync import agree, describe
 from ._validate import check_buffers_file, check_rank_file

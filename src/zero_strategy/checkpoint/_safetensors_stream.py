@@ -34,6 +34,7 @@ from typing import BinaryIO
 import torch
 
 from ._layout import CheckpointError
+from ._validate import header as library_header
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -138,8 +139,6 @@ class StreamReader:
     """Element ranges of the tensors of one safetensors file, read with plain file I/O."""
 
     def __init__(self, path: Path):
-        from ._validate import header as library_header
-
         self.path = Path(path)
         checked = library_header(self.path)  # See [Note: who parses the header]
         try:

@@ -34,6 +34,7 @@ from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
                       GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,
                       jsonable, rank_file_name, resolve_zero_optimizers)
+from ._metadata_io import metadata_json
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamWriter, sha256_file
 from ._sync import agree, all_gather_object, broadcast_object, describe
@@ -311,7 +312,7 @@ def _metadata(model, engine, zopts, groups, files, extra_meta) -> Metadata:
 
 def _write_metadata(tmp: Path, meta: Metadata) -> None:
     with open(tmp / METADATA_FILE, "w") as f:
-        f.write(meta.to_json())
+        f.write(metadata_json(meta))
         f.flush()
         os.fsync(f.fileno())
 

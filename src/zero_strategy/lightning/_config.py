@@ -13,6 +13,7 @@ from typing import Any
 from .._config.precision_rule import resolve_precision
 from ..config import NVMeOffload, ZeroConfig, ZeroConfigError
 from ._deepspeed_kwargs import DEEPSPEED_ONLY, no_effect_message, translate_deepspeed_kwargs
+from ._presets import STANDALONE_ERROR
 
 ZERO_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 
@@ -103,10 +104,8 @@ def _warn_rank_zero(message: str) -> None:
 
 def warn_if_standalone_lightning() -> None:
     """A strategy made while ``pytorch_lightning`` is imported is likely meant for its Trainer, which rejects it
-    with a generic message; say why and what to change (see [Note: the standalone packages] in _registry.py)."""
+    with a generic message; say why and what to change (see [Note: the standalone packages] in _presets.py)."""
     import sys
 
     if "pytorch_lightning" in sys.modules or "lightning_fabric" in sys.modules:
-        from ._registry import STANDALONE_ERROR
-
         _warn_rank_zero(STANDALONE_ERROR)

@@ -28,6 +28,7 @@ from ._config import build_config, warn_if_standalone_lightning, with_lightning_
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroFabricPrecision, check_precision_flag
+from ._presets import register_into
 from ._rank_zero import on_rank_zero
 from .._optim.optimizer import ZeroOptimizer
 
@@ -186,9 +187,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        from ._registry import register_presets
-
-        register_presets(strategy_registry, "fabric")
+        register_into(strategy_registry, cls, "fabric")
 
 
 def _split_state(state: dict) -> tuple[torch.nn.Module, str, list[str], dict]:

@@ -39,7 +39,7 @@ import importlib.machinery
 import sys
 from typing import Any, Callable
 
-from ..config import PRESETS
+from ._presets import STANDALONE_ERROR, register_into
 
 #: Lightning registry module -> (attribute holding the registry, which front end)
 _REGISTRY_MODULES = {
@@ -48,14 +48,6 @@ _REGISTRY_MODULES = {
     "pytorch_lightning.strategies": ("StrategyRegistry", "standalone"),
     "lightning_fabric.strategies": ("STRATEGY_REGISTRY", "standalone"),
 }
-
-STANDALONE_ERROR = (
-    "zero_strategy works with the `lightning` package, not with the standalone `pytorch_lightning` / "
-    "`lightning_fabric` packages (separate copies of Lightning's classes, which reject ours). Fix: "
-    "`pip install lightning` and write `import lightning.pytorch as pl` instead of `import pytorch_lightning as pl` "
-    "(`from lightning.fabric import Fabric` instead of `from lightning_fabric import Fabric`); the strategy "
-    "names and arguments stay the same.")
-
 
 def _make_trainer_strategy(**init: Any):
     from ._strategy import ZeroStrategy
@@ -78,17 +70,9 @@ _FACTORIES: dict[str, Callable[..., Any]] = {"trainer": _make_trainer_strategy, 
 
 
 def register_presets(registry: Any, front_end: str) -> list[str]:
-    """Register every preset of :data:`zero_strategy.PRESETS` in one Lightning registry."""
-    factory = _FACTORIES[front_end]
-    names = []
-    for name, (description, _) in PRESETS.items():
-        if name in registry and registry[name].get("strategy") is not factory:
-            continue  # someone else's strategy of that name: never override it
-        note = " (needs the `lightning` package, not this standalone one)" if front_end == "standalone" else ""
-        registry.register(name, factory, description=f"zero_strategy ZeRO {description}{note}", override=True,
-                          config=name)
-        names.append(name)
-    return names
+    """Register every preset of :data:`zero_strategy.PRESETS` in one Lightning registry
+    (``front_end``: "trainer", "fabric" or "standalone")."""
+    return register_into(registry, _FACTORIES[front_end], front_end)
 
 
 def _register_module(module_name: str) -> None:

@@ -55,6 +55,7 @@ from ._config import build_config, warn_if_standalone_lightning, with_lightning_
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
 from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, zero_optimizer_of
 from ._precision import ZeroPrecision, check_precision_flag
+from ._presets import register_into
 from ._rank_zero import on_rank_zero
 
 #: callbacks that rewrite parameters or optimizers behind the engine's back
@@ -377,9 +378,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        from ._registry import register_presets
-
-        register_presets(strategy_registry, "trainer")
+        register_into(strategy_registry, cls, "trainer")
 
 
 def _refuse_unsupported_callbacks(trainer) -> None:
