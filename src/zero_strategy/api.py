@@ -199,7 +199,7 @@ def zero_grad(model: nn.Module) -> None:
     """Drop every gradient shard of the model (all its optimizers' groups) now.
 
     ``model.zero_grad()``, ``submodule.zero_grad()`` and ``optimizer.zero_grad()`` work
-    too (see [Note: param.grad after backward] in _engine/grads.py); this one frees the
+    too (see [Note: param.grad after backward] in _engine/grad_markers.py); this one frees the
     gradient memory at once instead of when the next gradient arrives.
     """
     engine_of(model).zero_grad()

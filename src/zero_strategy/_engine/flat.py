@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from .._comm.collectives import Collectives, Handle
-from .grads import GradBuffer, nan_placeholder
+from .grad_markers import nan_placeholder
+from .grads import GradBuffer
 from .._mechanisms.transfers import OffloadPlan, Transfers
 from .storage import make_storage
 

@@ -13,23 +13,8 @@ and the next reduce adds onto it. Stage 1 reduces *in place* (``grad_shard`` is 
 own slice of its persistent ``full_grad``); accumulating onto that moves the reduced
 slice aside (the carry), added back at the next reduce.
 
-[Note: param.grad after backward]
-The engine moves each gradient into the flat buffer as it arrives, so ``param.grad``
-holds no values after backward. It holds a *marker* (:class:`GradInShard`): a
-zero-memory tensor with the parameter's shape, dtype and device. It makes the user's
-own gradient code exact or loud:
-* ``model.zero_grad()``, ``submodule.zero_grad()``, ``p.grad = None`` and
-  ``zero_grad(set_to_none=False)`` (``zero_()``, also ``p.grad.data.zero_()``, bumps
-  the marker's version) are seen when the group's next gradient arrives (the
-  per-parameter pre-accumulate hook, ``before_accumulate``) or at the step
-  (``take_cleared_slots``): a parameter set to None has no gradient, one zeroed has
-  zeros, as in torch;
-* a tensor the user assigned to ``p.grad`` before a backward is accumulated onto by
-  autograd and then taken into the buffer, as torch would; one assigned between
-  backward and step cannot be used, and the step raises;
-* anything else on the marker (reading values, ``norm()``, ``clip_grad_norm_``,
-  ``masked_fill_``, arithmetic) raises at once with the fix, instead of giving a
-  plausible number.
+The ``param.grad`` markers this buffer places are in grad_markers.py ([Note: param.grad
+after backward]).
 """
 
 from __future__ import annotations
@@ -39,6 +24,7 @@ import enum
 import torch
 
 from .._comm.collectives import Collectives, Handle
+from .grad_markers import GradMarkers
 
 
 class GradState(enum.Enum):
@@ -48,56 +34,13 @@ class GradState(enum.Enum):
     REDUCED = "reduced"
 
 
-def nan_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-memory tensor of ``shape`` whose every element is NaN (one element, stride 0).
-
-    Stands in for the values of a released stage-3 parameter (see [Note: parameter storage
-    and aliasing] in _engine/flat.py): reads give NaN, in-place writes raise.
-    """
-    t = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
-    return t.fill_(float("nan"))
-
-
-# What a marker answers: metadata, and the calls zero_grad(set_to_none=False) makes.
-_MARKER_PROPERTIES = ("shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "layout", "ndim",
-                      "_version", "is_cuda", "is_sparse", "is_meta", "is_quantized", "is_nested", "names")
-_MARKER_METADATA = {getattr(torch.Tensor, n).__get__ for n in _MARKER_PROPERTIES if hasattr(torch.Tensor, n)} | {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.stride,
-    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_contiguous,
-    torch.Tensor.requires_grad_, torch.Tensor.detach_}
-_MARKER_ZEROING = {torch.Tensor.zero_, torch._foreach_zero_}
-_DATA_GET = torch.Tensor.data.__get__
-
-
-class GradInShard(torch.Tensor):
-    """``param.grad`` after backward: the gradient is in the flat group's shard, not here.
-
-    See [Note: param.grad after backward]. Metadata reads and zeroing work; anything that
-    would read or change values raises at once with the fix, instead of a plausible number.
-    """
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _MARKER_METADATA or func in _MARKER_ZEROING:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        if func == _DATA_GET:  # p.grad.data.zero_(): the marker itself
-            return args[0]
-        if func == torch.Tensor.__repr__:
-            return f"GradInShard(shape={tuple(args[0].shape)}: the gradient lives in a ZeRO shard)"
-        name = getattr(func, "__name__", str(func))
-        raise RuntimeError(
-            f"zero_strategy: {name} on param.grad after backward: on a ZeRO model the gradient lives in "
-            "the flat group's shard and param.grad is only a marker. Clear gradients with zero_grad() "
-            "(model or optimizer), clip with optimizer.clip_grad_norm_()/clip_grad_value_(), scale "
-            "the loss instead of the gradients")
-
-
-def _new_marker(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(marker, its plain base): the base shares the marker's version counter, read without
-    the subclass's dispatch on the hot path."""
-    base = nan_placeholder(param.shape, param.dtype, param.device)
-    return torch.Tensor._make_subclass(GradInShard, base, False), base
+#: state -> the states it may be entered from (see [Note: gradient buffer states])
+_ENTERED_FROM = {
+    GradState.ACCUMULATING: {GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED},
+    GradState.REDUCING: {GradState.EMPTY, GradState.ACCUMULATING, GradState.REDUCED},  # EMPTY: zeros from here
+    GradState.REDUCED: {GradState.REDUCING},
+    GradState.EMPTY: set(GradState),  # reset() is the one way back, from anywhere
+}
 
 
 class GradBuffer:
@@ -127,33 +70,9 @@ class GradBuffer:
         # per-backward bookkeeping (reset by end_backward)
         self.arrived = 0
         self.reduced_this_backward = False
-        # markers: See [Note: param.grad after backward]
-        self._markers: list[torch.Tensor | None] = [None] * n
-        self._marker_bases: list[torch.Tensor | None] = [None] * n  # same version counter
-        self._marker_version = [0] * n
-        self._marked = [False] * n
-        self._marked_in = [0] * n     # which backward placed the marker
-        self._backwards = 0           # backwards ended so far
-        self._clearings_applied = False  # this backward already applied the user's clearings
+        self.markers = GradMarkers(n)  # See [Note: param.grad after backward] in grad_markers.py
 
     # --------------------------------------------------------------- markers
-    def _intact(self, slot) -> bool:
-        i = slot.index
-        return slot.param.grad is self._markers[i] and self._marker_bases[i]._version == self._marker_version[i]
-
-    def _marked_slots(self) -> tuple[list, list, list]:
-        """Marked slots as (intact, zeroed in place, set to None or replaced)."""
-        intact, zeroed, dropped = [], [], []
-        for s in self.layout.slots:
-            if self._marked[s.index]:
-                if self._intact(s):
-                    intact.append(s)
-                elif s.param.grad is self._markers[s.index]:
-                    zeroed.append(s)
-                else:
-                    dropped.append(s)
-        return intact, zeroed, dropped
-
     def _forget(self, slots, keep_full: bool, keep_others: bool, to_none=()) -> None:
         """Drop these slots' held gradients; without others to keep, reset the whole buffer
         (freeing it, as ``set_to_none`` frees ``.grad`` on a plain model). ``to_none``: those
@@ -163,7 +82,7 @@ class GradBuffer:
             self.reset(keep_full)
             return
         for s in slots:
-            self._marked[s.index] = False
+            self.markers.marked[s.index] = False
             self.drop_slot(s)
         for s in to_none:
             self.received_slots[s.index] = False
@@ -175,10 +94,10 @@ class GradBuffer:
         does not reach is still reduced (zeros from here), onto what it holds: applied then
         too, or a ``model.zero_grad()`` would not reach it. ``keep_full``: stage 1 keeps its
         full buffer's memory."""
-        if self._clearings_applied:
+        if self.markers.clearings_applied:
             return
-        self._clearings_applied = True
-        intact, zeroed, dropped = self._marked_slots()
+        self.markers.clearings_applied = True
+        intact, zeroed, dropped = self.markers.sort(self.layout.slots)
         if zeroed or dropped:
             self._forget(zeroed + dropped, keep_full, keep_others=bool(intact), to_none=dropped)
             for s in zeroed:
@@ -188,19 +107,7 @@ class GradBuffer:
         """Autograd is about to accumulate into ``param.grad``: take the marker away, after
         applying the clearings made since the last backward (:meth:`apply_clearings`)."""
         self.apply_clearings(keep_full)
-        i = slot.index
-        if self._marked[i]:  # the held gradient stays and this one adds to it
-            self._marked[i] = False
-            slot.param.grad = None
-
-    def _place_marker(self, slot, placed_in: int | None = None) -> None:
-        i = slot.index
-        if self._markers[i] is None:
-            self._markers[i], self._marker_bases[i] = _new_marker(slot.param)
-        slot.param.grad = self._markers[i]
-        self._marker_version[i] = self._marker_bases[i]._version
-        self._marked[i] = True
-        self._marked_in[i] = self._backwards if placed_in is None else placed_in
+        self.markers.take_away(slot)  # the held gradient stays and this one adds to it
 
     def mark_received(self, slots, in_backward: bool) -> None:
         """The step agreement says some rank has a gradient for each of ``slots``: this rank holds
@@ -208,12 +115,12 @@ class GradBuffer:
         gradient here too, and a ``param.grad`` marker, as DDP's parameter gets the mean of the
         other ranks' gradients. ``in_backward``: the agreement ran at the end of the backward
         that brought them (else in the step after it)."""
-        placed_in = self._backwards if in_backward else self._backwards - 1
+        placed_in = self.markers.backwards if in_backward else self.markers.backwards - 1
         for s in slots:
             if not self.received_slots[s.index]:
                 self.received_slots[s.index] = True
-                if not self._marked[s.index]:
-                    self._place_marker(s, placed_in)
+                if not self.markers.marked[s.index]:
+                    self.markers.place(s, placed_in)
 
     def take_cleared_slots(self, keep_full: bool) -> bool:
         """Before a step: apply clearings made since the last backward (``model.zero_grad()`` after
@@ -226,7 +133,7 @@ class GradBuffer:
         True when the user cleared the whole group after the last backward: torch would skip
         it, so no rank reduces or steps it.
         """
-        intact, zeroed, dropped = self._marked_slots()
+        intact, zeroed, dropped = self.markers.sort(self.layout.slots)
         replaced = [s.fqn for s in dropped if s.param.grad is not None]
         if replaced:
             raise RuntimeError(
@@ -236,10 +143,10 @@ class GradBuffer:
                 "param.grad before backward (autograd then accumulates onto it)")
         for s in zeroed:  # a zero gradient is still a gradient: held as zeros from now on
             self.drop_slot(s)
-            self._marker_version[s.index] = self._marker_bases[s.index]._version
+            self.markers.accept_zeroing(s)
         if not dropped:
             return False
-        latest = [s.fqn for s in dropped if self._marked_in[s.index] == self._backwards - 1]
+        latest = [s.fqn for s in dropped if self.markers.placed_in[s.index] == self.markers.backwards - 1]
         kept = bool(intact or zeroed)
         if kept and latest:
             raise RuntimeError(
@@ -266,10 +173,10 @@ class GradBuffer:
         else:
             view.copy_(grad.reshape(-1))
             self._written[slot.index] = True
-        self._place_marker(slot)
+        self.markers.place(slot)
         self.arrived += 1
         self.received_slots[slot.index] = True
-        self.state = GradState.ACCUMULATING
+        self._enter(GradState.ACCUMULATING)
 
     def _set_reduced_aside(self) -> None:
         """Stage 1, before its full buffer takes new sums: gradients accumulate onto reduced ones (no
@@ -328,7 +235,7 @@ class GradBuffer:
                                                             device=self.device)
         handle = comm.reduce_scatter(out, full, async_op=True, label=layout.name)
         self.reduced_this_backward = True
-        self.state = GradState.REDUCING
+        self._enter(GradState.REDUCING)
         return handle, out
 
     def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
@@ -350,7 +257,7 @@ class GradBuffer:
                 self.grad_shard.add_(out)
             self.full_grad = None
         self.version += 1
-        self.state = GradState.REDUCED
+        self._enter(GradState.REDUCED)
 
     def start_another_round(self) -> None:
         """Gradients arrive again after this backward reduced the group (reentrant checkpointing
@@ -366,19 +273,16 @@ class GradBuffer:
         """The next backward counts arriving gradients (and may reduce) afresh."""
         self.arrived = 0
         self.reduced_this_backward = False
-        self._clearings_applied = False
+        self.markers.clearings_applied = False
 
     def end_backward(self) -> None:
         """A backward ended (or was abandoned)."""
         self.clear_arrivals()
-        self._backwards += 1
+        self.markers.backwards += 1
 
     def reset(self, keep_full: bool) -> None:
         """Drop every held gradient and marker. ``keep_full`` keeps the (stage 1) full buffer's memory."""
-        for s in self.layout.slots:
-            if self._marked[s.index] and s.param.grad is self._markers[s.index]:
-                s.param.grad = None
-        self._marked = [False] * len(self._marked)
+        self.markers.remove_all(self.layout.slots)
         self.grad_shard = None
         self._carry = None
         self._reduced_in_place = False
@@ -389,13 +293,18 @@ class GradBuffer:
         self.received_slots = [False] * len(self.received_slots)
         self.untouched = frozenset()
         self.agreed = False
-        self.state = GradState.EMPTY
+        self._enter(GradState.EMPTY)
         self.clear_arrivals()
 
     @property
     def carried(self) -> torch.Tensor | None:
         """Stage 1: the reduced slice set aside while new gradients accumulate (see ``_set_reduced_aside``)."""
         return self._carry
+
+    def _enter(self, state: GradState) -> None:
+        assert self.state in _ENTERED_FROM[state], (
+            f"gradient buffer of {self.layout.name}: {self.state.value} -> {state.value} is not a transition")
+        self.state = state
 
     def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
         return [("grads", False, g) for g in (self.full_grad, self.grad_shard) if g is not None]
