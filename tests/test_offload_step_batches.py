@@ -26,7 +26,7 @@ from torch import nn
 
 import zero_strategy as zs
 from zero_strategy._mechanisms import transfers as _offload
-from zero_strategy._optim import optimizer as _optimizer
+from zero_strategy._optim import offloaded_step
 def _group(name: str, numel: int, together: bool = True):
     return SimpleNamespace(name=name, master=torch.empty(numel),
                            masters=SimpleNamespace(steps_together=together))
@@ -144,7 +144,7 @@ def test_batched_offloaded_step_equals_torch_optim(monkeypatch, stage, precision
     monkeypatch.setattr(_offload, "STEP_BATCH_NUMEL", threshold)
     calls = []
     real = _offload.step_batches
-    monkeypatch.setattr(_optimizer, "step_batches",  # the name the optimizer calls
+    monkeypatch.setattr(offloaded_step, "step_batches",  # the name the offloaded step calls
                         lambda groups, early: [calls.append(len(b)) or (b, r) for b, r in real(groups, early)])
     ref_losses, ref_state = _reference(opt_name, precision)
     losses, state, groups = _zero(opt_name, precision, stage)

@@ -27,28 +27,21 @@ the calling thread. Internally the user's optimizer steps once per call (device)
 once per group on the CPU worker (offload) through its *unhooked* step function, and
 ``step()`` fires the user's optimizer's hooks around the whole step itself.
 
-[Note: overlap_step]
-With ZeroConfig(overlap_step=True) a synced backward is the last micro-batch of a
-step (the user said so), so a group whose gradients are reduced is final: the engine
-tells every optimizer (``group_reduced``), and the one that owns the group starts its
-CPU step on the worker thread while backward goes on. ``step()`` then only waits for
-those steps and issues the all-gathers, in group order on every rank (collectives
-never leave the main thread).
+The offloaded step (CPU/NVMe masters, and overlap_step) is its own pipeline: offloaded_step.py.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from .loss_scale import LossScaler
-from .._mechanisms.transfers import step_batches
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.engine import ZeroEngine
 from .._engine.untouched import keep_untouched
+from .loss_scale import LossScaler
+from .offloaded_step import OffloadedStep
 
 #: optimizers whose update of each element depends only on that element's history
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -101,11 +94,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # the user's own object stepped directly would step masters without gradients: a silent
         # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
         self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
-        self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
-        self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
-        if self.engine.swap is not None:  # slots of its own for the reads backward starts
-            pool = self.engine.swap.pool  # See [Note: NVMe state read during backward]
-            pool.grow_to(pool.count + self.engine.swap.policy.read_ahead + 1)
+        self.offloaded = OffloadedStep(engine, self.groups, self._step_masters,
+                                       lambda master: self.optimizer.state.get(master, {}))
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -193,7 +183,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total
 
     def _refuse_after_early_steps(self, what: str) -> None:
-        if self._early:
+        if self.offloaded.steps_in_flight:
             raise RuntimeError(f"{what}: with overlap_step=True the groups already stepped during backward, "
                                "so their gradients cannot be clipped any more; drop overlap_step to clip")
 
@@ -217,57 +207,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g.grads.grad_shard.clamp_(-bound, bound)
                 g.grads.mark_changed()  # an offloaded copy downloaded before this is stale
 
-    # -------------------------------------------------------------------- step
     # ------------------------------------------------------------ overlap_step
     def group_reduced(self, group) -> None:
-        """The engine reduced ``group`` during a synced backward: step it now if it is ours.
-
-        See [Note: overlap_step].
-        """
-        if group.optimizer_index != self.index or id(group) in self._early:
-            return
-        self._early[id(group)] = self.engine.transfers.pool.submit(self._cpu_step_group, group, 1.0)
-        self.steps_overlapped += 1
+        """The engine reduced ``group`` during a synced backward (See [Note: overlap_step])."""
+        if group.optimizer_index == self.index:
+            self.offloaded.group_reduced(group)
 
     def prefetch_step_state(self) -> None:
-        """A synced backward began: start reading the state the step will need first.
-
-        [Note: NVMe state read during backward]
-        With the optimizer state on NVMe the step used to begin with a read of its first
-        group's state (master and moments, 12 bytes per parameter): the disk was idle
-        through backward, then the step waited on it. Backward now starts the reads of the
-        first ``read_ahead + 1`` groups in step order (at stage 3 the first is the root,
-        the embeddings: often most of the bytes), so they arrive under backward's compute.
-        When: as soon as backward needs nothing more from the disk (the engine's
-        ``_read_step_state_ahead``): at its start, or at stage 3 with parameters on NVMe
-        once its last gathers have begun, so that the step's large reads do not queue
-        ahead of the parameter reads backward waits on.
-
-        This holds those slots from backward to the step. Each optimizer adds
-        ``read_ahead + 1`` slots to the pool for them, so neither backward's own parameter
-        reads nor another optimizer's step (several optimizers over one model) wait on a
-        slot that only this optimizer's step would give back. Only for a synced backward (a ``no_sync`` micro-batch is
-        not followed by a step) and not with overlap_step (its steps start in backward and
-        read their own state). A read whose step does not come keeps its slot until the
-        next step uses it; a group that gets no gradient gives its read up in the step. A
-        set read here is only ever used if nothing wrote it since: every writer (a step, a
-        checkpoint load) goes through NVMeStore, which drops a read in flight before it
-        writes (``_cancel_prefetch``).
-        """
-        if self.engine.swap is None:
-            return
-        first = [g for g in self.groups if g.masters is not None]
-        for g in first[:self.engine.swap.policy.read_ahead + 1]:
-            g.masters.prefetch()
+        """A synced backward began (See [Note: NVMe state read during backward])."""
+        self.offloaded.prefetch_step_state()
 
     @property
     def steps_in_flight(self) -> bool:
         """overlap_step: group steps started during the last backward that ``step()`` has not collected."""
-        return bool(self._early)
+        return self.offloaded.steps_in_flight
+
+    @property
+    def steps_overlapped(self) -> int:
+        """Group steps started during backward so far (overlap_step)."""
+        return self.offloaded.steps_overlapped
 
     def stepped_early(self, group) -> bool:
         """Whether ``group`` already stepped during the last backward (its gradients are final)."""
-        return id(group) in self._early
+        return self.offloaded.stepped_early(group)
 
     # -------------------------------------------------------------------- step
     @torch.no_grad()
@@ -301,7 +263,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if clip:
                 self.clip_grad_norm_(clip)
             if any(g.masters.steps_on_host for g in self.groups):
-                self._offloaded_step()
+                self.offloaded.step(float(self._factor))
             else:
                 self._device_step()
         finally:
@@ -321,8 +283,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if mg is not None and factor is not None:
                 mg.mul_(factor)
             g.master.grad = mg
-        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _engine/untouched.py
-            self._unhooked_step(self.optimizer)
+        self._step_masters(groups)
         handles = [g.publish_master(self.engine.comm) for g in groups]
         for g, h in zip(groups, handles):
             if h is not None:
@@ -330,83 +291,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if g.master.grad is not g.grads.grad_shard:
                 g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
 
-    def _offloaded_step(self) -> None:
-        """CPU step, pipelined: the worker steps batch i+1 while batch i uploads and gathers.
-
-        Stepping some groups at a time with the user's optimizer is exact: only those
-        groups' masters have a ``.grad``, and torch optimizers skip parameters without
-        one (all state is per parameter). See [Note: step batches].
-        """
-        factor = float(self._factor)
-        groups = [g for g in self.groups if g.grads.grad_shard is not None]
-        for g in self.groups:  # state read during backward for a group with no gradient: not needed
-            if g.grads.grad_shard is None and g.masters is not None:
-                g.masters.cancel_prefetch()
-        pool = self.engine.transfers.pool
-        read_ahead = self.engine.swap.policy.read_ahead if self.engine.swap is not None else 0
-        early, self._early = self._early, {}
-        jobs = []  # (groups, future of their upload events), in group order
-        for batch, rest in step_batches(groups, early):
-            fut = early.pop(id(batch[0]), None) if len(batch) == 1 else None
-            jobs.append((batch, fut or pool.submit(self._cpu_step_groups, batch, factor, rest[:read_ahead])))
-        handles = []
-        try:
-            for batch, fut in jobs:
-                for g, uploaded in zip(batch, fut.result()):
-                    if uploaded is not None:
-                        uploaded.wait()  # the compute stream waits for the H2D copy
-                    handles.append(g.gather_replicated(self.engine.comm))
-        finally:
-            for _, fut in jobs:  # never leave the worker running past an error
-                concurrent.futures.wait([fut])
-            if self.engine.swap is not None:
-                self.engine.swap.wait_writes()  # surfaces write errors; the next step reads what was written
-        for h in handles:
-            if h is not None:
-                h.wait()
-
-    @torch.no_grad()
-    def _cpu_step_group(self, g, factor: float, upcoming=()):
-        """On the CPU worker: one group's step (overlap_step's unit of work)."""
-        return self._cpu_step_groups((g,), factor, upcoming)
-
-    @torch.no_grad()
-    def _cpu_step_groups(self, batch, factor: float, upcoming=()) -> list:
-        """On the CPU worker: one optimizer step over ``batch``'s masters (state read ahead
-        for ``upcoming`` groups). Returns each group's upload event (or None)."""
-        with torch.profiler.record_function(f"zero::cpu_step::{batch[0].name}+{len(batch) - 1}"):
-            for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
-                nxt.masters.prefetch()
-            begun = []
-            try:
-                for g in batch:
-                    g.masters.begin_step()
-                    begun.append(g)
-                for g in batch:
-                    grad = g.master_grad()  # waits for this group's download only
-                    if factor != 1.0:
-                        grad.mul_(factor)
-                    g.master.grad = grad
-                try:
-                    with keep_untouched(self.optimizer, batch):  # See [Note: no gradient on any rank]
-                        self._unhooked_step(self.optimizer)
-                finally:
-                    for g in batch:
-                        g.master.grad = None
-                uploads = [g.stage_master_upload() for g in batch]
-            except BaseException:
-                for g in begun:
-                    g.masters.abort_step()  # hand the slot back unwritten, or the next step waits forever
-                raise
-            for g in batch:
-                g.masters.end_step(self.optimizer.state.get(g.master, {}))
-            return uploads
+    def _step_masters(self, groups) -> None:
+        """The user's optimizer steps the masters of ``groups`` that have a ``.grad`` (unhooked:
+        See [Note: hooks fire once per step])."""
+        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _engine/untouched.py
+            self._unhooked_step(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
-        for fut in self._early.values():  # never drop gradients a worker is still stepping on
-            concurrent.futures.wait([fut])
-        self._early.clear()
+        self.offloaded.collect_early()  # never drop gradients a worker is still stepping on
         self.engine.zero_grad(self.groups)
         self._prepared = False
         self._found_inf = False

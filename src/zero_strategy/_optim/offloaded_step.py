@@ -1,0 +1,169 @@
+"""The offloaded step: the user's optimizer on the host, pipelined with uploads and gathers.
+
+With the fp32 masters in host memory (CPU offload) or on NVMe, a step is a pipeline
+per batch of groups: download the reduced gradient, step on the CPU worker thread,
+upload the new values, all-gather them. The worker steps batch i+1 while batch i
+uploads and gathers (See [Note: step batches] in _mechanisms/transfers.py); with the
+optimizer state on NVMe each batch reads its state ahead and writes it back.
+
+[Note: overlap_step]
+With ZeroConfig(overlap_step=True) a synced backward is the last micro-batch of a
+step (the user said so), so a group whose gradients are reduced is final: the engine
+tells every optimizer (``group_reduced``), and the one that owns the group starts its
+CPU step on the worker thread while backward goes on. ``step()`` then only waits for
+those steps and issues the all-gathers, in group order on every rank (collectives
+never leave the main thread).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .._mechanisms.transfers import step_batches
+
+if TYPE_CHECKING:
+    from .._engine.engine import ZeroEngine
+
+
+class OffloadedStep:
+    """One optimizer's host-side step over its groups, and the group steps overlap_step starts early.
+
+    ``step_masters(groups)``: the user's optimizer stepping those groups' masters (the
+    ZeroOptimizer's, so hooks and the untouched-parameter rule stay in one place).
+    """
+
+    def __init__(self, engine: "ZeroEngine", groups: list, step_masters: Callable[[list], None],
+                 state_of: Callable[[torch.Tensor], dict]):
+        self.engine = engine
+        self.groups = groups
+        self._step_masters = step_masters
+        self._state_of = state_of  # master -> the user's optimizer state of it (read at each call)
+        self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
+        self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
+        if engine.swap is not None:  # slots of its own for the reads backward starts
+            pool = engine.swap.pool  # See [Note: NVMe state read during backward]
+            pool.grow_to(pool.count + engine.swap.policy.read_ahead + 1)
+
+    def collect_early(self) -> None:
+        """Wait for the group steps overlap_step started, and forget them (``zero_grad``)."""
+        for fut in self._early.values():
+            concurrent.futures.wait([fut])
+        self._early.clear()
+
+    def group_reduced(self, group) -> None:
+        """The engine reduced ``group`` (one of ours) during a synced backward: step it now.
+
+        See [Note: overlap_step].
+        """
+        if id(group) in self._early:
+            return
+        self._early[id(group)] = self.engine.transfers.pool.submit(self._cpu_step_groups, (group,), 1.0)
+        self.steps_overlapped += 1
+
+    def prefetch_step_state(self) -> None:
+        """A synced backward began: start reading the state the step will need first.
+
+        [Note: NVMe state read during backward]
+        With the optimizer state on NVMe the step used to begin with a read of its first
+        group's state (master and moments, 12 bytes per parameter): the disk was idle
+        through backward, then the step waited on it. Backward now starts the reads of the
+        first ``read_ahead + 1`` groups in step order (at stage 3 the first is the root,
+        the embeddings: often most of the bytes), so they arrive under backward's compute.
+        When: as soon as backward needs nothing more from the disk (the engine's
+        ``_read_step_state_ahead``): at its start, or at stage 3 with parameters on NVMe
+        once its last gathers have begun, so that the step's large reads do not queue
+        ahead of the parameter reads backward waits on.
+
+        This holds those slots from backward to the step. Each optimizer adds
+        ``read_ahead + 1`` slots to the pool for them, so neither backward's own parameter
+        reads nor another optimizer's step (several optimizers over one model) wait on a
+        slot that only this optimizer's step would give back. Only for a synced backward (a ``no_sync`` micro-batch is
+        not followed by a step) and not with overlap_step (its steps start in backward and
+        read their own state). A read whose step does not come keeps its slot until the
+        next step uses it; a group that gets no gradient gives its read up in the step. A
+        set read here is only ever used if nothing wrote it since: every writer (a step, a
+        checkpoint load) goes through NVMeStore, which drops a read in flight before it
+        writes (``_cancel_prefetch``).
+        """
+        if self.engine.swap is None:
+            return
+        first = [g for g in self.groups if g.masters is not None]
+        for g in first[:self.engine.swap.policy.read_ahead + 1]:
+            g.masters.prefetch()
+
+    @property
+    def steps_in_flight(self) -> bool:
+        """overlap_step: group steps started during the last backward that ``step()`` has not collected."""
+        return bool(self._early)
+
+    def stepped_early(self, group) -> bool:
+        """Whether ``group`` already stepped during the last backward (its gradients are final)."""
+        return id(group) in self._early
+
+    def step(self, factor: float) -> None:
+        """CPU step, pipelined: the worker steps batch i+1 while batch i uploads and gathers.
+
+        Stepping some groups at a time with the user's optimizer is exact: only those
+        groups' masters have a ``.grad``, and torch optimizers skip parameters without
+        one (all state is per parameter). See [Note: step batches].
+        """
+        groups = [g for g in self.groups if g.grads.grad_shard is not None]
+        for g in self.groups:  # state read during backward for a group with no gradient: not needed
+            if g.grads.grad_shard is None and g.masters is not None:
+                g.masters.cancel_prefetch()
+        pool = self.engine.transfers.pool
+        read_ahead = self.engine.swap.policy.read_ahead if self.engine.swap is not None else 0
+        early, self._early = self._early, {}
+        jobs = []  # (groups, future of their upload events), in group order
+        for batch, rest in step_batches(groups, early):
+            fut = early.pop(id(batch[0]), None) if len(batch) == 1 else None
+            jobs.append((batch, fut or pool.submit(self._cpu_step_groups, batch, factor, rest[:read_ahead])))
+        handles = []
+        try:
+            for batch, fut in jobs:
+                for g, uploaded in zip(batch, fut.result()):
+                    if uploaded is not None:
+                        uploaded.wait()  # the compute stream waits for the H2D copy
+                    handles.append(g.gather_replicated(self.engine.comm))
+        finally:
+            for _, fut in jobs:  # never leave the worker running past an error
+                concurrent.futures.wait([fut])
+            if self.engine.swap is not None:
+                self.engine.swap.wait_writes()  # surfaces write errors; the next step reads what was written
+        for h in handles:
+            if h is not None:
+                h.wait()
+
+    @torch.no_grad()
+    def _cpu_step_groups(self, batch, factor: float, upcoming=()) -> list:
+        """On the CPU worker: one optimizer step over ``batch``'s masters (state read ahead
+        for ``upcoming`` groups). Returns each group's upload event (or None)."""
+        with torch.profiler.record_function(f"zero::cpu_step::{batch[0].name}+{len(batch) - 1}"):
+            for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
+                nxt.masters.prefetch()
+            begun = []
+            try:
+                for g in batch:
+                    g.masters.begin_step()
+                    begun.append(g)
+                for g in batch:
+                    grad = g.master_grad()  # waits for this group's download only
+                    if factor != 1.0:
+                        grad.mul_(factor)
+                    g.master.grad = grad
+                try:
+                    self._step_masters(batch)
+                finally:
+                    for g in batch:
+                        g.master.grad = None
+                uploads = [g.stage_master_upload() for g in batch]
+            except BaseException:
+                for g in begun:
+                    g.masters.abort_step()  # hand the slot back unwritten, or the next step waits forever
+                raise
+            for g in batch:
+                g.masters.end_step(self._state_of(g.master))
+            return uploads
