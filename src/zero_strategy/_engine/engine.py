@@ -36,16 +36,15 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from ..config import NVMeOffload
-
 from .._comm.collectives import Collectives
+from .._config.policies import NVMeOffload
 from .conversions import unfrozen_names
 from .flat import FlatGroup, ParamSlot, ShardState
 from .generation import GenerationGathers, refuse_grad_forward
 from .hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
 from .module_state import register_module_state_hooks
 from .._mechanisms.nvme import NVMeStore
-from .._mechanisms.transfers import OffloadPlan, Transfers
+from .._mechanisms.transfers import Transfers
 from .offload_states import OffloadedStates, refuse_while_offloaded
 from .plan import ShardingPlan, plan_for
 from .placement import single_device, swap_bytes
@@ -76,25 +75,19 @@ class ZeroEngine:
         self._optimizer_group_of = optimizer_group_of
         nvme_policy = next((p for p in (config.offload_optimizer, config.offload_params)
                             if isinstance(p, NVMeOffload)), None)
-        self.offload = OffloadPlan(
-            optimizer=config.offload_optimizer is not None,
-            params=config.offload_params is not None,
-            pin_memory=all(getattr(p, "pin_memory", True)
-                           for p in (config.offload_optimizer, config.offload_params) if p is not None),
-            nvme_optimizer=isinstance(config.offload_optimizer, NVMeOffload),
-            nvme_params=isinstance(config.offload_params, NVMeOffload),
-        )
-        self.transfers = Transfers(self.device, pin_memory=self.offload.pin_memory)
+        policies = [p for p in (config.offload_optimizer, config.offload_params) if p is not None]
+        self.transfers = Transfers(self.device, pin_memory=all(p.pin_memory for p in policies))
         self.swap = None
         if nvme_policy is not None:
             self.swap = NVMeStore(nvme_policy, comm.rank, pin=self.transfers.pin,
-                                  needed_bytes=swap_bytes(model, self.offload, config, comm.world_size))
+                                  needed_bytes=swap_bytes(model, config, comm.world_size))
         self.units: list[Unit] = build_units(
             model, plan=self.plan, unit_classes=tuple(config.unit_classes),
             persistence_threshold=config.param_persistence_threshold,
             optimizer_group_of=optimizer_group_of, compute_dtype=self.compute_dtype,
             grad_dtype=self.grad_dtype, comm=comm, device=self.device,
-            offload=self.offload, transfers=self.transfers, param_init_fn=param_init_fn, swap=self.swap,
+            offload_optimizer=config.offload_optimizer, offload_params=config.offload_params,
+            transfers=self.transfers, param_init_fn=param_init_fn, swap=self.swap,
         )
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
@@ -380,7 +373,7 @@ class ZeroEngine:
 
     def _backward_reads_parameters(self) -> bool:
         """Stage 3 with parameter shards on NVMe: backward's gathers read the swap file."""
-        return self.plan.shards_parameters and self.offload.nvme_params
+        return self.plan.shards_parameters and isinstance(self.config.offload_params, NVMeOffload)
 
     def _read_step_state_ahead(self) -> None:
         """Backward needs nothing more from the disk: start reading the state the step needs

@@ -42,10 +42,11 @@ import torch
 from torch import nn
 
 from .._comm.collectives import Collectives, Handle
+from .._config.policies import OffloadPolicy
+from .._mechanisms.transfers import Transfers
 from .grad_markers import nan_placeholder
 from .grads import GradBuffer
-from .._mechanisms.transfers import OffloadPlan, Transfers
-from .storage import make_storage
+from .storage import make_storage, uses_swap
 
 
 class ShardState(enum.Enum):
@@ -101,7 +102,8 @@ class FlatGroup:
         rank: int,
         world_size: int,
         device: torch.device,
-        offload: OffloadPlan = OffloadPlan(),
+        offload_optimizer: OffloadPolicy = None,
+        offload_params: OffloadPolicy = None,
         transfers: Transfers | None = None,
         swap=None,
     ):
@@ -115,7 +117,8 @@ class FlatGroup:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.transfers = transfers if transfers is not None else Transfers(device, pin_memory=False)
         #: the NVMe store when some of this group's state rests in the swap file (_mechanisms/nvme.py)
-        self.swap = swap if (offload.nvme_optimizer or offload.nvme_params) else None
+        self.swap = swap if uses_swap(trainable=trainable, shard_params=shard_params, offload_optimizer=offload_optimizer,
+                                      offload_params=offload_params) else None
 
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -134,7 +137,7 @@ class FlatGroup:
                               if shard_params else [])
         self.params, self.masters = make_storage(
             self, own_slice=self.own(self.full), shard_params=shard_params, trainable=trainable,
-            offload=offload, transfers=self.transfers, swap=self.swap, device=device,
+            offload_optimizer=offload_optimizer, offload_params=offload_params, transfers=self.transfers, swap=self.swap, device=device,
             initial_master=lambda out: self._copy_params_into(out, self.shard_start, self.shard_numel))
         self.grads = GradBuffer(self, grad_dtype, device)
         #: slots kept out of a step while a count their state shares advanced (see _engine/untouched.py)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._mechanisms.transfers import OffloadPlan
+from .._config.policies import NVMeOffload
 
 
-def swap_bytes(model: nn.Module, offload: OffloadPlan, config, world_size: int) -> int:
+def swap_bytes(model: nn.Module, config, world_size: int) -> int:
     """Bytes this rank's swap file will hold: fp32 master + up to two fp32 moments per trainable
     element (Adam), and the compute-dtype parameter shard; checked against free space up front."""
     unique = {id(p): p for p in model.parameters() if p.is_floating_point()}.values()
     trainable = sum(p.numel() for p in unique if p.requires_grad)
     everything = sum(p.numel() for p in unique)
     total = 0
-    if offload.nvme_optimizer:
+    if isinstance(config.offload_optimizer, NVMeOffload):
         total += 12 * trainable
-    if offload.nvme_params:
+    if isinstance(config.offload_params, NVMeOffload):
         total += config.compute_dtype.itemsize * everything
     return total // world_size + 64 * 2**20  # + alignment and per-region rounding
 

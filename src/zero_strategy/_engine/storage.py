@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._config.policies import NVMeOffload, OffloadPolicy
 from .._mechanisms.transfers import HOST, Transfers
 
 
@@ -259,37 +260,50 @@ class NVMeMaster(HostMaster):
 
 
 # -------------------------------------------------------------------------- factory
+def uses_swap(*, trainable: bool, shard_params: bool, offload_optimizer, offload_params) -> bool:
+    """Whether a group with these policies keeps some state in the NVMe swap file."""
+    return ((trainable and isinstance(offload_optimizer, NVMeOffload))
+            or (shard_params and isinstance(offload_params, NVMeOffload)))
+
+
 def make_storage(owner, *, own_slice: torch.Tensor, shard_params: bool, trainable: bool,
-                 offload, transfers: Transfers, swap, device: torch.device, initial_master):
-    """The (parameter shard, master) stores of one group, from its offload policies.
+                 offload_optimizer: OffloadPolicy, offload_params: OffloadPolicy, transfers: Transfers, swap,
+                 device: torch.device, initial_master):
+    """The (parameter shard, master) stores of one group, from the config's offload policies.
+
+    ``offload_params`` applies where the group shards its parameters (stage 3, not a
+    persistent group), ``offload_optimizer`` where it trains.
 
     ``own_slice``: this rank's slice of the freshly filled ``full`` buffer.
     ``initial_master(out)``: fills ``out`` [shard] fp32 from the original parameter values
     (so bf16/fp16 compute loses nothing at start).
     """
-    if shard_params and offload.params:
+    params_policy = offload_params if shard_params else None
+    master_policy = offload_optimizer if trainable else None
+    nvme = isinstance(params_policy, NVMeOffload) or isinstance(master_policy, NVMeOffload)
+    if params_policy is not None:
         tensor = transfers.host_empty(own_slice.numel(), own_slice.dtype)
         tensor.copy_(own_slice)
-        params = (NVMeParamShard(tensor, swap, owner) if offload.nvme_params else HostParamShard(tensor))
+        params = (NVMeParamShard(tensor, swap, owner) if isinstance(params_policy, NVMeOffload)
+                  else HostParamShard(tensor))
     else:
         params = DeviceParamShard(own_slice.clone() if shard_params else own_slice)
     if not trainable:
         return params, None
     # See [Note: the master aliases the parameters]
-    same_memory = params.on_host == offload.optimizer or params.tensor.device.type == HOST.type
-    alias = (params.tensor.dtype == torch.float32 and same_memory
-             and not (offload.nvme_params or offload.nvme_optimizer))
+    same_memory = params.on_host == (master_policy is not None) or params.tensor.device.type == HOST.type
+    alias = params.tensor.dtype == torch.float32 and same_memory and not nvme
     if alias:
         master = params.tensor
     else:
-        master = (transfers.host_empty(own_slice.numel(), torch.float32) if offload.optimizer
+        master = (transfers.host_empty(own_slice.numel(), torch.float32) if master_policy is not None
                   else torch.empty(own_slice.numel(), dtype=torch.float32, device=device))
         master.zero_()
         initial_master(master)
     master = nn.Parameter(master, requires_grad=True)
-    if offload.nvme_optimizer:
+    if isinstance(master_policy, NVMeOffload):
         return params, NVMeMaster(master, transfers, swap, owner)
-    if offload.optimizer:
+    if master_policy is not None:
         return params, HostMaster(master, alias, transfers)
     return params, DeviceMaster(master, alias)
 

@@ -71,10 +71,11 @@ import torch
 from torch import nn
 
 from .._comm.collectives import CollectiveDesync, CollectiveError, CollectiveTimeout, Collectives, Handle
+from .._config.policies import OffloadPolicy
+from .._mechanisms.transfers import Transfers
 from .flat import FlatGroup, ShardState
 from .materialize import materialize_unit
 from .materialize import unit_modules as unit_scope
-from .._mechanisms.transfers import OffloadPlan, Transfers
 from .plan import ShardingPlan
 
 ROOT = "<root>"
@@ -312,7 +313,8 @@ def build_units(
     grad_dtype: torch.dtype,
     comm: Collectives,
     device: torch.device,
-    offload: OffloadPlan,
+    offload_optimizer: OffloadPolicy,
+    offload_params: OffloadPolicy,
     transfers: Transfers,
     param_init_fn=None,
     swap=None,
@@ -376,11 +378,7 @@ def build_units(
                 shard_params=shard_params,
                 compute_dtype=compute_dtype, grad_dtype=grad_dtype, rank=comm.rank,
                 world_size=comm.world_size, device=device,
-                offload=OffloadPlan(optimizer=offload.optimizer and trainable,
-                                    params=offload.params and shard_params,
-                                    pin_memory=offload.pin_memory,
-                                    nvme_optimizer=offload.nvme_optimizer and trainable,
-                                    nvme_params=offload.nvme_params and shard_params),
+                offload_optimizer=offload_optimizer, offload_params=offload_params,
                 transfers=transfers, swap=swap,
             ))
         if groups or unit_name == ROOT:

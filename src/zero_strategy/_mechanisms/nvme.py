@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from .aligned import ALIGN, aligned_empty, round_up
+from .aligned import aligned_empty, round_up
 from .nvme_files import (JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs,
                           reserve, resolve_nvme_path)
 

@@ -42,16 +42,6 @@ HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
-class OffloadPlan:
-    """What a group keeps off the compute device (from the config's offload policies)."""
-
-    optimizer: bool = False   # fp32 master + optimizer state + CPU step
-    params: bool = False      # stage 3 parameter shard rests on the host
-    pin_memory: bool = True
-    nvme_optimizer: bool = False  # ... and the master + optimizer state rest in the NVMe swap file
-    nvme_params: bool = False     # ... and the parameter shard rests in the NVMe swap file
-
-
 class _Done:
     """A completed transfer (CPU-only machines, or nothing was copied)."""
 
