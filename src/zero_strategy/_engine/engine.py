@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -41,13 +40,11 @@ from .._config.policies import NVMeOffload
 from .conversions import unfrozen_names
 from .flat import FlatGroup, ParamSlot, ShardState
 from .generation import GenerationGathers, refuse_grad_forward
-from .hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, in_backward
+from .hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, gradient_hooks, in_backward
 from .module_state import register_module_state_hooks
-from .._mechanisms.nvme import NVMeStore
-from .._mechanisms.transfers import Transfers
 from .offload_states import OffloadedStates, refuse_while_offloaded
 from .plan import ShardingPlan, plan_for
-from .placement import single_device, swap_bytes
+from .placement import offload_services, single_device, size_swap_pool
 from .reduce import MAX_IN_FLIGHT, ReduceQueue
 from .schedule import GatherSchedule, Pass
 from .tree import map_tensors, tensors_in
@@ -73,14 +70,7 @@ class ZeroEngine:
         self.compute_dtype = config.compute_dtype
         self.grad_dtype = config.gradient_reduce_dtype
         self._optimizer_group_of = optimizer_group_of
-        nvme_policy = next((p for p in (config.offload_optimizer, config.offload_params)
-                            if isinstance(p, NVMeOffload)), None)
-        policies = [p for p in (config.offload_optimizer, config.offload_params) if p is not None]
-        self.transfers = Transfers(self.device, pin_memory=all(p.pin_memory for p in policies))
-        self.swap = None
-        if nvme_policy is not None:
-            self.swap = NVMeStore(nvme_policy, comm.rank, pin=self.transfers.pin,
-                                  needed_bytes=swap_bytes(model, config, comm.world_size))
+        self.transfers, self.swap = offload_services(model, config, comm, self.device)
         self.units: list[Unit] = build_units(
             model, plan=self.plan, unit_classes=tuple(config.unit_classes),
             persistence_threshold=config.param_persistence_threshold,
@@ -92,11 +82,7 @@ class ZeroEngine:
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
         if self.swap is not None:
-            # every unit whose gather is in flight (this one, ``prefetch`` ahead, the root) holds a
-            # slot per NVMe group until its upload, beside the step's read-ahead and write-backs:
-            # fewer slots than that and the gathering thread waits on itself
-            per_unit = max((len(u.sharded_groups) for u in self.units), default=0)
-            self.swap.pool.grow_to((config.prefetch + 2) * per_unit + self.swap.policy.read_ahead + 4)
+            size_swap_pool(self.swap, self.units, config.prefetch)
         self.trainable_groups = [g for g in self.groups if g.trainable]
         self._slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {
             id(s.param): (g, s) for g in self.groups for s in g.slots
@@ -213,24 +199,7 @@ class ZeroEngine:
         # model.state_dict() / load_state_dict() see full weights and reach the shards and masters
         self._handles.extend(register_module_state_hooks(self))
         dropped = []
-        # [Note: weak self in tensor hooks] tensor hooks live in C++, where Python's
-        # garbage collector cannot see the cycle parameter -> hook -> engine -> parameter;
-        # a strong reference here would keep every set-up model alive forever.
-        engine_ref = weakref.ref(self)
-
-        def on_grad(param, engine_ref=engine_ref):
-            engine = engine_ref()
-            if engine is not None:
-                engine._on_grad_accumulated(param)
-
-        keep_full = self.plan.keeps_full_gradients
-
-        def before_grad(group, slot, engine_ref=engine_ref):
-            def hook(grad):
-                if engine_ref() is not None:
-                    group.grads.before_accumulate(slot, keep_full)  # See [Note: param.grad after backward]
-            return hook
-
+        on_grad, before_grad = gradient_hooks(self, self.plan.keeps_full_gradients)
         for g in self.groups:
             for s in g.slots:
                 if g.trainable:
@@ -380,7 +349,7 @@ class ZeroEngine:
         first. At the start of backward, or (when backward's gathers read parameters from
         NVMe) once its last gathers have begun: read earlier, the step's large reads queue
         ahead of the parameters backward waits for (measured: backward +35%, RESULTS.md).
-        See [Note: NVMe state read during backward] in _optim/optimizer.py."""
+        See [Note: NVMe state read during backward] in _optim/offloaded_step.py."""
         if self.swap is not None and self._sync_gradients and not self._overlapping():
             for zopt in self.optimizers():
                 zopt.prefetch_step_state()
@@ -445,7 +414,7 @@ class ZeroEngine:
         """A reduce-scatter finished; with overlap_step (every finished reduce starts a CPU step,
         so the queue keeps one in flight) during backward, the group's step can start."""
         if self._overlapping() and in_backward():
-            for zopt in self.optimizers():  # See [Note: overlap_step] in _optim/optimizer.py
+            for zopt in self.optimizers():  # See [Note: overlap_step] in _optim/offloaded_step.py
                 zopt.group_reduced(group)
 
     def _overlapping(self) -> bool:

@@ -18,6 +18,7 @@ as torch's stay in ``.grad``, until the retry loop's zero_grad drops them.
 from __future__ import annotations
 
 import enum
+import weakref
 
 import torch
 from torch import nn
@@ -74,3 +75,27 @@ class UnitBackwardDone(torch.autograd.Function):
 def drop_grad(param: nn.Parameter) -> None:
     """A frozen parameter's post-accumulate hook: its gradient is not kept."""
     param.grad = None
+
+
+def gradient_hooks(engine, keep_full: bool):
+    """(post-accumulate hook for every trainable parameter, factory of the pre-accumulate hook
+    of one slot) for ``engine``, which they hold weakly.
+
+    [Note: weak self in tensor hooks] tensor hooks live in C++, where Python's garbage
+    collector cannot see the cycle parameter -> hook -> engine -> parameter; a strong
+    reference here would keep every set-up model alive forever.
+    """
+    engine_ref = weakref.ref(engine)
+
+    def on_grad(param, engine_ref=engine_ref):
+        engine = engine_ref()
+        if engine is not None:
+            engine._on_grad_accumulated(param)
+
+    def before_grad(group, slot, engine_ref=engine_ref):
+        def hook(grad):
+            if engine_ref() is not None:
+                group.grads.before_accumulate(slot, keep_full)  # See [Note: param.grad after backward]
+        return hook
+
+    return on_grad, before_grad

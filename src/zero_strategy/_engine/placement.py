@@ -1,11 +1,36 @@
-"""Where an engine's state goes: the compute device, and how big this rank's NVMe swap file gets."""
+"""Where an engine's state goes: the compute device, the host-copy machinery and this rank's
+NVMe store (how big its swap file gets, how many staging slots it needs)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .._comm.collectives import Collectives
 from .._config.policies import NVMeOffload
+from .._mechanisms.nvme import NVMeStore
+from .._mechanisms.transfers import Transfers
+
+
+def offload_services(model: nn.Module, config, comm: Collectives, device: torch.device
+                     ) -> tuple[Transfers, NVMeStore | None]:
+    """The host<->device copies (pinned unless a policy says otherwise), and this rank's NVMe
+    store when a policy puts state on NVMe (its swap space reserved now: a small disk fails here)."""
+    policies = [p for p in (config.offload_optimizer, config.offload_params) if p is not None]
+    transfers = Transfers(device, pin_memory=all(p.pin_memory for p in policies))
+    nvme = next((p for p in policies if isinstance(p, NVMeOffload)), None)
+    if nvme is None:
+        return transfers, None
+    return transfers, NVMeStore(nvme, comm.rank, pin=transfers.pin,
+                                needed_bytes=swap_bytes(model, config, comm.world_size))
+
+
+def size_swap_pool(swap: NVMeStore, units, prefetch: int) -> None:
+    """Every unit whose gather is in flight (this one, ``prefetch`` ahead, the root) holds a
+    staging slot per NVMe group until its upload, beside the step's read-ahead and write-backs:
+    with fewer slots than that the gathering thread waits on itself."""
+    per_unit = max((len(u.sharded_groups) for u in units), default=0)
+    swap.pool.grow_to((prefetch + 2) * per_unit + swap.policy.read_ahead + 4)
 
 
 def swap_bytes(model: nn.Module, config, world_size: int) -> int:
