@@ -20,7 +20,7 @@ import torch
 
 import zero_strategy as zs
 import zero_strategy._mechanisms.nvme as nvme
-import zero_strategy._engine.engine as engine_state
+import zero_strategy._engine.placement as placement
 from _launch import launch
 from _models import TinyLM, batch, loss_fn, param_groups
 
@@ -87,7 +87,7 @@ def test_reservation_on_a_full_disk_names_file_and_free_space(small_disk):
 
 
 def test_real_full_disk_at_the_first_step_raises_within_seconds(small_disk, monkeypatch):
-    monkeypatch.setattr(engine_state, "swap_bytes", lambda *a, **k: 0)  # no reservation: the step grows the file
+    monkeypatch.setattr(placement, "swap_bytes", lambda *a, **k: 0)  # no reservation: the step grows the file
     model, zopt = make(small_disk)
     t0 = time.monotonic()
     with pytest.raises(nvme.NVMeError, match=r"cannot reserve .* swap file .*swap\.bin: the disk is full "

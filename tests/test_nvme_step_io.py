@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
+from zero_strategy._mechanisms.nvme import Residency
 from _habits import train
 from _models import TinyLM, batch, loss_fn, param_groups
 
@@ -107,7 +108,7 @@ def test_a_synced_backward_starts_the_steps_reads_after_its_own(tmp_path):
     assert {log[i][1] for i in opt_reads} == set(first_groups)
     assert param_reads and min(opt_reads) > max(param_reads), log
     # the slots those reads fill are reported as staging memory, not hidden
-    held = sum(s.slot.numel() for s in engine.swap._sets.values() if s.slot is not None and not s.resident)
+    held = sum(s.slot.numel() for s in engine.swap._sets.values() if s.residency is Residency.READING)
     assert held > 0 and zs.memory_report(model).by_category["staging"] >= held
 
     zopt.step()  # the step uses them: each of those groups' state is not read a second time

@@ -24,7 +24,7 @@ from _models import TinyLM, batch, loss_fn, param_groups
 
 import zero_strategy as zs
 import zero_strategy._mechanisms.nvme as nvme
-import zero_strategy._engine.engine as engine_state
+import zero_strategy._engine.placement as placement
 
 
 def config(path):
@@ -37,7 +37,7 @@ def main() -> None:
     rank = dist.get_rank()
     failing = rank == args["fail_rank"]
     if failing and args["fault"] == "reserve":
-        engine_state.swap_bytes = lambda *a, **k: 0
+        placement.swap_bytes = lambda *a, **k: 0
     report = {"rank": rank, "steps_done": 0}
     t0 = time.monotonic()
     try:

@@ -10,7 +10,9 @@ same objects). *Resident*, their ``.data`` are views into one slot of a bounded 
 of page-aligned (pinned on CUDA machines) buffers; *evicted*, ``.data`` is an empty
 tensor and the bytes are in the swap file. ``resident(group)`` brings a group in
 for the code that touches it (the optimizer step, checkpoints, full state dicts,
-gathers) and writes it back when it was changed.
+gathers) and writes it back when it was changed. Each set's state is one
+:class:`Residency`: registered in its own memory, evicted, reading into a slot
+(a ``prefetch`` in flight), or in its slot.
 
 [Note: the step at disk speed]
 The offloaded step walks the groups in order: reads of the next ``read_ahead``
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import enum
 import errno
 import os
 import threading
@@ -220,6 +223,15 @@ class SlotPool:
         return [b for b in self._free if b is not None]
 
 
+class Residency(enum.Enum):
+    """Where a swap set's values are. See [Note: residency]."""
+
+    OWN_MEMORY = "own memory"  # just registered: adopt() writes it out, then evicts it
+    EVICTED = "evicted"        # only in the swap file; the tensors' .data are empty
+    READING = "reading"        # a slot is taken and its read is in flight (prefetch)
+    IN_SLOT = "in slot"        # the tensors view the slot (from swap_in to swap_out)
+
+
 class _SwapSet:
     """Tensors of one group swapped together ("opt": master + optimizer state; "param")."""
 
@@ -228,7 +240,7 @@ class _SwapSet:
         self.tensors: dict[str, torch.Tensor] = {}
         self.slot: torch.Tensor | None = None
         self.reads: list = []
-        self.resident = True
+        self.residency = Residency.OWN_MEMORY
         #: keys whose .data currently views the slot (tensors adopted while resident do not)
         self.in_slot: set[str] = set()
         self.lock = threading.Lock()
@@ -300,7 +312,7 @@ class NVMeStore:
             staged.append((buf, self.file.submit(True, fkey, buf)))
         for _, futures in staged:
             wait_all(futures, self.file.path)
-        if s.slot is None:  # not inside a residency: evict now
+        if s.residency is not Residency.IN_SLOT:  # not inside a residency: evict now
             self._evict(s)
 
     def needs_adopt(self, group, kind: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -330,7 +342,7 @@ class NVMeStore:
         if s is not None:
             self._evict(s)
         for other in list(self._sets.values()):  # read ahead for a step that will not come: slots back
-            if other.slot is not None and not other.resident:
+            if other.residency is Residency.READING:
                 self._evict(other, only_if_idle=True)
 
     def prefetch(self, group, kind: str, read: bool = True) -> None:
@@ -342,10 +354,12 @@ class NVMeStore:
         s = self._sets[(id(group), kind)]
         self._check_healthy(s)
         with s.lock:
-            if s.slot is not None:
+            if s.residency in (Residency.READING, Residency.IN_SLOT):
                 return
+            assert s.residency is Residency.EVICTED, (s.name, s.residency)
             meta = self._meta[(id(group), kind)]
             s.slot = self.pool.acquire(self._slot_bytes((id(group), kind)))
+            s.residency = Residency.READING
             offset, s.reads = 0, []
             try:
                 if self._failed is not None:  # failed while we waited: _fail's sweep may have missed us
@@ -356,7 +370,7 @@ class NVMeStore:
                     offset += size
             except BaseException as e:  # e.g. the I/O pool is shut down
                 self.pool.release(s.slot)
-                s.slot, s.reads = None, []
+                s.slot, s.reads, s.residency = None, [], Residency.EVICTED
                 self._fail(e)
                 raise
 
@@ -369,7 +383,7 @@ class NVMeStore:
     def _cancel_prefetch(self, s: _SwapSet) -> None:
         """Drop a read started but not yet made resident (its slot goes back)."""
         with s.lock:
-            reads, pending = s.reads, s.slot is not None and not s.resident
+            reads, pending = s.reads, s.residency is Residency.READING
             s.reads = []
         if pending:
             wait_all(reads, self.file.path)
@@ -385,7 +399,7 @@ class NVMeStore:
         s = self._sets[(id(group), kind)]
         self.prefetch(group, kind, read=read)
         with s.lock:
-            if s.resident:
+            if s.residency is Residency.IN_SLOT:
                 return
             reads, s.reads = s.reads, []
             try:
@@ -400,7 +414,7 @@ class NVMeStore:
                     s.tensors[key].data = s.slot[offset:offset + nbytes].view(dt)
                     s.in_slot.add(key)
                     offset += round_up(nbytes)
-                s.resident = True
+                s.residency = Residency.IN_SLOT
         if error is not None:
             self._fail(error, s)  # returns the slot; see [Note: failures]
             raise error
@@ -408,10 +422,10 @@ class NVMeStore:
     def swap_out(self, group, kind: str, write: bool, wait: bool = True) -> None:
         """Write the set back (if changed) and evict it, freeing its slot."""
         s = self._sets[(id(group), kind)]
-        if not s.resident:
+        if s.residency is not Residency.IN_SLOT:
             return
         futures = []
-        if write and s.slot is not None:
+        if write:
             offset = 0
             for key, (dt, n) in self._meta[(id(group), kind)].items():
                 size = round_up(dt.itemsize * n)
@@ -435,7 +449,7 @@ class NVMeStore:
 
     def _evict(self, s: _SwapSet, only_if_idle: bool = False) -> None:
         with s.lock:
-            if only_if_idle and s.resident:  # made resident meanwhile: its user releases it
+            if only_if_idle and s.residency is Residency.IN_SLOT:  # made resident meanwhile: its user releases it
                 return
             for t in s.tensors.values():
                 t.data = torch.empty(0, dtype=t.dtype)
@@ -443,7 +457,7 @@ class NVMeStore:
             if s.slot is not None:
                 self.pool.release(s.slot)
                 s.slot = None
-            s.resident = False
+            s.residency = Residency.EVICTED
 
     def wait_writes(self) -> None:
         """Wait for every pending write-back, then raise the first failure (so none is still running)."""
@@ -472,7 +486,7 @@ class NVMeStore:
     def staging_tensors(self) -> list[torch.Tensor]:
         """Every staging buffer this rank holds that no model state views: the free ones and
         those a read is filling (resident slots are counted as the states they hold)."""
-        reading = [s.slot for s in self._sets.values() if s.slot is not None and not s.resident]
+        reading = [s.slot for s in self._sets.values() if s.residency is Residency.READING]
         return self.pool.buffers() + reading
 
     def close(self) -> None:
