@@ -45,11 +45,13 @@ def test_the_results_page_renders_benchmark_json(tmp_path, monkeypatch):
     (out / "generation_bench.json").write_text(json.dumps({
         "cpus": 2, "loadavg_at_end": [2.5, 2.0, 1.5],
         "rows": [{"system": "stock", "median_s": 0.5, "loadavg_1min": 1.8},
-                 {"system": "once", "median_s": 0.6, "loadavg_1min": 2.1}]}))
+                 {"system": "once", "median_s": 0.6, "loadavg_1min": 2.1},
+                 {"system": "x|y", "median_s": None, "message": "gave up on '<root>'"}]}))
     (out / "cpu_adam_bench.json").write_text(json.dumps({
         "loadavg_at_end": [0.3, 0.4, 0.5], "sizes": [{"params": 1000, "systems": {"fused": {"step_s": 0.01}}}]}))
     text = benchmark_tables.render(tmp_path)
-    assert "| system | median_s | load average |" in text
-    assert "| once | 0.6 | 2.1 |" in text
+    assert "| system | median_s | message | load average |" in text
+    assert "| once | 0.6 |  | 2.1 |" in text
+    assert "| x\\|y | – | gave up on '&lt;root&gt;' | not recorded |" in text  # cells escaped, missing load left empty
     assert "| fused | 0.01 | 0.3 / 0.4 / 0.5 at end |" in text
     assert "No benchmark output" in benchmark_tables.render(tmp_path / "empty")

@@ -33,14 +33,18 @@ def sources(root: Path = ROOT) -> list[Path]:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "–"
     if isinstance(v, bool):
         return str(v)
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (list, tuple)) and all(isinstance(x, (int, float)) for x in v):
         return " / ".join(_fmt(float(x)) for x in v)
-    text = str(v).replace("|", "\\|").replace("\n", " ")
-    return text if len(text) <= 120 else text[:117] + "..."
+    text = str(v).replace("\n", " ")
+    text = text if len(text) <= 120 else text[:117] + "..."
+    # table cells: a "|" would end the cell, and "<root>" in an error message would be read as HTML
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
 
 
 def _scalar(v) -> bool:
@@ -71,7 +75,10 @@ def table(rows: list[dict], run_load_text: str | None) -> list[str]:
     head = columns + ["load average" + ("" if row_load else " (run)")]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        load = _fmt(r[row_load]) if row_load and row_load in r else (run_load_text or "not recorded")
+        if row_load:  # the table is of per-row loads: a row without its own has none, not the run's
+            load = _fmt(r[row_load]) if row_load in r else "not recorded"
+        else:
+            load = run_load_text or "not recorded"
         out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + f" | {load} |")
     return out
 
@@ -79,7 +86,14 @@ def table(rows: list[dict], run_load_text: str | None) -> list[str]:
 def render_report(name: str, report: dict) -> list[str]:
     out = [f"## `{name}`", ""]
     load = run_load(report)
-    out.append(f"Load average of the run: {load}." if load else "The JSON records no load average for the run.")
+    rows_have_load = any(isinstance(r, dict) and any(k in r for k in ROW_LOAD_KEYS)
+                         for r in report.get("rows", []) if isinstance(report.get("rows"), list))
+    if load:
+        out.append(f"Load average of the run: {load}.")
+    elif rows_have_load:
+        out.append("The load average beside each row is the one the script recorded with it.")
+    else:
+        out.append("The JSON records no load average.")
     out.append("")
     settings = {k: v for k, v in report.items() if _scalar(v) and not k.startswith("loadavg")}
     if settings:
