@@ -70,7 +70,7 @@ SETUPS = {
     # PyTorch FSDP2 (``fully_shard`` on each block, then the root): params, grads and AdamW state
     # sharded, as at stage 3; _offload adds ``CPUOffloadPolicy``
     "fsdp2": (3, None, None), "fsdp2_offload": (3, "cpu", "cpu"),
-    # hybrid sharding over groups of --hybrid ranks (see README "Hybrid sharding")
+    # hybrid sharding over groups of --hybrid ranks (see docs/guides/hybrid-sharding.md)
     "hzero1": (1, None, None), "hzero2": (2, None, None), "hzero3": (3, None, None),
 }
 #: each of our systems beside DeepSpeed's same setup (the "vs DS" column)

@@ -30,7 +30,7 @@ defaults: 17 prompts, 16 completions each, 300 steps, lr 3e-3; 47 s and 77 s in 
 runs at load average 3-7, the same figures both times): greedy mean reward 0.020 -> 0.725,
 exact answers 0.000 -> 0.765 (13 of 17), parameters 0.15 of 0.29 MiB per rank. The reward
 logged per step (sampled at temperature 1) averages 0.054 over the first 10 steps and
-0.693 over the last 100 (noisy: 0.28 to 1.0 there). README "GRPO recipe".
+0.693 over the last 100 (noisy: 0.28 to 1.0 there). docs/recipes.md, "GRPO recipe".
 """
 
 from __future__ import annotations

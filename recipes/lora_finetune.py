@@ -30,7 +30,7 @@ Measured (2 CPU processes on the shared 2-core dev machine, zero3_offload, fp32,
 one epoch = 74 steps of 64 samples, 159 s for both runs): LoRA 74,498 trainable of
 22,788,484 parameters, 44.4 MiB model state per rank, held-out accuracy 0.919; the full
 fine-tune 22,713,986 trainable, 216.7 MiB, 0.933; the adapter's reload differs by 0.0.
-The stated margin (``--margin``) is 0.02. README "LoRA recipe" has the table.
+The stated margin (``--margin``) is 0.02. docs/recipes.md, "LoRA recipe", has the table.
 """
 
 from __future__ import annotations

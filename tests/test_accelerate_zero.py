@@ -124,7 +124,7 @@ def test_load_state_on_one_process(launched):
 
 @pytest.mark.multiprocess
 def test_example_script_with_the_shipped_cpu_config():
-    """The README command, with bf16 chosen on the launch command line (Accelerate's one precision setting)."""
+    """The command of docs/front-ends/accelerate.md, with bf16 chosen on the launch command line (Accelerate's one precision setting)."""
     out = Path(tempfile.mkdtemp(prefix="zs_example_"))
     _, log = accelerate_launch(ROOT / "recipes" / "accelerate" / "train_example.py", None,
                                script_args=["--zero-config", "zero3", "--steps", "2", "--out", str(out)],

@@ -1,6 +1,6 @@
 """Smoke test of recipes/grpo_finetune.py on 2 CPU processes: GRPO at ZeRO-3, reward measured before and after.
 
-A few steps only (the improvement the full run reaches is stated in README "GRPO recipe",
+A few steps only (the improvement the full run reaches is stated in docs/recipes.md, "GRPO recipe",
 measured, not timed here). Judged by the printed lines and summary.json: the trainer was
 the ZeRO GRPOTrainer at stage 3 with the parameters really sharded (each rank holding
 half of them), the weights moved, and the reward was logged at every step, finite and in

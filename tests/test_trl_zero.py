@@ -4,7 +4,7 @@ One ``accelerate launch`` with 2 CPU processes (tests/workers/accelerate_trl.py)
 trains a tiny Llama for 3 optimizer steps (accumulation 2, clipping, linear schedule) with
 the ZeRO trainer and with the TRL trainer itself from the same weights and data; losses,
 grad norms, DPO rewards and the final trainable weights must agree to fp32 tolerance.
-The SFT case reads its ZeRO settings from a DeepSpeed ds_config (the README's migration).
+The SFT case reads its ZeRO settings from a DeepSpeed ds_config (the migration in docs/guides/migrating-from-deepspeed.md).
 """
 
 from __future__ import annotations

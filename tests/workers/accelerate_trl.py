@@ -10,7 +10,7 @@ difference of the trainable weights, and for DPO what became of the reference mo
 
 Cases (``args["cases"]``):
 * ``sft``: full fine-tune, ``zero_config`` a DeepSpeed ds_config JSON (the migration
-  the README documents);
+  docs/guides/migrating-from-deepspeed.md documents);
 * ``sft_lora``: ``peft_config=LoraConfig(...)`` at zero3 with ``param_persistence_threshold=0``
   so the adapters are really sharded;
 * ``dpo_zero3`` / ``dpo_zero2``: an explicit reference model, sharded (stage 3, with
