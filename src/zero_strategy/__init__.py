@@ -1,7 +1,7 @@
 """zero_strategy: ZeRO sharded data-parallel training for PyTorch.
 
 Stage 1 shards optimizer state across ranks, stage 2 also gradients, stage 3 also
-parameters. Pure Python on ``torch.distributed``; see README.md.
+parameters. Pure Python on ``torch.distributed``; see README.md and the guides in docs/.
 """
 
 from .config import (

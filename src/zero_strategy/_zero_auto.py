@@ -26,8 +26,8 @@ name its preset.
 
 Order (the first that fits is chosen): zero2, zero3, zero2_offload, zero3_offload,
 zero3_offload_nvme. No offload first: offload runs the optimizer step on the CPU and
-copies gradients and parameters over PCIe every step (DESIGN.md §3 measured ZeRO-2
-offload at 2.7x the GPU-only step), while stage 3 adds one parameter all-gather (1.5x
+copies gradients and parameters over PCIe every step (DeepSpeed's ZeRO-2 offload takes
+about 2.7x its GPU-only step on one GPU: 0.759 s against 0.284 s), while stage 3 adds one parameter all-gather (1.5x
 the traffic of stages 1-2). zero1 is not a candidate: zero2 has the same traffic,
 reduces during backward and holds less.
 """

@@ -1,6 +1,6 @@
 """Public configuration of the ZeRO engine: typed, frozen, validated once.
 
-Layer 1 of the design (see DESIGN.md §2): everything a user can set lives here as
+The configuration layer (docs/architecture.md): everything a user can set lives here as
 frozen dataclasses, and nothing below this layer re-validates. A config comes from
 
 * keyword arguments: ``ZeroConfig(stage=2, offload_optimizer="cpu")``;

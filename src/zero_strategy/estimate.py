@@ -239,8 +239,9 @@ def estimate_memory(
         precision: compute dtype, default ``"bf16"``.
         reduce_dtype: gradient dtype, default = precision.
         optimizer: name (``"adam"``, ``"sgd"``, ...) or optimizer-state bytes per param.
-        offload_optimizer, offload_params: ``None``/``"none"``, ``"cpu"``, ``"nvme"``
-            or a :class:`CPUOffload` / :class:`NVMeOffload`.
+        offload_optimizer: where the fp32 master and optimizer state rest: ``None``/``"none"``,
+            ``"cpu"``, ``"nvme"`` or a :class:`CPUOffload` / :class:`NVMeOffload`.
+        offload_params: where stage 3's parameter shards rest, the same choices.
         config: take stage, precision, reduce_dtype and offload from a ZeroConfig
             (then do not pass those arguments too).
         device: ``"cuda"`` (a GPU beside host memory, the default) or ``"cpu"`` (a

@@ -44,7 +44,7 @@ the collective checksums (``Collectives.note_local``), so the next agreement rai
 
 With ``ZeroConfig(overlap_step=True)`` a group is stepped as soon as its gradients are
 reduced, before the agreement; a parameter of it no rank used is then stepped with a
-zero gradient (documented in README, "Ranks that use different parameters").
+zero gradient (documented in docs/how-it-works.md, "Ranks that use different parameters").
 """
 
 from __future__ import annotations
@@ -204,5 +204,5 @@ def _warn_if_back(g, untouched: frozenset[int]) -> None:
         "optimizer state as with DDP, but the step count the group's optimizer state shares (Adam's bias "
         "correction) advanced for them, so their updates from now on differ slightly from DDP's. To make "
         "them exact, give the module flat groups of its own: put it in an nn.ModuleList or nn.ModuleDict "
-        "with the other modules of its class, or outside the blocks. See README, \"Ranks that use "
-        "different parameters\".", stacklevel=2)
+        "with the other modules of its class, or outside the blocks. See 'Ranks that use different "
+        "parameters' in the how-it-works guide (docs/how-it-works.md).", stacklevel=2)

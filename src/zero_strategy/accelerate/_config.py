@@ -18,7 +18,7 @@ stage whose per-rank model states all shrink with the number of ranks (16Ψ/N ag
 DDP's 16Ψ). Its costs are known and loud, never silent: 1.5× DDP's communication, and
 parameters that must be gathered to be read (``gathered_parameters``; ``state_dict`` is
 a collective). A model that fits with stage 2 trains with DDP's communication volume:
-choose ``zero2`` (README, "Choosing a preset").
+choose ``zero2`` (docs/guides/choosing-a-preset.md).
 
 [Note: precision has one source, Accelerate]
 ``mixed_precision`` ("no" / "bf16" / "fp16", from the argument, ``--mixed_precision``
