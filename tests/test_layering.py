@@ -139,3 +139,22 @@ def test_the_architecture_page_names_every_core_module(edges):
         if path not in page:
             missing.append(path)
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+#: the engine internals a front end may name: the stage table and the optimizer class users hold
+FRONT_END_MAY_IMPORT = {f"{PACKAGE}._engine.plan", f"{PACKAGE}._optim.optimizer"}
+ENGINE_INTERNALS = ("_comm", "_mechanisms", "_engine", "_optim")
+
+
+def test_front_ends_hold_no_sharding_logic(edges):
+    """Front ends translate a framework's objects into setup() calls; they reach the engine
+    through api.py, so nothing that gathers, reduces or steps can grow inside one."""
+    reached = []
+    for module, targets in sorted(edges.items()):
+        if module.split(".")[1:2] not in (["lightning"], ["accelerate"], ["transformers"]):
+            continue
+        for target, line in sorted(targets.items()):
+            if target.split(".")[1:2] and target.split(".")[1] in ENGINE_INTERNALS \
+                    and target not in FRONT_END_MAY_IMPORT:
+                reached.append(f"{module}:{line} imports {target}")
+    assert not reached, "front ends reaching into the engine (go through zero_strategy.api):\n" + "\n".join(reached)
