@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
+from ._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
 from .config import NVMeOffload, ZeroConfig
 from .estimate import MemoryEstimate, UnitSizes, count_parameters, estimate_memory, unit_sizes
-from ._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
 
 logger = logging.getLogger("zero_strategy")
 

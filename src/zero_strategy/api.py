@@ -24,19 +24,16 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _zero_auto as _auto
-from ._engine import conversions
-from ._engine import gather
-from ._engine import generation
-from ._engine import integrations as model_integrations
 from ._comm.collectives import Collectives
 from ._comm.faults import failing_exception
 from ._comm.hybrid import hybrid_groups
-from ._engine.memory import MemoryReport, measure
+from ._engine import conversions, gather, generation
+from ._engine import integrations as model_integrations
 from ._engine import offload_states as offload_states_impl
-from ._engine.offload_states import refuse_while_offloaded
-from ._optim.optimizer import ZeroOptimizer, check_elementwise
-from ._engine.placement import single_device
 from ._engine.engine import ZeroEngine
+from ._engine.memory import MemoryReport, measure
+from ._engine.placement import single_device
+from ._optim.optimizer import ZeroOptimizer, check_elementwise
 from .config import ZeroConfig
 
 # [Note: engine lookup without keeping models alive]

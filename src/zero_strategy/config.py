@@ -36,30 +36,11 @@ from typing import Any
 import torch
 
 from ._config.deepspeed import DeepSpeedTranslation, deepspeed_error, translate_deepspeed
-from ._config.policies import (  # public here too
-    CPUOffload,
-    LossScaleConfig,
-    NVMeOffload,
-    OffloadPolicy,
-    _as_loss_scale,
-    _as_offload,
-    _offload_to_dict,
-)
-from ._config.values import (  # ZeroConfigError is public here too
-    _DTYPES,
-    ZeroConfigError,
-    _as_bool,
-    _as_dtype_name,
-    _as_float,
-    _as_generation_offload,
-    _as_int,
-    _as_unit_classes,
-    _check_keys,
-    _suggest,
-    FILE_SUFFIXES,
-    looks_like_deepspeed,
-    read_mapping_file,
-)
+from ._config.policies import (CPUOffload, LossScaleConfig, NVMeOffload, OffloadPolicy,  # public here too
+                               _as_loss_scale, _as_offload, _offload_to_dict)
+from ._config.values import (_DTYPES, FILE_SUFFIXES, ZeroConfigError, _as_bool,  # ZeroConfigError is public here too
+                             _as_dtype_name, _as_float, _as_generation_offload, _as_int, _as_unit_classes, _check_keys,
+                             _suggest, looks_like_deepspeed, read_mapping_file)
 
 __all__ = [
     "ZeroConfigError",

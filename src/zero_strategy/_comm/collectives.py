@@ -83,9 +83,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .faults import (LOCAL, MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger, Record,
+                     desync_diagnosis, diagnosis, find_desync, is_timeout)
 from .stats import CommStats, OpCounter
-from .faults import (LOCAL, MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger,
-                      Record, desync_diagnosis, diagnosis, find_desync, is_timeout)
 from .waits import DESYNC_CHECK_AFTER, Handle
 
 __all__ = ["CollectiveDesync", "CollectiveError", "CollectiveTimeout", "Collectives", "CommStats", "Handle",

@@ -19,7 +19,6 @@ import torch
 
 from .state_kinds import TRAINING_ONLY, parse_kinds
 
-
 # --------------------------------------------------------------------------- errors
 
 

@@ -43,8 +43,8 @@ from .generation import GenerationGathers, refuse_grad_forward
 from .hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, gradient_hooks, in_backward
 from .module_state import register_module_state_hooks
 from .offload_states import OffloadedStates, refuse_while_offloaded
-from .plan import ShardingPlan, plan_for
 from .placement import offload_services, single_device, size_swap_pool
+from .plan import ShardingPlan, plan_for
 from .reduce import MAX_IN_FLIGHT, ReduceQueue
 from .schedule import GatherSchedule, Pass
 from .tree import map_tensors, tensors_in

@@ -51,9 +51,9 @@ import os
 
 import torch
 
+from .._logging import rank_zero_logger
 from .._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
 from .flat import ShardState
-from .._logging import rank_zero_logger
 from .offload_states import offloaded_for_generation
 
 logger = rank_zero_logger("zero_strategy")

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._mechanisms.transfers import HOST
 from .._config.state_kinds import KINDS, parse_kinds
+from .._mechanisms.transfers import HOST
 
 #: the memory report category of each kind's bytes
 CATEGORY = {"optim_states": "optimizer_state", "hp_params": "master", "lp_params": "params",

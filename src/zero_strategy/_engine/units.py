@@ -70,7 +70,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from .._comm.collectives import CollectiveDesync, CollectiveError, CollectiveTimeout, Collectives, Handle
+from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, CollectiveTimeout, Handle
 from .._config.policies import OffloadPolicy
 from .._mechanisms.transfers import Transfers
 from .flat import FlatGroup, ShardState

@@ -58,7 +58,6 @@ import torch
 from .conversions import unfrozen_error
 
 
-
 class GradientAgreement:
     """The step agreement over ``groups`` (part 1 of the Note), from start to decision.
 

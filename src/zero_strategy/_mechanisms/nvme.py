@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 
 from .aligned import aligned_empty, round_up
-from .nvme_files import (JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs,
-                          reserve, resolve_nvme_path)
+from .nvme_files import (JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs, reserve,
+                         resolve_nvme_path)
 
 __all__ = ["NVMeError", "NVMeStore", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from .._engine.offload_states import refuse_while_offloaded
 from .._engine.engine import ZeroEngine
+from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
 from .loss_scale import LossScaler
 from .offloaded_step import OffloadedStep

@@ -56,8 +56,7 @@ from .._engine.plan import plan_for
 from ..config import ZeroConfig
 from . import _checkpointing
 from ._config import apply_precision, choose_spec, deepspeed_accumulation_steps, describe, load_config
-from ._launch import (adopt_deepspeed_launch, check_after_init, logger, refuse_sharding_launchers,
-                      use_cpu_if_no_device)
+from ._launch import adopt_deepspeed_launch, check_after_init, logger, refuse_sharding_launchers, use_cpu_if_no_device
 from ._optimizer import ZeroAcceleratedOptimizer
 
 UNPREPARED_OPTIMIZER = (

@@ -40,7 +40,6 @@ from typing import Any
 
 from .._config.precision_rule import resolve_precision
 from ..config import ZeroConfig, ZeroConfigError
-
 from ._launch import deepspeed_launch_config, logger
 
 ENV_VAR = "ZERO_STRATEGY_CONFIG"

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from .._config.values import read_mapping_file
 from .._config.deepspeed_auto import is_auto
+from .._config.values import read_mapping_file
 from .._logging import rank_zero_logger
 
 logger = rank_zero_logger("zero_strategy.accelerate")

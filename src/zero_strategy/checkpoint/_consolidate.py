@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name
-from ._metadata_io import read_metadata
 from ._load import resolve_checkpoint_dir
+from ._metadata_io import read_metadata
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamReader, StreamWriter, verify_file
 from ._validate import check_buffers_file, check_rank_file

@@ -31,9 +31,9 @@ import torch
 from .._engine.offload_states import refuse_while_offloaded
 from .._version import __version__
 from ..api import engine_of
-from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord,
-                      GroupLayout, Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir,
-                      jsonable, rank_file_name, resolve_zero_optimizers)
+from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord, GroupLayout,
+                      Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir, jsonable,
+                      rank_file_name, resolve_zero_optimizers)
 from ._metadata_io import metadata_json
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamWriter, sha256_file

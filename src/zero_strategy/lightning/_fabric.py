@@ -22,6 +22,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
 
 from .. import api as zs
+from .._optim.optimizer import ZeroOptimizer
 from ..checkpoint import load_checkpoint, load_metadata, save_checkpoint
 from . import _checkpoint
 from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
@@ -30,7 +31,6 @@ from ._optimizers import is_set_up, loss_scaler_of, setup_model_and_optimizers, 
 from ._precision import ZeroFabricPrecision, check_precision_flag
 from ._presets import register_into
 from ._rank_zero import on_rank_zero
-from .._optim.optimizer import ZeroOptimizer
 
 _KEYS = "__zero_strategy_fabric__"
 

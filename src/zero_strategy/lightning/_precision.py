@@ -20,11 +20,12 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ._config import LIGHTNING_PRECISION
 from ._optimizers import zero_optimizer_of
+
 
 def check_precision_flag(precision: str) -> str:
     precision = str(precision)
