@@ -26,14 +26,10 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
                     dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
-    """Full, unsharded weights (from the fp32 masters) plus buffers, keyed like ``model.state_dict()``,
-    in host memory.
+    """``zero_strategy.full_state_dict`` for this engine (what it returns: see there).
 
-    Every rank must call it (it all-gathers group by group). Each group's gathered values
-    go to the host before the next group is gathered, so the compute device holds one
-    group beyond its shards at any time (a 13B model's fp32 weights are 52 GB: never on
-    one GPU). With ``rank0_only`` the other ranks keep nothing and return ``{}``.
-    ``dtype=None`` keeps each tensor's stored dtype.
+    Group by group: each gathered group goes to the host before the next is gathered, so
+    the device holds one group beyond its shards.
     """
     refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
     comm = engine.comm
