@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 import zero_strategy as zs
-from zero_strategy._precision_rule import resolve_precision
+from zero_strategy._config.precision_rule import resolve_precision
 
 ENGINE = ["fp32", "bf16", "fp16"]
 LIGHTNING_FLAG = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}

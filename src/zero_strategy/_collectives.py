@@ -1,7 +1,7 @@
 """Collectives on flat buffers: all-gather, reduce-scatter, all-reduce.
 
 This is the only module that calls ``torch.distributed`` collectives (what it counts is
-in _comm_stats.py, how it waits for them in _waits.py). It knows
+in _comm/stats.py, how it waits for them in _comm/waits.py). It knows
 nothing about modules, hooks or parameters: it moves 1-D tensors and counts the
 bytes. A world of one rank takes the same calls and skips the communication, so
 every stage runs (and is tested) in a single process.
@@ -47,8 +47,8 @@ left waiting in a collective (tests/test_subgroup_process_group.py).
 A backend pairs the k-th collective of every rank of a group, so each rank must issue
 its collectives in one order. At stage 3 backward issues two kinds: the all-gathers
 of units about to run backward (in the gather schedule's order, see [Note: gather
-schedule] in _schedule.py) and the reduce-scatters of groups whose gradients are
-complete (in the reduce order, see [Note: reduce order] in _reduce.py). Each kind is
+schedule] in _engine/schedule.py) and the reduce-scatters of groups whose gradients are
+complete (in the reduce order, see [Note: reduce order] in _engine/reduce.py). Each kind is
 in a fixed order on every rank, but how the two interleave depends on when this
 rank's gradients arrive, which depends on what its batch used (an expert its samples
 never reached). So at stage 3 the reduce-scatters go to a group of their own over the
@@ -107,7 +107,7 @@ class Collectives:
     def __init__(self, group: dist.ProcessGroup | None = None, wait_timeout: float | None = None,
                  replicate_group: dist.ProcessGroup | None = None):
         """``replicate_group``: hybrid sharding, the ranks holding the same shard in the other shard
-        groups (See [Note: hybrid sharding] in _hybrid.py); None: ``group`` is the whole data parallel."""
+        groups (See [Note: hybrid sharding] in _comm/hybrid.py); None: ``group`` is the whole data parallel."""
         if dist.is_available() and dist.is_initialized():
             _check_member(group)
             self.group = group
@@ -200,7 +200,7 @@ class Collectives:
 
     def check_desync(self) -> None:
         """A wait is taking long: raise :class:`CollectiveDesync` if another rank issued a different
-        collective under a sequence number this rank used. See [Note: desync while waiting] in _waits.py."""
+        collective under a sequence number this rank used. See [Note: desync while waiting] in _comm/waits.py."""
         if self.ledger is None:
             return
         self.ledger.publish_flight(self.recorder)

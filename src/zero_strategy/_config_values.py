@@ -1,7 +1,7 @@
 """The one config error type, the checks that turn user values into canonical ones, and
 the YAML/JSON reader.
 
-Shared by ``config.py`` (our own keys) and ``_deepspeed_config.py`` (DeepSpeed's).
+Shared by ``config.py`` (our own keys) and ``_config/deepspeed.py`` (DeepSpeed's).
 See [Note: one error type] in config.py.
 """
 

@@ -7,7 +7,7 @@ buffers (stage 3: placeholders at rest), their gradients live in shards (``param
 is a marker that refuses conversions) and the fp32 masters and optimizer state were
 placed at setup, so no conversion can move or cast them in place. ``setup`` shadows
 ``_apply`` on every module of the model with an instance attribute (removed by
-``teardown``; ``shadow`` of _model_integrations.py, as its transformers/PEFT wrappers):
+``teardown``; ``shadow`` of _engine/integrations.py, as its transformers/PEFT wrappers):
 
 * a conversion that leaves the parameters as they are (``.to(its device)``, which
   Lightning, Accelerate and the HF Trainer call after setup, ``.float()`` of an fp32
@@ -27,7 +27,7 @@ placed at setup, so no conversion can move or cast them in place. ``setup`` shad
 
 ``.train()``/``.eval()`` change flags only and ``requires_grad_(False)`` behaves as on a
 plain model (a parameter that gets no gradient is not stepped: See [Note: no gradient
-on any rank] in _untouched.py). ``requires_grad_(True)`` on a parameter that was frozen
+on any rank] in _engine/untouched.py). ``requires_grad_(True)`` on a parameter that was frozen
 at setup cannot train it (the engine holds no gradient buffer, master or optimizer
 state for it): :func:`unfrozen_error` is raised at the next step on every rank (the step agreement
 carries whether any rank has such a gradient), naming it.

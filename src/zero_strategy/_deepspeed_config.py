@@ -8,7 +8,7 @@ belongs to the training loop or the front end: it is accepted, not used, listed 
 :attr:`DeepSpeedTranslation.ignored`, and named in one WARNING (rank 0) that says what
 is used instead (:data:`INSTEAD`). A key DeepSpeed does not know raises, with a "did
 you mean" suggestion. ``"auto"`` values are resolved first, by the rules of
-:mod:`zero_strategy._deepspeed_auto` (the same for every front end).
+:mod:`zero_strategy._config.deepspeed_auto` (the same for every front end).
 
 | DeepSpeed key | ZeroConfig field | notes |
 |---|---|---|

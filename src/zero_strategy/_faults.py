@@ -65,7 +65,7 @@ class CollectiveTimeout(CollectiveError):
 
 class CollectiveDesync(CollectiveError):
     """The ranks issued different collectives: a module used on some ranks only, in an order the
-    engine cannot make agree (see [Note: the collective signature] in _collectives.py). The
+    engine cannot make agree (see [Note: the collective signature] in _comm/collectives.py). The
     message names the first collective that differs on each side."""
 
 
@@ -82,7 +82,7 @@ class Record:
     started: float  # time.time(), comparable across the ranks of a host
     state: str = "issued"  # issued -> completed | failed
     seconds: float | None = None
-    #: which sequence of collectives: See [Note: two streams of collectives] in _collectives.py
+    #: which sequence of collectives: See [Note: two streams of collectives] in _comm/collectives.py
     stream: str = MAIN
 
     def line(self) -> str:
@@ -119,7 +119,7 @@ class FlightRecorder:
 
     def issue(self, op: str, label: str, numel: int, nbytes: int, stream: str = MAIN) -> Record:
         seq = self.seqs[stream] = self.seqs.get(stream, 0) + 1
-        # See [Note: the collective signature] in _collectives.py
+        # See [Note: the collective signature] in _comm/collectives.py
         self.signatures[stream] = zlib.crc32(f"{op}|{label}|{numel}".encode(), self.signatures.get(stream, 0))
         record = Record(seq, op, label, numel, nbytes, self.step, time.time(), stream=stream)
         self.records.append(record)

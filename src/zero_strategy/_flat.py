@@ -6,7 +6,7 @@ buffer, padded to a multiple of the world size, and each rank owns one contiguou
 slice (its *shard*). It composes two collaborators:
 
 * ``grads`` (:class:`~._grad_buffer.GradBuffer`): gradients, with their own states;
-* ``params`` / ``masters`` (``_storage.py``): where the resting parameter shard and
+* ``params`` / ``masters`` (``_engine/storage.py``): where the resting parameter shard and
   the fp32 master live, one class per offload policy.
 
 This module does no communication of its own: callers pass a ``Collectives`` into
@@ -26,7 +26,7 @@ the few methods that need one and get handles back.
   stride 0). ``p.shape``, ``p.numel()``, ``p.device`` and ``model.device`` stay true;
   a value read outside forward/backward and outside ``gathered_parameters`` is NaN
   (never a plausible zero, as an empty tensor summed would give), and an in-place
-  write raises. ``model.state_dict()`` gathers for real (``_module_state.py``).
+  write raises. ``model.state_dict()`` gathers for real (``_engine/module_state.py``).
   Never a view of the zero-byte ``full``: reading one crashes the process.
 """
 
@@ -113,7 +113,7 @@ class FlatGroup:
         self.compute_dtype = compute_dtype
         self.rank, self.world_size, self.device = rank, world_size, device
         self.transfers = transfers if transfers is not None else Transfers(device, pin_memory=False)
-        #: the NVMe store when some of this group's state rests in the swap file (_nvme.py)
+        #: the NVMe store when some of this group's state rests in the swap file (_mechanisms/nvme.py)
         self.swap = swap if (offload.nvme_optimizer or offload.nvme_params) else None
 
         self.slots: list[ParamSlot] = []
@@ -136,7 +136,7 @@ class FlatGroup:
             offload=offload, transfers=self.transfers, swap=self.swap, device=device,
             initial_master=lambda out: self._copy_params_into(out, self.shard_start, self.shard_numel))
         self.grads = GradBuffer(self, grad_dtype, device)
-        #: slots kept out of a step while a count their state shares advanced (see _untouched.py)
+        #: slots kept out of a step while a count their state shares advanced (see _engine/untouched.py)
         self.kept_behind: frozenset[int] = frozenset()
         self.warned_kept_behind = False
 
@@ -312,7 +312,7 @@ class FlatGroup:
 
         ``loaded=None`` (anything may have changed): the whole master takes the gathered
         values. ``loaded``: id(parameter) -> a tensor with that parameter's new elements
-        (``load_state_dict``, _module_state.py): only those parameters' master elements
+        (``load_state_dict``, _engine/module_state.py): only those parameters' master elements
         change, to the tensors' own values, so an fp32 state dict loaded into a bf16 model
         keeps fp32 masters and the parameters it lacks keep theirs.
         """

@@ -15,8 +15,8 @@ placement and the units may as well stay gathered for the whole call:
   and their gathers find the unit gathered and issue no collective. A forward inside
   the block communicates nothing, so ranks may run different numbers of them: a
   ``generate()`` inside leaves ``synced_gpus`` off (See [Note: generate() under stage 3]
-  in _model_integrations.py), and such forwards are not counted as calls that issue
-  collectives (See [Note: naming the rank that failed] in _faults.py);
+  in _engine/integrations.py), and such forwards are not counted as calls that issue
+  collectives (See [Note: naming the rank that failed] in _comm/faults.py);
 * on exit, also when the block raised, the hold ends and the units that were sharded
   at entry are released again (those gathered before, inside ``gathered_parameters``,
   stay as they were);
@@ -141,7 +141,7 @@ def gathered_for_generation(engine, budget_bytes: int | None = None):
         yield
         return
     was_sharded = [u for u in units if u.state is ShardState.SHARDED]
-    engine.comm.enter("gathered_for_generation")  # See [Note: naming the rank that failed] in _faults.py
+    engine.comm.enter("gathered_for_generation")  # See [Note: naming the rank that failed] in _comm/faults.py
     state.depth += 1
     try:
         for u in units:

@@ -52,7 +52,7 @@ def nan_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device)
     """A zero-memory tensor of ``shape`` whose every element is NaN (one element, stride 0).
 
     Stands in for the values of a released stage-3 parameter (see [Note: parameter storage
-    and aliasing] in _flat.py): reads give NaN, in-place writes raise.
+    and aliasing] in _engine/flat.py): reads give NaN, in-place writes raise.
     """
     t = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
     return t.fill_(float("nan"))
@@ -355,7 +355,7 @@ class GradBuffer:
     def start_another_round(self) -> None:
         """Gradients arrive again after this backward reduced the group (reentrant checkpointing
         of a unit called twice; see [Note: reentrant checkpointing and units called twice] in
-        _state.py): count arrivals afresh and reduce again, adding onto ``grad_shard``. The
+        _engine/engine.py): count arrivals afresh and reduce again, adding onto ``grad_shard``. The
         caller has finished the first round's reduce-scatter."""
         assert self.state is not GradState.REDUCING, self.state
         self.arrived = 0

@@ -2,7 +2,7 @@
 
 Used only with ``precision="fp16"``: the optimizer checks the unscaled gradients for
 inf/nan on every rank (one all-reduce) and skips the step on all of them when any
-overflowed (See [Note: the order inside ``step()``] in _optimizer.py). The scale backs
+overflowed (See [Note: the order inside ``step()``] in _optim/optimizer.py). The scale backs
 off after ``hysteresis`` overflows (DeepSpeed's meaning, see ``LossScaleConfig``).
 """
 

@@ -93,7 +93,7 @@ def shadow(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
 
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
     """See [Note: generate() under stage 3]; gathers once when the engine's policy says so (See
-    [Note: gathered for generation] in _generation.py), with the training state the config names
+    [Note: gathered for generation] in _engine/generation.py), with the training state the config names
     (``offload_states_during_generation``) off the device meanwhile, at every stage."""
     from ._generation import around_generate
 

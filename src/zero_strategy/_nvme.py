@@ -21,7 +21,7 @@ filesystem allows it, buffered I/O where it does not (e.g. tmpfs).
 
 [Note: failures]
 The path is checked before training (created, writable) and this rank's whole swap
-size is reserved there (see _nvme_files.py), so a disk too small fails at setup. An
+size is reserved there (see _mechanisms/nvme_files.py), so a disk too small fails at setup. An
 I/O error during training (a full disk on a filesystem that cannot reserve, a
 vanished file) raises ``NVMeError`` naming the file, the operation and the free
 space, on the rank that hit it, within seconds: the store is marked failed, the

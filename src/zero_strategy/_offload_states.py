@@ -4,7 +4,7 @@ Online RL alternates phases: the policy generates (needs the parameters, nothing
 else), then trains (needs everything). DeepSpeed users free the accelerator for the
 rollout with ``engine.offload_states()`` and take it back with ``reload_states()``;
 these are the same calls on a set-up model, with DeepSpeed's names for the kinds of
-state (see _state_kinds.py).
+state (see _config/state_kinds.py).
 
 [Note: what offload_states moves]
 Only what rests on the compute device, per kind (``include=``):
@@ -13,7 +13,7 @@ Only what rests on the compute device, per kind (``include=``):
   on the device;
 * ``hp_params``: the fp32 master shards stepped on the device. With an fp32 compute
   dtype a master that *is* the parameter shard (See [Note: the master aliases the
-  parameters] in _storage.py) has no bytes of its own: it moves with ``lp_params``;
+  parameters] in _engine/storage.py) has no bytes of its own: it moves with ``lp_params``;
 * ``lp_params``: the compute-dtype parameters: stages 1-2 the whole replicated flat
   buffer, stage 3 the resting shard (and persistent groups' full buffer); every stage-3
   unit is released first;

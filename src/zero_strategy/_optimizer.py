@@ -321,7 +321,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if mg is not None and factor is not None:
                 mg.mul_(factor)
             g.master.grad = mg
-        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _untouched.py
+        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _engine/untouched.py
             self._unhooked_step(self.optimizer)
         handles = [g.publish_master(self.engine.comm) for g in groups]
         for g, h in zip(groups, handles):

@@ -19,7 +19,7 @@ order anyway, and nothing waits.
 
 Gradients that arrive for a group already launched in this backward (the nested
 backward of reentrant checkpointing, see [Note: reentrant checkpointing and units
-called twice] in _state.py) are a second round: launched at once, as every rank
+called twice] in _engine/engine.py) are a second round: launched at once, as every rank
 does the same there.
 
 The queue keeps at most :data:`MAX_IN_FLIGHT` reduce-scatters in flight (one with

@@ -23,7 +23,7 @@ its memory), and a model whose ranks run every unit in order issues exactly the
 gathers it issued without a schedule. A unit run again in the same pass (a block
 called twice, a module called out of registration order) is gathered again on its
 own, outside the schedule, as before: exact when every rank does the same, and caught
-by the collective signature (see [Note: the collective signature] in _collectives.py)
+by the collective signature (see [Note: the collective signature] in _comm/collectives.py)
 when ranks differ. Frozen units are left out of the backward pass: a unit without
 trainable parameters needs backward only to pass gradients through, which every
 rank of a model does alike (an image tower that is frozen never needs it at all).

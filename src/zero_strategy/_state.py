@@ -12,17 +12,17 @@ backward  pre-backward (first output gradient): gather the unit again, prefetch 
           reduce-scatter (stages 2-3, outside ``no_sync``).  input-gradient function:
           release the unit.  end-of-backward callback: reduce what is left (unused
           parameters contribute zeros), wait for every reduce-scatter, release all.
-step      (optimizer) stage 1 reduces here; see ``_optimizer.py``.
+step      (optimizer) stage 1 reduces here; see ``_optim/optimizer.py``.
 
 [Note: lock-step]
 Every collective is issued in the same order on every rank, also when the ranks use
 different parameters (mixture-of-experts routing, an image tower some batches skip):
-reduce-scatters in the reduce order (See [Note: reduce order] in _reduce.py), stage-3
-gathers in the gather schedule (See [Note: gather schedule] in _schedule.py), the two
-on streams of their own (See [Note: two streams of collectives] in _collectives.py),
+reduce-scatters in the reduce order (See [Note: reduce order] in _engine/reduce.py), stage-3
+gathers in the gather schedule (See [Note: gather schedule] in _engine/schedule.py), the two
+on streams of their own (See [Note: two streams of collectives] in _comm/collectives.py),
 and everything deferred to the step in a fixed group order. A parameter no rank used
 in a step does not move, as in DDP with ``find_unused_parameters=True`` (See [Note: no
-gradient on any rank] in _untouched.py).
+gradient on any rank] in _engine/untouched.py).
 """
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ class ZeroEngine:
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
-        self.undo_on_teardown: list = []  # what setup adjusted on library models (_model_integrations.py)
-        #: generate() policy and the gathered_for_generation block (_generation.py)
+        self.undo_on_teardown: list = []  # what setup adjusted on library models (_engine/integrations.py)
+        #: generate() policy and the gathered_for_generation block (_engine/generation.py)
         self.generation = GenerationGathers()
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step
         self.ended: str | None = None
@@ -268,11 +268,11 @@ class ZeroEngine:
             if self.offloaded is not None:
                 refuse_while_offloaded(self, "forward (or generate)", ("lp_params",))
             if self.generation.active and torch.is_grad_enabled():
-                refuse_grad_forward()  # See [Note: gathered for generation] in _generation.py
+                refuse_grad_forward()  # See [Note: gathered for generation] in _engine/generation.py
             refuse_replaced_units(self.model, self.units[1:])
             self.training_state = TrainingState.FORWARD
             if not self.generation.active:  # held gathered, a forward issues no collective
-                self.comm.enter("forward")  # See [Note: naming the rank that failed] in _faults.py
+                self.comm.enter("forward")  # See [Note: naming the rank that failed] in _comm/faults.py
             if self.plan.shards_parameters:
                 self.schedule.begin(Pass.FORWARD)
         self._root_forward_depth += 1
@@ -302,7 +302,7 @@ class ZeroEngine:
             return None
         self.training_state = TrainingState.IDLE
         if self.plan.shards_parameters and output is not None:  # a raising forward leaves no pass to finish
-            self.schedule.finish(self.comm)  # See [Note: gather schedule] in _schedule.py
+            self.schedule.finish(self.comm)  # See [Note: gather schedule] in _engine/schedule.py
         outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if outputs:  # See [Note: end of backward in the outermost graph task]
             register_multi_grad_hook(outputs, lambda grads: self._ensure_end_of_backward_callback(), mode="any")
@@ -387,7 +387,7 @@ class ZeroEngine:
         first. At the start of backward, or (when backward's gathers read parameters from
         NVMe) once its last gathers have begun: read earlier, the step's large reads queue
         ahead of the parameters backward waits for (measured: backward +35%, RESULTS.md).
-        See [Note: NVMe state read during backward] in _optimizer.py."""
+        See [Note: NVMe state read during backward] in _optim/optimizer.py."""
         if self.swap is not None and self._sync_gradients and not self._overlapping():
             for zopt in self.optimizers():
                 zopt.prefetch_step_state()
@@ -452,7 +452,7 @@ class ZeroEngine:
         """A reduce-scatter finished; with overlap_step (every finished reduce starts a CPU step,
         so the queue keeps one in flight) during backward, the group's step can start."""
         if self._overlapping() and in_backward():
-            for zopt in self.optimizers():  # See [Note: overlap_step] in _optimizer.py
+            for zopt in self.optimizers():  # See [Note: overlap_step] in _optim/optimizer.py
                 zopt.group_reduced(group)
 
     def _overlapping(self) -> bool:
@@ -503,7 +503,7 @@ class ZeroEngine:
             g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time
 
     def _unfrozen(self) -> list[str]:
-        return unfrozen_names(self)  # See [Note: conversions on a set-up model] in _conversions.py
+        return unfrozen_names(self)  # See [Note: conversions on a set-up model] in _engine/conversions.py
 
     def zero_grad(self, groups: list[FlatGroup] | None = None) -> None:
         """Drop the gradients of ``groups`` (default: all); also ends an abandoned iteration."""

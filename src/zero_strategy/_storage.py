@@ -174,7 +174,7 @@ class HostMaster(DeviceMaster):
 
     Each finished reduce starts downloading the gradient shard into ``host_grad`` on
     the D2H stream while backward goes on (see [Note: the offloaded step overlaps in
-    three places] in _offload.py); the step waits for that download only.
+    three places] in _mechanisms/transfers.py); the step waits for that download only.
     """
 
     steps_on_host = True

@@ -52,7 +52,7 @@ are used or skipped together:
   holds units (ViT's ``cls_token``) goes with that module's.
 
 A group no rank has a gradient for is then not stepped, as DDP's parameters (See
-[Note: no gradient on any rank] in _untouched.py, which also covers what is left
+[Note: no gradient on any rank] in _engine/untouched.py, which also covers what is left
 inside a group). The cost is more, smaller collectives: one per member and part and
 collective kind (a list of 64 experts in each of 27 layers issues about 1,700 of each
 kind per step where one per layer did; gathering a unit's groups as one coalesced
@@ -222,7 +222,7 @@ def _unit_class_hint(root: nn.Module) -> str:
 def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError,
                           gather: bool = True) -> CollectiveError:
     """The error for a wait on a unit's collective that failed, naming the unit (see [Note: bounded
-    waits] in _waits.py); a timed-out ``gather`` adds what usually causes it."""
+    waits] in _comm/waits.py); a timed-out ``gather`` adds what usually causes it."""
     head = f"zero_strategy: rank {comm.rank} gave up on {what}."
     if isinstance(error, CollectiveDesync):
         return CollectiveDesync(f"{head}\n{error}")
@@ -252,7 +252,7 @@ class Unit:
         self.sharded_groups = [g for g in groups if g.shard_params]
         self._gather_handles: list[tuple[FlatGroup, Handle | None]] | None = None
         self._comm: Collectives | None = None  # of the gather in flight, for its error message
-        #: kept gathered by release() while True: See [Note: gathered for generation] in _generation.py
+        #: kept gathered by release() while True: See [Note: gathered for generation] in _engine/generation.py
         self.held = False
 
     def __repr__(self) -> str:
@@ -296,7 +296,7 @@ class Unit:
     def release(self) -> None:
         self.wait_gather()  # never free memory an all-gather is still writing
         if self.held:
-            return  # See [Note: gathered for generation] in _generation.py
+            return  # See [Note: gathered for generation] in _engine/generation.py
         for g in self.sharded_groups:
             g.release()
 
@@ -319,7 +319,7 @@ def build_units(
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
-    Meta-device parameters are materialized here, unit by unit (see _materialize.py).
+    Meta-device parameters are materialized here, unit by unit (see _engine/materialize.py).
     """
     unit_modules = find_unit_modules(model, unit_classes)
     if plan.shards_parameters:
@@ -393,7 +393,7 @@ def refuse_replaced_units(model: nn.Module, units: list[Unit]) -> None:
     torch.compile(block)``): the engine's hooks stay on the old module object and the
     parameters' names change under the engine, so checkpoints and state dicts would
     disagree with the names recorded at setup. See [Note: torch.compile and the hooks]
-    in _hook_tools.py."""
+    in _engine/hook_tools.py."""
     for unit in units:
         try:
             found = model.get_submodule(unit.name)

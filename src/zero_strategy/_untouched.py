@@ -16,7 +16,7 @@ the mean with zeros from the others. The engine computes the same, in three part
    some rank has one for is reduced on every rank, zeros where a rank has none, so
    the collectives stay in lock-step. Experts and other members of module lists get
    groups of their own for this (See [Note: members get their own flat groups] in
-   _units.py), which makes an unused expert exact, Adam's step count included.
+   _engine/units.py), which makes an unused expert exact, Adam's step count included.
 3. Inside a group that is stepped, the parameters no rank has a gradient for
    (*untouched*: a projector on a text-only step, an unused head) keep their master
    values and their elementwise optimizer state (:func:`keep_untouched`): the group's

@@ -13,7 +13,7 @@ again), and :class:`CollectiveTimeout` goes up. A peer that exits or is killed c
 its connections and ends the wait at once with :class:`CollectiveError`. Either
 message names the collective (what it was for, its sequence number, the step), the
 ranks that never began it or reported a failure, and the last collectives of each
-rank: See [Note: naming the rank that failed] in _faults.py. Counting calls costs one
+rank: See [Note: naming the rank that failed] in _comm/faults.py. Counting calls costs one
 store round trip per call (a forward, a ``state_dict()``), not per collective.
 
 [Note: desync while waiting]

@@ -72,7 +72,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     A model created on the meta device (``with torch.device("meta"): model = ...``) is
     materialized unit by unit on ``device`` (default: the current CUDA device, else
     the CPU), so no rank ever holds it whole; ``param_init_fn(module)`` initializes
-    each module (default ``module.reset_parameters()``; see _materialize.py).
+    each module (default ``module.reset_parameters()``; see _engine/materialize.py).
 
     Returns ``(model, zero_optimizer)``; ``zero_optimizer`` is ``None`` when no
     optimizer is given (inference / frozen models).
@@ -198,7 +198,7 @@ def zero_grad(model: nn.Module) -> None:
     """Drop every gradient shard of the model (all its optimizers' groups) now.
 
     ``model.zero_grad()``, ``submodule.zero_grad()`` and ``optimizer.zero_grad()`` work
-    too (see [Note: param.grad after backward] in _grad_buffer.py); this one frees the
+    too (see [Note: param.grad after backward] in _engine/grads.py); this one frees the
     gradient memory at once instead of when the next gradient arrives.
     """
     engine_of(model).zero_grad()
@@ -262,7 +262,7 @@ def offload_states(model: nn.Module, optimizer=None, include=None, device: str =
     (forward with ``lp_params`` off; backward, ``zero_grad`` with gradients off; ``step``,
     checkpoints and state dicts), naming ``reload_states``. Exact: the bytes come back unchanged.
     ``non_blocking=True`` with pinned memory leaves the copies queued on the current CUDA stream.
-    Local to each rank (no collective). See [Note: what offload_states moves] in _offload_states.py.
+    Local to each rank (no collective). See [Note: what offload_states moves] in _engine/offload_states.py.
     """
     engine = engine_of(model)
     if str(getattr(device, "value", device)).lower() != "cpu":
@@ -319,7 +319,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     engine = engine_of(model)
     refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
     comm = engine.comm
-    comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _faults.py
+    comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _comm/faults.py
     values: dict[int, torch.Tensor] = {}
     for g in engine.groups:
         with g.resident(write_back=False):
@@ -388,7 +388,7 @@ def gathered_for_generation(model: nn.Module, budget_bytes: int | None = None):
     parameters exceed it on some rank, the block gathers per unit as training does (one
     log line). Default: 3/4 of the free device memory (CPU: of the host memory available
     to this rank). A no-op at stages 1-2. Every rank must enter it. See [Note: gathered
-    for generation] in _generation.py.
+    for generation] in _engine/generation.py.
     """
     return generation.gathered_for_generation(engine_of(model), budget_bytes)
 
@@ -430,7 +430,7 @@ def _gathered(model: nn.Module, params: Iterable[nn.Parameter] | None, kind: str
     units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
     was_sharded = {id(u): u.state.value == "sharded" for u in units}
     if any(u.sharded_groups for u in units):
-        engine.comm.enter(kind)  # see [Note: bounded waits] in _waits.py
+        engine.comm.enter(kind)  # see [Note: bounded waits] in _comm/waits.py
     for u in units:
         u.gather(engine.comm)
     try:
@@ -464,7 +464,7 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     takes the minimum over the ranks. ``world_size``: ranks to plan for
     (default: the initialised process group's, else 1). Logs the table of candidates;
     raises ``MemoryError`` saying how much more host memory or NVMe space would make one
-    fit when none does. See [Note: zero_auto] in _auto.py.
+    fit when none does. See [Note: zero_auto] in _zero_auto.py.
     """
     cfg = ZeroConfig.load(config).replace(auto=True, offload_optimizer=None, offload_params=None)
     if world_size is None:

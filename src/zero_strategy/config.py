@@ -8,7 +8,7 @@ frozen dataclasses, and nothing below this layer re-validates. A config comes fr
 * a mapping, YAML or JSON file: ``ZeroConfig.from_dict({...})`` / ``from_file(path)``;
 * a DeepSpeed ``ds_config`` (its ZeRO, fp16/bf16 and clipping parts):
   ``ZeroConfig.from_deepspeed(path_or_dict)`` (mapping table in
-  :mod:`zero_strategy._deepspeed_config`);
+  :mod:`zero_strategy._config.deepspeed`);
 * any of the above: ``ZeroConfig.load(spec)``.
 
 [Note: one error type]
@@ -252,7 +252,7 @@ class ZeroConfig:
         unit_classes: module class names that become units; ``()`` auto-detects the
             blocks held in ``nn.ModuleList`` containers and the repeated composite
             blocks of ``nn.Sequential`` / ``nn.ModuleDict`` (see ``[Note: choosing units]``
-            in _units.py).
+            in _engine/units.py).
         param_persistence_threshold: stage 3: parameters with fewer elements stay
             whole on every rank (not worth a collective).
         prefetch: stage 3: how many units are gathered ahead of use.
@@ -276,10 +276,10 @@ class ZeroConfig:
         shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks
             and replicate across the groups (``"node"``: ``LOCAL_WORLD_SIZE``); gradients are
             reduce-scattered in the group and all-reduced across groups. ``None``: shard over
-            all ranks. See [Note: hybrid sharding] in _hybrid.py.
+            all ranks. See [Note: hybrid sharding] in _comm/hybrid.py.
         auto: the ``zero_auto`` preset: at setup, when the model is known, stage and
             offload are replaced by the least-offloaded preset whose model states fit the
-            memory measured on this machine (see :mod:`zero_strategy._auto`); the other
+            memory measured on this machine (see :mod:`zero_strategy._zero_auto`); the other
             fields are kept. Until then ``stage`` is 3 (a model built under a front end's
             stage-3 meta-device context is counted without being materialised).
         offload_states_during_generation: what the trainer integrations move off the compute
@@ -445,7 +445,7 @@ class ZeroConfig:
 
     @classmethod
     def from_deepspeed(cls, path_or_dict: str | os.PathLike | Mapping) -> ZeroConfig:
-        """Translate a DeepSpeed ``ds_config`` (see :mod:`zero_strategy._deepspeed_config`)."""
+        """Translate a DeepSpeed ``ds_config`` (see :mod:`zero_strategy._config.deepspeed`)."""
         from ._deepspeed_config import translate_deepspeed
 
         if isinstance(path_or_dict, Mapping):

@@ -310,7 +310,7 @@ def estimate_memory(
 
 @dataclass(frozen=True)
 class UnitSizes:
-    """Parameter elements of the stage-3 units of a model (see [Note: choosing units] in _units.py).
+    """Parameter elements of the stage-3 units of a model (see [Note: choosing units] in _engine/units.py).
 
     ``root``: elements outside every unit (embeddings, final norm, head), gathered from the
     start of forward to the end of backward; ``largest``: the largest unit; ``count``: units.

@@ -246,9 +246,9 @@ def deferred_collectives(enabled: bool):
     if not enabled:
         yield
         return
-    from zero_strategy._collectives import Collectives
-    from zero_strategy._nvme import SwapFile, aligned_empty
-    from zero_strategy._offload import Transfers
+    from zero_strategy._comm.collectives import Collectives
+    from zero_strategy._mechanisms.nvme import SwapFile, aligned_empty
+    from zero_strategy._mechanisms.transfers import Transfers
 
     def wrap(original):
         def deferred(self, out, inp, async_op=True, **kw):  # kw: the collective's label

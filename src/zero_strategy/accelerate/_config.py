@@ -26,7 +26,7 @@ or the launch config) becomes ``ZeroConfig.precision``. A ZeRO config that names
 different low precision is an error rather than a silent choice between the two;
 ``precision: fp32`` (also the default) in the ZeRO config means "not specified".
 DeepSpeed ``"auto"`` values are resolved by the one resolver all front ends share
-(:mod:`zero_strategy._deepspeed_auto`): ``"auto"`` precision is this one. One
+(:mod:`zero_strategy._config.deepspeed_auto`): ``"auto"`` precision is this one. One
 exception, kept from Accelerate's DeepSpeed integration: under an adopted DeepSpeed
 launch, a ds_config that enables bf16/fp16 itself wins over ``mixed_precision: no``
 (Accelerate's DeepSpeed plugin does the same).

@@ -1,6 +1,6 @@
 """Small object collectives for checkpointing, through the engine's ``Collectives``.
 
-They go through :class:`zero_strategy._collectives.Collectives` like every other
+They go through :class:`zero_strategy._comm.collectives.Collectives` like every other
 collective, so a subgroup ``process_group`` is honoured in one place (group ranks,
 ``src`` translated to a global rank). A world of one skips them.
 

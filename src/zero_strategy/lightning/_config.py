@@ -68,7 +68,7 @@ def build_config(stage=None, offload_optimizer=None, offload_params=None, nvme_p
 
 
 def with_lightning_precision(cfg: ZeroConfig, flag: str | None) -> ZeroConfig:
-    """Apply a Lightning precision flag to ``cfg`` by the shared rule (``zero_strategy._precision_rule``).
+    """Apply a Lightning precision flag to ``cfg`` by the shared rule (``zero_strategy._config.precision_rule``).
 
     A config that names bf16/fp16 itself (e.g. a DeepSpeed file) must agree with the
     Trainer / Fabric flag, the default ``"32-true"`` included: Lightning cannot tell a

@@ -7,7 +7,7 @@ the same arguments. Every argument of Lightning's ``DeepSpeedStrategy.__init__``
 
 * translated: built into the ``ds_config`` that DeepSpeedStrategy itself would build
   (``_create_default_config``), then read by the same importer as a DeepSpeed file
-  (``zero_strategy._deepspeed_config``), so both routes mean one thing;
+  (``zero_strategy._config.deepspeed``), so both routes mean one thing;
 * no effect here (tuning knobs of DeepSpeed's buckets, AIO threads, its logging): accepted,
   with a warning naming them, since a run that ignores a setting should say so;
 * unsupported: a clear error naming the argument and what to do instead.
