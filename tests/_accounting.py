@@ -42,3 +42,20 @@ def accounting_offload(world_size: int) -> dict:
     reports = launch("accounting.py", world_size, {"cases": OFFLOAD_CASES}, timeout=240)
     return {_offload_key(r["case"]): [rep["results"][i] for rep in reports]
             for i, r in enumerate(reports[0]["results"])}
+
+
+RSS_CASES = [dict(stage=s, precision="fp32", width=1024, blocks=12) for s in (1, 2, 3)]
+RSS_CASES += [dict(stage=3, precision="fp32", width=1024, blocks=12, offload_optimizer="cpu", offload_params="cpu")]
+
+
+def _rss_key(case: dict) -> tuple:
+    return (case["stage"], case.get("offload_params"))
+
+
+@functools.lru_cache(maxsize=None)
+def accounting_rss(world_size: int) -> dict:
+    """{(stage, offload_params): [result of each rank]} for RSS_CASES: the process's anonymous RSS
+    beside the engine's accounting, per phase (see workers/accounting.py's rss_case)."""
+    reports = launch("accounting.py", world_size, {"cases": RSS_CASES, "rss": True}, timeout=240)
+    return {_rss_key(r["case"]): [rep["results"][i] for rep in reports]
+            for i, r in enumerate(reports[0]["results"])}

@@ -9,6 +9,7 @@ is a per-process singleton.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -136,22 +137,69 @@ def test_example_script_with_the_shipped_cpu_config():
 
 
 # ----------------------------------------------------------------------- one process
-def test_errors_after_setup():
+@functools.lru_cache(maxsize=None)
+def _after_setup() -> tuple[dict | None, str]:
+    """One run of workers/accelerate_errors.py (Accelerate's state is per process): its raw report,
+    or None and the log; each test below asserts its own behaviour on it."""
     out, log = run_single(HERE / "workers" / "accelerate_errors.py", None)
-    (r,) = _reports(out, 1, log)
-    assert r["default_precision"] == "fp32"
-    for case in ("prepared_twice", "prepared_twice_with_optimizer"):
-        assert r[case]["type"] == "ValueError" and "already prepared" in r[case]["message"]
-    assert r["optimizer_without_model"]["type"] == "ValueError"
-    assert "same prepare() call" in r["optimizer_without_model"]["message"]
-    assert r["clip_subset"]["type"] == "ValueError"
-    assert r["precision_conflict"]["type"] == "ZeroConfigError"
-    assert "--mixed_precision bf16" in r["precision_conflict"]["message"]
+    path = out / "rank0.json"
+    return (json.loads(path.read_text()) if path.exists() else None), log
+
+
+def _report() -> dict:
+    report, log = _after_setup()
+    assert report is not None, f"accelerate_errors.py reported nothing:\n{log[-6000:]}"
+    return report
+
+
+def test_precision_defaults_to_fp32_when_the_launch_chose_none():
+    assert _report()["default_precision"] == "fp32"
+
+
+@pytest.mark.parametrize("case", ["prepared_twice", "prepared_twice_with_optimizer"])
+def test_preparing_a_prepared_model_again_is_refused(case):
+    r = _report()[case]
+    assert r["type"] == "ValueError" and "already prepared" in r["message"], r
+
+
+def test_an_optimizer_without_its_model_is_refused():
+    r = _report()["optimizer_without_model"]
+    assert r["type"] == "ValueError" and "same prepare() call" in r["message"], r
+
+
+def test_clipping_a_subset_of_the_parameters_is_refused():
+    assert _report()["clip_subset"]["type"] == "ValueError"
+
+
+def test_a_config_precision_that_conflicts_with_the_launch_is_refused_with_the_flag_to_use():
+    r = _report()["precision_conflict"]
+    assert r["type"] == "ZeroConfigError" and "--mixed_precision bf16" in r["message"], r
+
+
+def test_a_model_prepared_before_its_optimizer_waits_for_it():
+    r = _report()
     assert r["pending_before_optimizer"] == 1 and r["pending_after_optimizer"] == 0
-    assert r["save_state_while_pending"]["type"] == "RuntimeError"
+
+
+def test_save_state_while_a_model_waits_for_its_optimizer_is_refused():
+    assert _report()["save_state_while_pending"]["type"] == "RuntimeError"
+
+
+def test_a_model_prepared_before_its_optimizer_is_sharded_when_the_optimizer_comes():
+    r = _report()
     assert r["late_is_zero"] and r["late_optimizer"] == "ZeroAcceleratedOptimizer"
-    assert not r["after_free_is_zero"] and r["after_free_param_shape"] == [48, 24]
-    assert "torn down" in r["stale_optimizer"]["message"]
+
+
+def test_free_memory_gives_back_the_unsharded_model():
+    from _models import TinyLM
+
+    r = _report()
+    assert not r["after_free_is_zero"]
+    assert r["after_free_param_shape"] == list(TinyLM().layers[0].fc1.weight.shape)
+
+
+def test_an_optimizer_of_a_torn_down_model_is_refused():
+    assert "torn down" in _report()["stale_optimizer"]["message"]
 
 
 # ----------------------------------------------------------------------- before Accelerate sets up

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
 N, DIM = 5, 4096
 TENSOR = DIM * DIM * 4
 
@@ -43,9 +44,7 @@ CONSOLIDATE = """
 import json, sys
 import torch, safetensors
 import zero_strategy as zs
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+from _rss import status_bytes as status
 base = status("VmRSS")
 try:
     with open("/proc/self/clear_refs", "w") as f:
@@ -58,7 +57,7 @@ print(json.dumps({"base": base, "peak": status("VmHWM")}))
 
 
 def _run(code: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
                           timeout=180)

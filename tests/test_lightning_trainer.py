@@ -6,8 +6,6 @@ seconds here); each test reads its scenario's report and final weights.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -33,7 +31,8 @@ def _cases(save_dir: str) -> list[dict]:
         dict(name="gan_zero3", strategy={"stage": 3, "unit_classes": ["Generator", "Discriminator"],
                                          "param_persistence_threshold": 0}, module="gan"),
         dict(name="swa", strategy="zero2", callbacks="swa", epochs=1),
-        dict(name="meta_zero3", strategy="zero3", module="meta", summary=True),
+        dict(name="meta_ddp", strategy="ddp", module="meta", every_rank_saves=True),
+        dict(name="meta_zero3", strategy="zero3", module="meta", summary=True, every_rank_saves=True),
     ]
     for c in cases:
         c["save_dir"] = save_dir
@@ -134,15 +133,35 @@ def test_swa_is_refused_clearly(run):
         assert "StochasticWeightAveraging cannot be used with ZeroStrategy" in r["swa"]["error"]
 
 
-def test_configure_model_builds_on_meta_under_stage_3(run):
+def test_configure_model_on_meta_under_stage_3_trains_like_ddp(run):
+    """The module built in configure_model (on meta under stage 3, materialized by setup) against
+    Lightning DDP training the same module on the same data: each module initializes from its own
+    seed (see LitMeta), so both start from rank 0's values only if setup broadcast them."""
     reports, save_dir = run
+    _ok(reports, "meta_ddp")
+    _ok(reports, "meta_zero3")
+    for r in reports:
+        zero, ddp = r["meta_zero3"], r["meta_ddp"]
+        assert zero["built_on_meta"] is True and ddp["built_on_meta"] is False
+        assert zero["global_step"] == ddp["global_step"] == 4
+        assert zero["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
+    _assert_close(_weights(save_dir, "meta_zero3.rank0"), _weights(save_dir, "meta_ddp.rank0"), rtol=1e-5)
+
+
+def test_ranks_agree_on_the_weights_of_a_model_built_on_meta(run):
+    reports, save_dir = run
+    _ok(reports, "meta_zero3")
+    ranks = [_weights(save_dir, f"meta_zero3.rank{k}") for k in range(len(reports))]
+    for k, weights in enumerate(ranks[1:], start=1):
+        assert weights.keys() == ranks[0].keys()
+        for name, w in weights.items():
+            assert torch.equal(w, ranks[0][name]), f"rank {k} differs from rank 0 in {name}"
+
+
+def test_model_summary_counts_a_model_built_on_meta(run):
+    reports, _ = run
     _ok(reports, "meta_zero3")
     widths = (16, 32, 32, 16)
     total = 37 * 16 + sum(a * b + b for a, b in zip(widths, widths[1:])) + 16 * 37 + 37
     for r in reports:
-        rep = r["meta_zero3"]
-        assert rep["built_on_meta"] is True
-        assert rep["summary"]["total"] == total
-        assert len(rep["losses"]) == 4 and all(math.isfinite(l) for l in rep["losses"])
-    weights = _weights(save_dir, "meta_zero3")
-    assert all(torch.isfinite(w).all() and w.abs().sum() > 0 for w in weights.values())
+        assert r["meta_zero3"]["summary"]["total"] == total

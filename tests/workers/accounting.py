@@ -10,6 +10,7 @@ Parameter counts come from the unsharded model, before setup.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 import torch.distributed as dist
@@ -57,8 +58,57 @@ def run_case(case: dict) -> dict:
                 comm=zs.comm_stats(model), largest_shard=largest_shard)
 
 
+class Wide(torch.nn.Module):
+    """``blocks`` square fp32 Linear layers of width ``width``: one unit each, megabytes each,
+    so that what the engine holds stands out of the process's own working memory."""
+
+    def __init__(self, width: int, blocks: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def rss_case(case: dict) -> dict:
+    """Anonymous RSS growth since before the model was built, beside the engine's own accounting
+    (``memory_report``), after setup, after forward/backward and after the step."""
+    from _rss import anon_rss
+
+    gc.collect()
+    base = anon_rss()
+    torch.manual_seed(0)
+    model = Wide(case["width"], case["blocks"])
+    params = sum(p.numel() for p in model.parameters())
+    largest_unit = max(sum(p.numel() for p in layer.parameters()) for layer in model.layers)
+    opt = torch.optim.AdamW(model.parameters())
+    model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
+                                                     param_persistence_threshold=0,
+                                                     offload_optimizer=case.get("offload_optimizer"),
+                                                     offload_params=case.get("offload_params")))
+    phases = {}
+
+    def measure(phase):
+        gc.collect()
+        phases[phase] = dict(rss_growth=anon_rss() - base, accounted=zs.memory_report(model).total)
+
+    measure("setup")
+    x = torch.randn(4, case["width"], generator=torch.Generator().manual_seed(dist.get_rank()))
+    zopt.backward(model(x).pow(2).mean())
+    measure("backward")
+    zopt.step()
+    measure("step")
+    return dict(case=case, params=params, largest_unit=largest_unit, phases=phases)
+
+
 def main() -> None:
     args, out = start()
+    if args.get("rss"):
+        from _rss import return_freed_memory_to_the_os
+        return_freed_memory_to_the_os()
+        finish(out, {"results": [rss_case(c) for c in args["cases"]]})
     finish(out, {"results": [run_case(c) for c in args["cases"]]})
 
 

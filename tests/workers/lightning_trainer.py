@@ -6,7 +6,8 @@ args["cases"]: list of dicts with
   ckpt_dir (ModelCheckpoint there: top-1 by train_loss + last, every epoch),
   resume (ckpt_path for fit),
   save_weights_only (path: trainer.save_checkpoint(path, weights_only=True) after fit: a plain .ckpt),
-  summary (report ModelSummary counts), callbacks ("swa").
+  summary (report ModelSummary counts), callbacks ("swa"),
+  every_rank_saves (each rank also saves its final weights to <save_dir>/<name>.rank<r>.pt).
 Each case reports: losses, errors, checkpoint files; rank 0 torch.saves the final weights
 to <save_dir>/<name>.pt.
 """
@@ -109,6 +110,32 @@ class LitGAN(pl.LightningModule):
                 torch.optim.SGD(self.discriminator.parameters(), lr=5e-2, momentum=0.9))
 
 
+class _SeededInit:
+    """``reset_parameters`` from the module's own seed plus 1000 * rank.
+
+    The values then do not depend on when or in what order modules are initialized
+    (eagerly in configure_model under DDP, unit by unit at setup under stage 3), and the
+    ranks agree only through a broadcast of rank 0's values (DDP's when it wraps the
+    model, setup's after materializing each unit)."""
+
+    def reset_parameters(self):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.init_seed + 1000 * dist.get_rank())
+            super().reset_parameters()
+
+
+class SeededLinear(_SeededInit, torch.nn.Linear):
+    def __init__(self, seed: int, *args):
+        object.__setattr__(self, "init_seed", seed)  # Linear.__init__ calls reset_parameters
+        super().__init__(*args)
+
+
+class SeededEmbedding(_SeededInit, torch.nn.Embedding):
+    def __init__(self, seed: int, *args):
+        object.__setattr__(self, "init_seed", seed)
+        super().__init__(*args)
+
+
 class LitMeta(pl.LightningModule):
     """Built in configure_model: on the meta device under stage 3, materialized unit by unit by setup."""
 
@@ -122,9 +149,10 @@ class LitMeta(pl.LightningModule):
         if self.layers is not None:
             return
         self.report_meta = any(p.is_meta for p in torch.nn.Linear(2, 2).parameters())
-        self.embed = torch.nn.Embedding(VOCAB, self.widths[0])
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(self.widths, self.widths[1:]))
-        self.head = torch.nn.Linear(self.widths[-1], VOCAB)
+        self.embed = SeededEmbedding(1, VOCAB, self.widths[0])
+        self.layers = torch.nn.ModuleList(SeededLinear(10 + i, a, b)
+                                          for i, (a, b) in enumerate(zip(self.widths, self.widths[1:])))
+        self.head = SeededLinear(2, self.widths[-1], VOCAB)
 
     def forward(self, tokens):
         h = self.embed(tokens)
@@ -197,6 +225,8 @@ def run_case(case: dict, out, world: int) -> dict:
     state = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
     if dist.get_rank() == 0:
         torch.save(state, os.path.join(case["save_dir"], f"{case['name']}.pt"))
+    if case.get("every_rank_saves"):
+        torch.save(state, os.path.join(case["save_dir"], f"{case['name']}.rank{dist.get_rank()}.pt"))
     if case.get("ckpt_dir") and dist.get_rank() == 0:
         report["files"] = sorted(os.listdir(case["ckpt_dir"]))
     return report

@@ -8,9 +8,11 @@ the final full weights (per tensor: max|a-b| / max|ref|).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import sys
+import threading
 import traceback
 
 import torch
@@ -124,31 +126,207 @@ def _poison_except(out, inp):
     out[start + inp.numel():].fill_(float("nan"))
 
 
+def _poison(t):
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+
+
+def _overlaps(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _inside(inner, outer) -> bool:
+    """``inner`` is a view within ``outer`` (an all-gather's own slot)."""
+    start = inner.data_ptr() - outer.data_ptr()
+    return _overlaps(inner, outer) and 0 <= start and start + inner.numel() * inner.element_size() <= (
+        outer.numel() * outer.element_size())
+
+
+def _changed(now, then) -> bool:
+    """``now`` differs from its copy ``then`` (NaN equal to NaN)."""
+    both_nan = now.isnan() & then.isnan() if now.is_floating_point() else torch.zeros_like(now, dtype=torch.bool)
+    return bool(((now != then) & ~both_nan).any())
+
+
+class _DeferredCopy:
+    """A host<->device copy that happens only when its event is waited for: the object
+    ``Transfers.download/upload`` return (``synchronize()``: the host waits; ``wait(stream)``:
+    a stream is ordered after it). ``on_stream_wait``: whether ``wait(stream)`` makes the data
+    usable (an upload read by device work); a download is read by the host, which must
+    ``synchronize()``."""
+
+    def __init__(self, run, on_stream_wait: bool):
+        self._run, self._on_stream_wait = run, on_stream_wait
+        self._lock = threading.Lock()
+
+    def _go(self):
+        with self._lock:
+            if self._run is not None:
+                run, self._run = self._run, None
+                run()
+
+    def synchronize(self):
+        self._go()
+
+    def wait(self, stream=None):
+        if self._on_stream_wait:
+            self._go()
+
+
+class _DeferredFuture(concurrent.futures.Future):
+    """A job that runs only when its result is asked for (or ``concurrent.futures.wait``ed on)."""
+
+    def __init__(self, run):
+        super().__init__()
+        self._job = run
+        self._job_lock = threading.Lock()
+
+    def run_now(self):
+        with self._job_lock:
+            if self._job is None:
+                return
+            job, self._job = self._job, None
+            try:
+                self.set_result(job())
+            except BaseException as e:  # noqa: BLE001 - delivered by result(), as a pool would
+                self.set_exception(e)
+
+    def result(self, timeout=None):
+        self.run_now()
+        return super().result(timeout)
+
+
+class _DeferredExecutor:
+    """``submit`` returns a :class:`_DeferredFuture`; ``job(fn, args)``, called at submission,
+    returns what that future runs (default: ``fn(*args)``)."""
+
+    def __init__(self, inner=None, job=None):
+        self._inner, self._job = inner, job
+
+    def submit(self, fn, *args, **kwargs):
+        run = self._job(fn, args) if self._job is not None else (lambda: fn(*args, **kwargs))
+        return _DeferredFuture(run)
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        if self._inner is not None:
+            self._inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    original = obj.__dict__[name] if isinstance(obj, type) else getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
 @contextlib.contextmanager
 def deferred_collectives(enabled: bool):
+    """Every asynchronous operation of the engine takes effect only at its wait:
+
+    * async ``Collectives.all_gather`` / ``reduce_scatter``: the output is NaN until ``wait()``;
+    * offload copies, ``Transfers.download`` / ``upload`` (and so ``upload_cast``, which
+      uploads from a staging slot): the destination is NaN until the event is waited for;
+    * the CPU worker (``Transfers.pool``: the offloaded step, overlap_step's steps started
+      in backward): a job runs only when its future's ``result()`` (or
+      ``concurrent.futures.wait``) is asked for;
+    * NVMe I/O (``SwapFile``'s I/O pool): a read leaves its slot 0xFF bytes (NaN) until its
+      future is waited on.
+
+    Inputs are read at launch (a collective's, an upload's source, a write's slot): one
+    written between launch and wait is a race too, and sends NaN (0xFF bytes).
+
+    So a result read before its wait, or a wait that never comes, is NaN or stale data,
+    deterministically, and the run no longer matches DDP. (``all_reduce_replicas``, hybrid
+    sharding's cross-group all-reduce, is synchronous: its input is the reduce-scatter's
+    output, which this defers.)
+    """
     if not enabled:
         yield
         return
     from zero_strategy._comm.collectives import Collectives
-    originals = {name: getattr(Collectives, name) for name in ("all_gather", "reduce_scatter")}
+    from zero_strategy._mechanisms.aligned import aligned_empty
+    from zero_strategy._mechanisms.nvme import SwapFile
+    from zero_strategy._mechanisms.transfers import Transfers
 
-    def wrap(name):
-        original = originals[name]
-
+    def wrap(original):
         def deferred(self, out, inp, async_op=True, **kw):  # kw: the collective's label
             if not async_op:
                 return original(self, out, inp, async_op=False, **kw)
+            # what is sent is read at launch (the output appears at the wait): an input written
+            # after the launch sends NaN. A reduce-scatter into its own input (stage 1) is not checked.
+            checked = not _overlaps(out, inp) or _inside(inp, out)
+            sent = inp.clone()
             _poison_except(out, inp)
-            return _DeferredHandle(lambda: original(self, out, inp, async_op=False, **kw))
+
+            def run():
+                if checked and _changed(inp, sent):
+                    _poison(inp)
+                    _poison(sent)
+                original(self, out, inp if _inside(inp, out) else sent, async_op=False, **kw)
+            return _DeferredHandle(run)
         return deferred
 
-    for name in originals:
-        setattr(Collectives, name, wrap(name))
-    try:
+    def download(self, dst_host, src_dev):
+        _poison(dst_host)
+        return _DeferredCopy(lambda: dst_host.copy_(src_dev), on_stream_wait=False)
+
+    def upload(self, dst_dev, src_host):
+        sent = src_host.clone()  # read at launch too: a source written before the wait uploads NaN
+        _poison(dst_dev)
+
+        def run():
+            if _changed(src_host, sent):
+                _poison(sent)
+            dst_dev.copy_(sent)
+        return _DeferredCopy(run, on_stream_wait=True)
+
+    def pool(self):
+        if self._pool is None:
+            self._pool = _DeferredExecutor()
+        return self._pool
+
+    def swap_io(fn, args):
+        """A read fills its slot (0xFF bytes until then) at the wait; a write sends what its
+        slot held at submission, or 0xFF bytes if the slot changed before the wait."""
+        write, part, offset = args
+        if not write:
+            part.fill_(255)
+            return lambda: fn(write, part, offset)
+        sent = aligned_empty(part.numel(), pin=False)  # O_DIRECT wants aligned buffers
+        sent.copy_(part)
+
+        def run():
+            if _changed(part, sent):
+                sent.fill_(255)
+            return fn(write, sent, offset)
+        return run
+
+    swap_file_init = SwapFile.__init__
+
+    def init_swap_file(self, *args, **kwargs):
+        swap_file_init(self, *args, **kwargs)
+        self._io = _DeferredExecutor(self._io, job=swap_io)
+
+    futures_wait = concurrent.futures.wait
+
+    def wait(fs, *args, **kwargs):
+        for f in fs:
+            if isinstance(f, _DeferredFuture):
+                f.run_now()
+        return futures_wait(fs, *args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        for name in ("all_gather", "reduce_scatter"):
+            stack.enter_context(_patched(Collectives, name, wrap(getattr(Collectives, name))))
+        stack.enter_context(_patched(Transfers, "download", download))
+        stack.enter_context(_patched(Transfers, "upload", upload))
+        stack.enter_context(_patched(Transfers, "pool", property(pool)))
+        stack.enter_context(_patched(SwapFile, "__init__", init_swap_file))
+        stack.enter_context(_patched(concurrent.futures, "wait", wait))
         yield
-    finally:
-        for name, fn in originals.items():
-            setattr(Collectives, name, fn)
 
 
 def run_case(case: dict) -> dict:
