@@ -24,11 +24,7 @@ from _models import TinyLM, batch, loss_fn, param_groups
 
 import zero_strategy as zs
 import zero_strategy._mechanisms.nvme as nvme
-<<<<<<< HEAD
 import zero_strategy._engine.placement as placement
-=======
-import zero_strategy._engine.engine as engine_state
->>>>>>> test-honesty
 
 
 def config(path):
