@@ -10,8 +10,6 @@ is a per-process singleton.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -20,29 +18,22 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from _launch import free_port  # noqa: E402
+import _procs  # noqa: E402
+from _accelerate_launch import CPU_CONFIG, accelerate_run  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CPU_CONFIG = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
 PRESETS = ["zero1", "zero2", "zero3", "zero2_offload"]
 COMMON = {"gas": 2, "clip": 0.3, "steps": 4, "resume_at": 2}
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG",
-                "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
-        env.pop(key, None)
-    return env
+    return _procs.child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG",
+                                  "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"))
 
 
 def _reports(out: Path, ranks: int, log: str) -> list[dict]:
-    missing = [r for r in range(ranks) if not (out / f"rank{r}.json").exists()]
-    if missing:
-        raise AssertionError(f"ranks {missing} reported nothing:\n{log[-6000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return _procs.read_reports(out, ranks, "the launch", log)
 
 
 def accelerate_launch(script: Path, args: dict | None, ranks: int = 2, timeout: float = 180.0,
@@ -51,19 +42,16 @@ def accelerate_launch(script: Path, args: dict | None, ranks: int = 2, timeout: 
     out = Path(tempfile.mkdtemp(prefix="zs_acc_"))
     if args is not None:
         (out / "args.json").write_text(json.dumps(args))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-           "--num_processes", str(ranks), "--main_process_port", str(free_port()), *launch_args, str(script)]
-    cmd += script_args if script_args is not None else [str(out)]
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    return out, proc.stdout + proc.stderr
+    log = accelerate_run(script, script_args if script_args is not None else [str(out)], CPU_CONFIG, ranks,
+                         timeout, env=_env(), launch_args=launch_args)
+    return out, log
 
 
 def run_single(script: Path, args: dict | None, timeout: float = 120.0) -> tuple[Path, str]:
     out = Path(tempfile.mkdtemp(prefix="zs_acc1_"))
     if args is not None:
         (out / "args.json").write_text(json.dumps(args))
-    proc = subprocess.run([sys.executable, str(script), str(out)], env=_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = _procs.run([sys.executable, str(script), str(out)], timeout, env=_env())
     return out, proc.stdout + proc.stderr
 
 
@@ -244,4 +232,5 @@ def test_deepspeed_auto_values_are_resolved_from_accelerate():
 def test_import_zero_strategy_does_not_import_accelerate():
     code = ("import sys, zero_strategy; assert 'accelerate' not in sys.modules; "
             "zero_strategy.ZeroAccelerator; assert 'accelerate' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
+    proc = _procs.run([sys.executable, "-c", code], 60, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]

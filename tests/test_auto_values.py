@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +27,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-from _accelerate_launch import ROOT, launch_env  # noqa: E402
+import _procs  # noqa: E402
+from _accelerate_launch import launch_env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -80,8 +80,7 @@ def results() -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="zs_auto_"))
     try:
         (out / "args.json").write_text(json.dumps({"table": TABLE}))
-        proc = subprocess.run([sys.executable, str(HERE / "workers" / "auto_values.py"), str(out)], cwd=ROOT,
-                              env=launch_env(), capture_output=True, text=True, timeout=280)
+        proc = _procs.run([sys.executable, str(HERE / "workers" / "auto_values.py"), str(out)], 280, env=launch_env())
         assert (out / "rank0.json").exists(), (proc.stdout + proc.stderr)[-6000:]
         return json.loads((out / "rank0.json").read_text())
     finally:

@@ -1,22 +1,17 @@
 """`zero-strategy estimate` prints the memory table (or JSON) and fails cleanly."""
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from zero_strategy.cli import main, parse_count
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+import _procs
 
 
 def run_cli(*args):
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "zero_strategy.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return _procs.run([sys.executable, "-m", "zero_strategy.cli", *args], 120)
 
 
 def test_subprocess_prints_the_table_for_every_stage():
@@ -210,9 +205,7 @@ def test_a_model_name_is_read_from_the_local_cache_only(tmp_path):
 
 
 def run_cli_env(extra_env, *args):
-    env = {**os.environ, **extra_env, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "zero_strategy.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return _procs.run([sys.executable, "-m", "zero_strategy.cli", *args], 120, env=_procs.child_env(**extra_env))
 
 
 def test_shard_group_size_estimates_the_group_not_the_world(capsys):

@@ -12,14 +12,12 @@ reader and writer should in fact stay near 2x ``CHUNK_BYTES`` (16 MB).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+import _procs
 N, DIM = 5, 4096
 TENSOR = DIM * DIM * 4
 
@@ -58,10 +56,7 @@ print(json.dumps({"base": base, "peak": status("VmHWM")}))
 
 
 def _run(code: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = _procs.run([sys.executable, "-c", code, *args], 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -22,6 +22,8 @@ pytest.importorskip("lightning")
 
 from zero_strategy.lightning.__main__ import PTH, install, pth_text, uninstall  # noqa: E402
 
+import _procs  # noqa: E402
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 PURELIB = sysconfig.get_paths()["purelib"]  # torch and Lightning; the editable install's finder is not run by -S
 
@@ -34,7 +36,7 @@ def _start_python(site_dir: Path, package_root: Path | None, code: str = "pass")
     """A fresh interpreter whose site dir is ``site_dir``, with ``zero_strategy`` importable from ``package_root``."""
     path = ([str(package_root)] if package_root is not None else []) + [PURELIB]
     prelude = f"import sys; sys.path[:0] = {path!r}; import site; site.addsitedir({str(site_dir)!r}); "
-    return subprocess.run([sys.executable, "-E", "-S", "-c", prelude + code], capture_output=True, text=True, timeout=180)
+    return _procs.run([sys.executable, "-E", "-S", "-c", prelude + code], 180)  # -E: PYTHONPATH not read
 
 
 def _copy_package(dest: Path) -> Path:
@@ -110,7 +112,7 @@ except ValueError as err:
 def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call):
     pytest.importorskip("pytorch_lightning")
     code = STANDALONE.format(imports=imports, call=call)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    out = _procs.run([sys.executable, "-c", code], 180)
     assert "REFUSED:" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "import lightning.pytorch as pl" in out.stdout and "pip install lightning" in out.stdout
 
@@ -126,5 +128,5 @@ def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
             "    pl.Trainer(accelerator='cpu', devices=1, strategy=s)\n"
             "except ValueError as err:\n"
             "    print('REJECTED')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    out = _procs.run([sys.executable, "-c", code], 180)
     assert "import lightning.pytorch as pl" in out.stdout and "REJECTED" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -24,8 +24,8 @@ import torch
 import zero_strategy as zs
 import zero_strategy._nvme_files as nvme_files
 from _models import TinyLM, batch, loss_fn, param_groups
+import _procs
 
-SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 def config(path, nvme=True):
@@ -97,8 +97,7 @@ def _holder(base, mode):
     cmd = [sys.executable, "-c", HOLDER, str(base), mode]
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0:
         cmd = ["unshare", "--pid", "--fork", "--kill-child", *cmd]  # its own pid namespace, as in a container: pid 1
-    env = dict(os.environ, PYTHONPATH=str(SRC))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    proc = _procs.start(cmd, stderr=None)
     path = Path(proc.stdout.readline().strip())
     assert path.is_dir(), path
     return proc, path
