@@ -124,6 +124,7 @@ def test_example_script_with_the_shipped_cpu_config():
 
 
 # ----------------------------------------------------------------------- one process
+@pytest.mark.multiprocess
 def test_errors_after_setup():
     out, log = run_single(HERE / "workers" / "accelerate_errors.py", None)
     (r,) = _reports(out, 1, log)
@@ -229,6 +230,7 @@ def test_deepspeed_auto_values_are_resolved_from_accelerate():
     assert apply_precision(load_config(ds, "ds"), "no", "ds").precision == "fp32"
 
 
+@pytest.mark.multiprocess
 def test_import_zero_strategy_does_not_import_accelerate():
     code = ("import sys, zero_strategy; assert 'accelerate' not in sys.modules; "
             "zero_strategy.ZeroAccelerator; assert 'accelerate' in sys.modules")

@@ -77,6 +77,7 @@ HOLD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_leftover_of_a_killed_save_is_removed_unless_its_save_is_alive(tmp_path):
     """Both carry a marker with their token; only the one whose lock is free is a leftover."""
     live = _user_dir(tmp_path / f"ckpt.tmp-{TOKEN}", marker=TOKEN)
@@ -117,12 +118,14 @@ def _consolidate_killed(ckpt, out, sig):
     return _procs.run([sys.executable, "-c", KILLED_CONSOLIDATE, str(ckpt), str(out), sig], 60)
 
 
+@pytest.mark.multiprocess
 def test_consolidate_terminated_removes_its_temporary_directory(ckpt, tmp_path):
     done = _consolidate_killed(ckpt, tmp_path / "out", "SIGTERM")
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.multiprocess
 def test_consolidate_killed_leaves_a_leftover_the_next_run_removes(ckpt, tmp_path):
     done = _consolidate_killed(ckpt, tmp_path / "out", "SIGKILL")
     assert done.returncode == -signal.SIGKILL
@@ -133,6 +136,7 @@ def test_consolidate_killed_leaves_a_leftover_the_next_run_removes(ckpt, tmp_pat
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
 
 
+@pytest.mark.multiprocess
 def test_consolidate_cli_reports_a_damaged_checkpoint_in_one_line(ckpt, tmp_path):
     import shutil
 

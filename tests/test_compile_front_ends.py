@@ -85,6 +85,7 @@ def accelerate_runs():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["model", "regional"])
+@pytest.mark.slow
 def test_accelerate_dynamo_backend_equals_eager_and_ddp(accelerate_runs, name):
     eager_reports, eager_weights, ddp_weights = accelerate_runs["eager"]
     reports, weights, _ = accelerate_runs[name]

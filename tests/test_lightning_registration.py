@@ -50,6 +50,8 @@ def test_the_pth_line_stores_no_path():
     assert str(SRC) not in line and "_autoregister_hook.py" in line and "find_spec(\"zero_strategy\")" in line
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hook_registers_the_presets_without_importing_zero_strategy_or_torch_at_start(tmp_path):
     (tmp_path / "site").mkdir()
     install(tmp_path / "site")
@@ -59,6 +61,8 @@ def test_hook_registers_the_presets_without_importing_zero_strategy_or_torch_at_
     assert out.stdout.split() == ["False", "False", "True", "True"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hook_is_silent_once_the_package_is_uninstalled(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -69,6 +73,8 @@ def test_hook_is_silent_once_the_package_is_uninstalled(tmp_path):
     assert (out.returncode, out.stderr, out.stdout) == (0, "", "False False\n")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hook_follows_a_moved_package_and_is_silent_when_it_is_gone(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -109,6 +115,7 @@ except ValueError as err:
     ("import pytorch_lightning as pl", "pl.Trainer(accelerator='cpu', devices=1, strategy='zero3')"),
     ("from lightning_fabric import Fabric", "Fabric(accelerator='cpu', devices=1, strategy='zero3_offload')"),
 ])
+@pytest.mark.multiprocess
 def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call):
     pytest.importorskip("pytorch_lightning")
     code = STANDALONE.format(imports=imports, call=call)
@@ -117,6 +124,7 @@ def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call)
     assert "import lightning.pytorch as pl" in out.stdout and "pip install lightning" in out.stdout
 
 
+@pytest.mark.multiprocess
 def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
     pytest.importorskip("pytorch_lightning")
     code = ("import warnings, zero_strategy, pytorch_lightning as pl\n"

@@ -85,6 +85,7 @@ def assert_two_nodes_of_two(reports: list[dict], node_key: str, local_key: str) 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_torchrun_static_rendezvous_two_nodes(tmp_path):
     out, port = prepare(tmp_path), free_port()
     reports = run_nodes([(torchrun(n, port, out, "plain"), env()) for n in (0, 1)], out)
@@ -121,6 +122,7 @@ def test_a_checkpoint_path_that_is_not_shared_between_nodes_fails_clearly_on_eve
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_lightning_num_nodes_2_under_torchrun(tmp_path):
     pytest.importorskip("lightning")
     out, port = prepare(tmp_path), free_port()
@@ -131,6 +133,7 @@ def test_lightning_num_nodes_2_under_torchrun(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_lightning_num_nodes_2_under_slurm_variables(tmp_path):
     """What ``srun --nodes 2 --ntasks-per-node 2`` sets, one process per task (srun starts them)."""
     pytest.importorskip("lightning")
@@ -150,6 +153,7 @@ def test_lightning_num_nodes_2_under_slurm_variables(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_accelerate_launch_two_machines(tmp_path):
     pytest.importorskip("accelerate")
     out, port = prepare(tmp_path), free_port()
@@ -180,6 +184,7 @@ def test_hybrid_sharding_per_node_under_torchrun(front_end, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_hybrid_sharding_through_accelerate_config(tmp_path):
     pytest.importorskip("accelerate")
     out, port = prepare(tmp_path, shard_group_size=2), free_port()

@@ -103,6 +103,7 @@ def _holder(base, mode):
     return proc, path
 
 
+@pytest.mark.multiprocess
 def test_a_live_directory_of_another_job_is_kept_a_dead_ones_removed(tmp_path):
     proc, live = _holder(tmp_path, "hold")
     try:
@@ -120,6 +121,7 @@ def test_a_live_directory_of_another_job_is_kept_a_dead_ones_removed(tmp_path):
     zs.teardown(model, keep_weights=False)
 
 
+@pytest.mark.multiprocess
 def test_stale_directory_of_a_dead_run_is_removed_not_read(tmp_path):
     proc, dead = _holder(tmp_path, "exit")
     proc.wait()

@@ -50,7 +50,7 @@ def _key(case: dict) -> str:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_matches_ddp(world_size, case):
     per_rank = results(world_size).of(_key(case))

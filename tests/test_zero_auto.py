@@ -204,6 +204,7 @@ def test_lightning_strategy_name_zero_auto_trains_as_the_preset_it_chose(tmp_pat
     assert all(torch.equal(auto[k], hand[k]) for k in hand)
 
 
+@pytest.mark.multiprocess
 def test_accelerate_zero_auto_resolves_at_prepare():
     """``ZeroAccelerator("zero_auto")`` in one process (plain ``python``): after prepare its
     ``zero_config`` is the chosen preset, the one ``choose_preset`` names."""
