@@ -240,7 +240,7 @@ def split_step(n_target: int, layers: int, precision: str, repeats: int) -> dict
     ``gather`` (issuing the stage-1/2 all-gathers; nothing moves in a world of one).
     ``other`` = the step minus the worker's parts (hand-offs, waits, bookkeeping).
     """
-    from zero_strategy import _flat
+    from zero_strategy._engine import flat as _flat
     d = max(1, round(math.sqrt(n_target / layers)))
     spent: dict[str, float] = {}
 

@@ -20,7 +20,7 @@ flat group and collective). With ``c`` calls of the model per iteration, per ste
 * reduce-scatter: every trainable group once (stage 1 at the step, stages 2-3 in
   backward), except that reentrant checkpointing brings a unit's gradients once per call
   (one nested backward each), so at stages 2-3 each non-root trainable group is reduced
-  ``c`` times (see [Note: reentrant checkpointing and units called twice] in _state.py).
+  ``c`` times (see [Note: reentrant checkpointing and units called twice] in _engine/engine.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from zero_strategy._deepspeed_config import translate_deepspeed
+from zero_strategy._config.deepspeed import translate_deepspeed
 from zero_strategy.config import CPUOffload, LossScaleConfig, NVMeOffload, ZeroConfig, ZeroConfigError
 
 # The ZeRO-3 offload config of the Hugging Face Trainer docs, "auto" values resolved
@@ -60,7 +60,7 @@ def test_hf_zero3_offload_config():
 
 
 def test_ignored_keys_are_reported_not_silently_dropped(caplog):
-    with caplog.at_level(logging.INFO, logger="zero_strategy._deepspeed_config"):
+    with caplog.at_level(logging.INFO, logger="zero_strategy._config.deepspeed"):
         result = translate_deepspeed(HF_ZERO3)
     for key in ("optimizer", "scheduler", "train_batch_size", "zero_optimization.overlap_comm",
                 "zero_optimization.stage3_max_live_parameters", "zero_optimization.reduce_bucket_size"):

@@ -13,9 +13,9 @@ import logging
 import pytest
 
 from zero_strategy import ZeroConfig
-from zero_strategy._deepspeed_config import translate_deepspeed
+from zero_strategy._config.deepspeed import translate_deepspeed
 
-LOGGER = "zero_strategy._deepspeed_config"
+LOGGER = "zero_strategy._config.deepspeed"
 DS = {
     "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_strategy._collectives import Collectives
-from zero_strategy._flat import FlatGroup, ShardState
+from zero_strategy._comm.collectives import Collectives
+from zero_strategy._engine.flat import FlatGroup, ShardState
 
 
 def make_group(shapes, world_size, rank, shard_params=False, dtype=torch.float32):

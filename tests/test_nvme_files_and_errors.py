@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import zero_strategy as zs
-import zero_strategy._nvme as nvme
-import zero_strategy._nvme_files as nvme_files
+import zero_strategy._mechanisms.nvme as nvme
+import zero_strategy._mechanisms.nvme_files as nvme_files
 from _models import TinyLM, batch, loss_fn, param_groups
 
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import zero_strategy as zs
-import zero_strategy._nvme as nvme
-import zero_strategy._state as engine_state
+import zero_strategy._mechanisms.nvme as nvme
+import zero_strategy._engine.engine as engine_state
 from _launch import launch
 from _models import TinyLM, batch, loss_fn, param_groups
 

@@ -140,7 +140,7 @@ def test_several_optimizers_each_read_ahead_without_waiting_on_each_others_slots
     the reverse of their setup order: every one starts its reads in backward, and none may wait
     on a slot that only another one's step gives back. Oracle: the plain model with the same
     three torch optimizers."""
-    from zero_strategy import _nvme
+    from zero_strategy._mechanisms import nvme as _nvme
     monkeypatch.setattr(_nvme, "SLOT_TIMEOUT_S", 20.0)  # a regression fails here instead of hanging
 
     def optimizers(model):

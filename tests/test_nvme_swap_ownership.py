@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
-import zero_strategy._nvme_files as nvme_files
+import zero_strategy._mechanisms.nvme_files as nvme_files
 from _models import TinyLM, batch, loss_fn, param_groups
 import _procs
 
@@ -83,7 +83,7 @@ def test_two_runs_with_the_same_pid_sharing_a_directory_keep_their_own_state(tmp
 HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from zero_strategy._nvme_files import JobDir
+    from zero_strategy._mechanisms.nvme_files import JobDir
     d = JobDir(Path(sys.argv[1]), rank=0)
     (d.path / "swap.bin").write_bytes(b"live state of another job")
     print(d.path, flush=True)

@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
-from zero_strategy import _offload, _optimizer
-
-
+from zero_strategy._mechanisms import transfers as _offload
+from zero_strategy._optim import optimizer as _optimizer
 def _group(name: str, numel: int, together: bool = True):
     return SimpleNamespace(name=name, master=torch.empty(numel),
                            masters=SimpleNamespace(steps_together=together))

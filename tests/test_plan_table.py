@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from zero_strategy._plan import PLANS, plan_for
+from zero_strategy._engine.plan import PLANS, plan_for
 
 
 def test_table_rows():

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 import zero_strategy as zs
-from zero_strategy._precision_rule import resolve_precision
+from zero_strategy._config.precision_rule import resolve_precision
 
 import _procs
 

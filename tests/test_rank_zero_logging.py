@@ -17,7 +17,7 @@ import pytest
 from zero_strategy import ZeroConfig
 
 DS = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
-LOGGERS = ["zero_strategy._deepspeed_config", "zero_strategy.accelerate"]
+LOGGERS = ["zero_strategy._config.deepspeed", "zero_strategy.accelerate"]
 
 
 def _warnings(caplog, monkeypatch, rank: str, all_ranks: str | None = None) -> list[str]:
@@ -29,7 +29,7 @@ def _warnings(caplog, monkeypatch, rank: str, all_ranks: str | None = None) -> l
     caplog.clear()
     with caplog.at_level(logging.INFO):
         ZeroConfig.from_deepspeed(DS)
-    return [r.getMessage() for r in caplog.records if r.name == "zero_strategy._deepspeed_config"]
+    return [r.getMessage() for r in caplog.records if r.name == "zero_strategy._config.deepspeed"]
 
 
 def test_rank_zero_logs(caplog, monkeypatch):

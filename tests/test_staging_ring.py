@@ -12,7 +12,7 @@ import concurrent.futures
 
 import torch
 
-from zero_strategy._offload import Transfers
+from zero_strategy._mechanisms.transfers import Transfers
 
 
 def test_concurrent_uploads_never_share_a_slot():

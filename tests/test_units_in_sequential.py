@@ -2,7 +2,7 @@
 
 timm's ViT keeps its blocks in ``nn.Sequential``, torchvision's ResNet its stages as
 Sequentials of residual blocks. Auto-detection must find those blocks (the rule is
-``[Note: choosing units]`` in _units.py), must not cut an ordinary MLP
+``[Note: choosing units]`` in _engine/units.py), must not cut an ordinary MLP
 ``nn.Sequential(Linear, ReLU, Linear)`` into one unit per layer, and when stage 3
 finds no unit at all it must say so once, with the number of parameters gathered
 every forward and candidate ``unit_classes``.
@@ -23,7 +23,7 @@ from torch import nn
 import zero_strategy as zs
 from _block_models import Block, TinyResNet, TinyViT
 from _launch import launch
-from zero_strategy._units import find_unit_modules
+from zero_strategy._engine.units import find_unit_modules
 
 TOL = 1e-5
 VIT_UNITS = ["blocks.0", "blocks.1", "blocks.2"]

@@ -3,13 +3,13 @@ global batch (what DDP with ``find_unused_parameters=True`` computes), at every 
 and without CPU offload.
 
 Issue #26: before the reduce order and the gather schedule (see [Note: reduce order] in
-_reduce.py, [Note: gather schedule] in _schedule.py), a mixture of experts whose ranks'
+_engine/reduce.py, [Note: gather schedule] in _engine/schedule.py), a mixture of experts whose ranks'
 samples reach different experts trained 35% off at stage 2 (same-sized expert groups paired
 across ranks) and stages 2-3 hung on an image tower only one rank ran. A parameter no rank
 used must not move at all (DDP leaves its ``.grad`` None and the optimizer skips it): an
 expert inside a block, a projector on text-only steps and an adapter in a block's flat
 group moved 0.4-0.9% through weight decay and momentum before [Note: members get their own
-flat groups] (_units.py) and [Note: no gradient on any rank] (_untouched.py).
+flat groups] (_engine/units.py) and [Note: no gradient on any rank] (_engine/untouched.py).
 
 The models are in tests/_routed_models.py, the worker in tests/workers/routed.py; each case
 trains 4 steps with weight decay (AdamW, or SGD with momentum), so a parameter stepped

@@ -149,8 +149,7 @@ def test_setup_with_injected_memory_trains_as_the_chosen_preset_by_hand(monkeypa
     4Ψ + 4Ψ + 4Ψf (the gradient shard stays; master and moments go to the host), zero3 more
     than zero2 here (its shards are whole on one rank, plus the gathered units)."""
     from _models import TinyLM, batch, loss_fn, param_groups
-    from zero_strategy import _auto
-
+    from zero_strategy import _zero_auto as _auto
     torch.manual_seed(0)
     base = TinyLM(layers=2)
     psi, psi_f = zs.estimate.count_parameters(base)

@@ -15,7 +15,7 @@ from _worker import finish, start
 from _models import TinyLM, batch, loss_fn
 
 import zero_strategy as zs
-import zero_strategy._collectives as collectives
+import zero_strategy._comm.collectives as collectives
 
 
 def counting(comm_of):

@@ -23,8 +23,8 @@ from _worker import start
 from _models import TinyLM, batch, loss_fn, param_groups
 
 import zero_strategy as zs
-import zero_strategy._nvme as nvme
-import zero_strategy._state as engine_state
+import zero_strategy._mechanisms.nvme as nvme
+import zero_strategy._engine.engine as engine_state
 
 
 def config(path):

@@ -129,7 +129,7 @@ def deferred_collectives(enabled: bool):
     if not enabled:
         yield
         return
-    from zero_strategy._collectives import Collectives
+    from zero_strategy._comm.collectives import Collectives
     originals = {name: getattr(Collectives, name) for name in ("all_gather", "reduce_scatter")}
 
     def wrap(name):
