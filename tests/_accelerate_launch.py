@@ -11,28 +11,33 @@ ACCELERATE_USE_CPU set by the launch environment, so both the stock ``Accelerato
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from _launch import free_port
+import _procs
+from _procs import HERE, ROOT, free_port
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 CPU_CONFIG = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
+# a launch's own settings, never the test process's: Accelerate reads these before its config file
+DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG", "ACCELERATE_USE_DEEPSPEED",
+        "ACCELERATE_USE_FSDP", "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH", "ZERO_STRATEGY_LOG_ALL_RANKS")
 
 
 def launch_env(**extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG", "ACCELERATE_USE_DEEPSPEED",
-                "ACCELERATE_USE_FSDP", "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH", "ZERO_STRATEGY_LOG_ALL_RANKS"):
-        env.pop(key, None)
-    env.update(extra)
-    return env
+    return _procs.child_env(drop=DROP, ACCELERATE_USE_CPU="1", **extra)
+
+
+def accelerate_run(script: Path, script_args: list[str], config: Path = CPU_CONFIG, ranks: int = 2,
+                   timeout: float = 240.0, cwd: Path | None = None, env: dict | None = None,
+                   launch_args: tuple[str, ...] = ()) -> str:
+    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT [script_args]``; its combined log.
+    A launch that outlives ``timeout`` is killed with every rank it started."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--num_processes", str(ranks), "--main_process_port", str(free_port()), *launch_args, str(script),
+           *script_args]
+    return _procs.run(cmd, timeout, env=env or launch_env(), cwd=cwd or ROOT, merge_stderr=True).stdout
 
 
 def accelerate_launch(worker: str, args: dict, config: Path = CPU_CONFIG, ranks: int = 2, timeout: float = 240.0,
@@ -41,15 +46,7 @@ def accelerate_launch(worker: str, args: dict, config: Path = CPU_CONFIG, ranks:
     out = Path(tempfile.mkdtemp(prefix="zs_accl_"))
     try:
         (out / "args.json").write_text(json.dumps(args))
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", str(ranks), "--main_process_port", str(free_port()),
-               str(HERE / "workers" / worker), str(out)]
-        proc = subprocess.run(cmd, env=env or launch_env(), cwd=cwd or ROOT, capture_output=True, text=True,
-                              timeout=timeout)
-        log = proc.stdout + proc.stderr
-        missing = [r for r in range(ranks) if not (out / f"rank{r}.json").exists()]
-        if missing:
-            raise AssertionError(f"ranks {missing} of {worker} reported nothing:\n{log[-6000:]}")
-        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], log
+        log = accelerate_run(HERE / "workers" / worker, [str(out)], config, ranks, timeout, cwd, env)
+        return _procs.read_reports(out, ranks, worker, log), log
     finally:
         shutil.rmtree(out, ignore_errors=True)

@@ -11,12 +11,12 @@ import torch
 import zero_strategy as zs
 from _models import batch, loss_fn
 
-from _launch import launch
-
 
 @functools.lru_cache(maxsize=None)
 def habit_reports(scenarios: tuple[str, ...], policies: tuple[tuple[int, str | None], ...]) -> list[dict]:
     """One launch runs every (scenario, stage, offload) case; each rank's report, cached."""
+    from _launch import launch  # here: the one-process helpers below start nothing (tests/test_markers.py)
+
     cases = [dict(scenario=s, stage=stage, offload=off) for s in scenarios for stage, off in policies]
     return launch("habits.py", 2, {"cases": cases}, timeout=240)
 

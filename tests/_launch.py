@@ -12,21 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import _procs
+from _procs import HERE, free_port
 
 
 def launch(worker: str, world_size: int, args: dict, timeout: float = 240.0, out: Path | None = None) -> list[dict]:
@@ -136,7 +129,7 @@ def _run_script(script: str, out: str, env: dict, log_path: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
-    sys.path[:0] = [str(SRC), str(HERE), str(Path(script).parent)]
+    sys.path[:0] = [str(Path(script).parent), *env["PYTHONPATH"].split(os.pathsep)]  # as a fresh interpreter
     sys.argv = [script, out]
     runpy.run_path(script, run_name="__main__")
 
@@ -171,15 +164,34 @@ def _start_rank(worker: str, rank: int, world_size: int, port: int, out: Path, e
 
     Returns ``(process, log file or None)``; the process has ``wait``/``poll``/``kill``/``returncode``.
     """
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
-               **(extra_env or {}))
+    env = _procs.child_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
     script, log_path = str(HERE / "workers" / worker), out / f"rank{rank}.log"
     if _WARM:
         return _WarmRank(script, out, env, log_path), None
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, script, str(out)], env=env, stdout=log, stderr=subprocess.STDOUT), log
+    return _ColdRank(_procs.start([sys.executable, script, str(out)], env, cwd=os.getcwd(), stdout=log)), log
+
+
+class _ColdRank:
+    """A fresh interpreter (``ZS_TEST_COLD_START=1``): ``kill`` takes its whole process group."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        _procs.kill_group(self.proc)
+        self.proc.wait(5)
 
 
 def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) -> list[dict]:
@@ -198,14 +210,7 @@ def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) ->
         finally:
             if log is not None:
                 log.close()
-    reports = []
-    for rank in range(world_size):
-        path = out / f"rank{rank}.json"
-        if not path.exists():
-            logs = (out / f"rank{rank}.log").read_text()[-6000:]
-            raise AssertionError(f"rank {rank} of {worker} reported nothing:\n{logs}")
-        reports.append(json.loads(path.read_text()))
-    return reports
+    return _procs.read_reports(out, world_size, worker)
 
 
 def launch_faulty(worker: str, world_size: int, args: dict, survivors: list[int], out: Path,

@@ -22,14 +22,14 @@ from __future__ import annotations
 import ast
 import importlib
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import _procs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -83,13 +83,9 @@ def fixture_files() -> dict[str, str]:
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"),
-                                                                    os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ZERO_STRATEGY_CONFIG",
-                "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU", "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH"):
-        env.pop(key, None)
-    return env
+    return _procs.child_env(drop=_procs.LAUNCH_VARS + ("ZERO_STRATEGY_CONFIG", "ACCELERATE_USE_DEEPSPEED",
+                                                       "ACCELERATE_USE_CPU", "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH"),
+                            HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 
 def run_block(block: Block) -> None:
@@ -98,8 +94,7 @@ def run_block(block: Block) -> None:
         for name, content in fixture_files().items():
             (work / name).write_text(content)
         (work / "example.py").write_text(block.code)
-        proc = subprocess.run([sys.executable, "example.py"], cwd=work, env=_env(), capture_output=True, text=True,
-                              timeout=280)
+        proc = _procs.run([sys.executable, "example.py"], 280, env=_env(), cwd=work)
         assert proc.returncode == 0, f"{block.id} failed:\n{(proc.stdout + proc.stderr)[-5000:]}"
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,25 +1,16 @@
-"""Shared by the framework-recipe smoke tests: tiny HF models in a directory, a subprocess runner."""
+"""Shared by the framework-recipe smoke tests: tiny HF models in a directory, a subprocess runner (tests/_procs.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import _procs
+from _procs import ROOT, free_port  # noqa: F401 - the recipe tests import it from here
 
 
 def _char_tokenizer(path: Path):
@@ -62,17 +53,10 @@ def tiny_llama(path: Path) -> Path:
 
 
 def run(cmd: list[str], timeout: float) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd[-12:])} did not finish in {timeout}s:\n{out[-4000:]}")
-    return proc.returncode, out
+    """``cmd`` offline, killed with all it started if it outlives ``timeout``; (exit code, combined log)."""
+    env = _procs.child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = _procs.run(cmd, timeout, env=env, merge_stderr=True)
+    return proc.returncode, proc.stdout
 
 
 def require_recipe_deps(framework: str) -> None:

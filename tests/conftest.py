@@ -2,6 +2,7 @@
 private temporary directory for everything the session and its subprocesses create
 (``TMPDIR``), removed at the end, so a suite leaves nothing in /tmp."""
 
+import contextlib
 import os
 import shutil
 import sys
@@ -28,3 +29,101 @@ def _session_tmpdir():
     else:
         os.environ["TMPDIR"] = saved_env
     shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ tiers (docs/testing-tiers.md)
+# ``python -m pytest -m "not multiprocess"``: seconds, no interpreter started (checked below).
+# ``python -m pytest``: the default tier, the ``slow`` tests deselected (not skipped).
+# ``python -m pytest --full`` (or ZS_TEST_FULL=1; what .ci/run runs): everything.
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run the full suite: also the tests marked slow (default: deselected)")
+
+
+def _full(config) -> bool:
+    if config.getoption("--full") or os.environ.get("ZS_TEST_FULL") == "1":
+        return True
+    if "slow" in (config.getoption("markexpr") or ""):
+        return True  # -m names slow itself: the expression decides
+    return any("::" in str(arg) for arg in config.args)  # tests named one by one run as named
+
+
+def pytest_collection_modifyitems(config, items):
+    if _full(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+        config.hook.pytest_deselected(items=slow)
+        config._zs_slow_deselected = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = getattr(config, "_zs_slow_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"{n} slow tests deselected (the default tier): --full runs them too")
+
+
+# ------------------------------------------------------------------ the multiprocess marker, enforced
+# A test that starts a Python interpreter (subprocess, multiprocessing, tests/_procs.py and the
+# launchers on it) must be marked ``multiprocess``, so ``-m "not multiprocess"`` really starts
+# none. Module-scoped fixtures run in the setup of the first test that asks for them: that
+# test must be marked too. tests/test_markers.py checks the files statically as well.
+_STARTED: list[str] = []
+
+
+def _is_interpreter(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    return any(os.path.basename(str(a)).startswith("python") or str(a) == sys.executable for a in argv)
+
+
+@contextlib.contextmanager
+def _refuse_processes(nodeid: str):
+    import multiprocessing.process
+    import subprocess
+
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def guarded_popen(self, args, *a, **k):
+        if _is_interpreter(args):
+            _STARTED.append(f"{nodeid} started {args!r}")
+        return popen_init(self, args, *a, **k)
+
+    def guarded_start(self):
+        _STARTED.append(f"{nodeid} started a multiprocessing process")
+        return process_start(self)
+
+    subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = guarded_popen, guarded_start
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start = popen_init, process_start
+
+
+def _guarded(item):
+    if item.get_closest_marker("multiprocess") is not None:
+        return contextlib.nullcontext()
+    return _refuse_processes(item.nodeid)
+
+
+def _fail_if_started(outcome):
+    if _STARTED:
+        what = _STARTED[0]
+        _STARTED.clear()
+        outcome.force_exception(pytest.fail.Exception(
+            f"{what} without @pytest.mark.multiprocess: mark the test (or its module), so "
+            "`-m \"not multiprocess\"` starts no interpreter"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _guarded(item):
+        outcome = yield
+    _fail_if_started(outcome)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item):
+        outcome = yield
+    _fail_if_started(outcome)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,29 +19,22 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from _launch import free_port  # noqa: E402
+import _procs  # noqa: E402
+from _accelerate_launch import CPU_CONFIG, accelerate_run  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CPU_CONFIG = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
 PRESETS = ["zero1", "zero2", "zero3", "zero2_offload"]
 COMMON = {"gas": 2, "clip": 0.3, "steps": 4, "resume_at": 2}
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG",
-                "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
-        env.pop(key, None)
-    return env
+    return _procs.child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG",
+                                  "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"))
 
 
 def _reports(out: Path, ranks: int, log: str) -> list[dict]:
-    missing = [r for r in range(ranks) if not (out / f"rank{r}.json").exists()]
-    if missing:
-        raise AssertionError(f"ranks {missing} reported nothing:\n{log[-6000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return _procs.read_reports(out, ranks, "the launch", log)
 
 
 def accelerate_launch(script: Path, args: dict | None, ranks: int = 2, timeout: float = 180.0,
@@ -52,19 +43,16 @@ def accelerate_launch(script: Path, args: dict | None, ranks: int = 2, timeout: 
     out = Path(tempfile.mkdtemp(prefix="zs_acc_"))
     if args is not None:
         (out / "args.json").write_text(json.dumps(args))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_CONFIG),
-           "--num_processes", str(ranks), "--main_process_port", str(free_port()), *launch_args, str(script)]
-    cmd += script_args if script_args is not None else [str(out)]
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    return out, proc.stdout + proc.stderr
+    log = accelerate_run(script, script_args if script_args is not None else [str(out)], CPU_CONFIG, ranks,
+                         timeout, env=_env(), launch_args=launch_args)
+    return out, log
 
 
 def run_single(script: Path, args: dict | None, timeout: float = 120.0) -> tuple[Path, str]:
     out = Path(tempfile.mkdtemp(prefix="zs_acc1_"))
     if args is not None:
         (out / "args.json").write_text(json.dumps(args))
-    proc = subprocess.run([sys.executable, str(script), str(out)], env=_env(), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = _procs.run([sys.executable, str(script), str(out)], timeout, env=_env())
     return out, proc.stdout + proc.stderr
 
 
@@ -151,44 +139,53 @@ def _report() -> dict:
     assert report is not None, f"accelerate_errors.py reported nothing:\n{log[-6000:]}"
     return report
 
+@pytest.mark.multiprocess
 
 def test_precision_defaults_to_fp32_when_the_launch_chose_none():
     assert _report()["default_precision"] == "fp32"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["prepared_twice", "prepared_twice_with_optimizer"])
 def test_preparing_a_prepared_model_again_is_refused(case):
     r = _report()[case]
     assert r["type"] == "ValueError" and "already prepared" in r["message"], r
 
+@pytest.mark.multiprocess
 
 def test_an_optimizer_without_its_model_is_refused():
     r = _report()["optimizer_without_model"]
     assert r["type"] == "ValueError" and "same prepare() call" in r["message"], r
 
+@pytest.mark.multiprocess
 
 def test_clipping_a_subset_of_the_parameters_is_refused():
     assert _report()["clip_subset"]["type"] == "ValueError"
 
+@pytest.mark.multiprocess
 
 def test_a_config_precision_that_conflicts_with_the_launch_is_refused_with_the_flag_to_use():
     r = _report()["precision_conflict"]
     assert r["type"] == "ZeroConfigError" and "--mixed_precision bf16" in r["message"], r
 
+@pytest.mark.multiprocess
 
 def test_a_model_prepared_before_its_optimizer_waits_for_it():
     r = _report()
     assert r["pending_before_optimizer"] == 1 and r["pending_after_optimizer"] == 0
 
+@pytest.mark.multiprocess
 
 def test_save_state_while_a_model_waits_for_its_optimizer_is_refused():
     assert _report()["save_state_while_pending"]["type"] == "RuntimeError"
 
+@pytest.mark.multiprocess
 
 def test_a_model_prepared_before_its_optimizer_is_sharded_when_the_optimizer_comes():
     r = _report()
     assert r["late_is_zero"] and r["late_optimizer"] == "ZeroAcceleratedOptimizer"
 
+@pytest.mark.multiprocess
 
 def test_free_memory_gives_back_the_unsharded_model():
     from _models import TinyLM
@@ -197,6 +194,7 @@ def test_free_memory_gives_back_the_unsharded_model():
     assert not r["after_free_is_zero"]
     assert r["after_free_param_shape"] == list(TinyLM().layers[0].fc1.weight.shape)
 
+@pytest.mark.multiprocess
 
 def test_an_optimizer_of_a_torn_down_model_is_refused():
     assert "torn down" in _report()["stale_optimizer"]["message"]
@@ -289,7 +287,9 @@ def test_deepspeed_auto_values_are_resolved_from_accelerate():
     assert apply_precision(load_config(ds, "ds"), "no", "ds").precision == "fp32"
 
 
+@pytest.mark.multiprocess
 def test_import_zero_strategy_does_not_import_accelerate():
     code = ("import sys, zero_strategy; assert 'accelerate' not in sys.modules; "
             "zero_strategy.ZeroAccelerator; assert 'accelerate' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], env=_env(), check=True, timeout=60)
+    proc = _procs.run([sys.executable, "-c", code], 60, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +27,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-from _accelerate_launch import ROOT, launch_env  # noqa: E402
+import _procs  # noqa: E402
+from _accelerate_launch import launch_env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -80,8 +80,7 @@ def results() -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="zs_auto_"))
     try:
         (out / "args.json").write_text(json.dumps({"table": TABLE}))
-        proc = subprocess.run([sys.executable, str(HERE / "workers" / "auto_values.py"), str(out)], cwd=ROOT,
-                              env=launch_env(), capture_output=True, text=True, timeout=280)
+        proc = _procs.run([sys.executable, str(HERE / "workers" / "auto_values.py"), str(out)], 280, env=launch_env())
         assert (out / "rank0.json").exists(), (proc.stdout + proc.stderr)[-6000:]
         return json.loads((out / "rank0.json").read_text())
     finally:
@@ -104,6 +103,7 @@ def _entries(results, key, precision):
     return found
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("key", [row["key"] for row in TABLE])
@@ -120,6 +120,7 @@ def test_auto_resolves_to_the_explicit_value_in_every_front_end(results, key, pr
     assert (first["stage"], first["offload_optimizer"]["device"]) == (3, "cpu")
 
 
+@pytest.mark.multiprocess
 def test_fp16_auto_keeps_the_ds_config_loss_scale(results):
     """fp16.enabled "auto" resolved to fp16 by the front end still uses the section's loss-scale settings."""
     for e in _entries(results, "fp16.enabled+bf16.enabled", "fp16"):

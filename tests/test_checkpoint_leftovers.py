@@ -8,9 +8,7 @@ save to ``run[1]`` deleted another job's in-progress ``run1.tmp-.../``.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,8 +19,8 @@ import torch
 import zero_strategy as zs
 from zero_strategy.checkpoint._owned import MARKER
 from _models import TinyLM, param_groups
+import _procs
 
-SRC = Path(__file__).resolve().parent.parent / "src"
 TOKEN = "0123456789ab"
 
 
@@ -79,11 +77,12 @@ HOLD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_leftover_of_a_killed_save_is_removed_unless_its_save_is_alive(tmp_path):
     """Both carry a marker with their token; only the one whose lock is free is a leftover."""
     live = _user_dir(tmp_path / f"ckpt.tmp-{TOKEN}", marker=TOKEN)
     dead = _user_dir(tmp_path / "ckpt.tmp-ba9876543210", marker="ba9876543210")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(live / MARKER)], stdout=subprocess.PIPE, text=True)
+    holder = _procs.start([sys.executable, "-c", HOLD, str(live / MARKER)], stderr=None)
     try:
         assert holder.stdout.readline().strip() == "locked"
         _save_twice(tmp_path / "ckpt")
@@ -116,17 +115,17 @@ def ckpt(tmp_path_factory):
 
 
 def _consolidate_killed(ckpt, out, sig):
-    env = dict(os.environ, PYTHONPATH=str(SRC))
-    return subprocess.run([sys.executable, "-c", KILLED_CONSOLIDATE, str(ckpt), str(out), sig], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return _procs.run([sys.executable, "-c", KILLED_CONSOLIDATE, str(ckpt), str(out), sig], 60)
 
 
+@pytest.mark.multiprocess
 def test_consolidate_terminated_removes_its_temporary_directory(ckpt, tmp_path):
     done = _consolidate_killed(ckpt, tmp_path / "out", "SIGTERM")
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.multiprocess
 def test_consolidate_killed_leaves_a_leftover_the_next_run_removes(ckpt, tmp_path):
     done = _consolidate_killed(ckpt, tmp_path / "out", "SIGKILL")
     assert done.returncode == -signal.SIGKILL
@@ -137,15 +136,15 @@ def test_consolidate_killed_leaves_a_leftover_the_next_run_removes(ckpt, tmp_pat
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
 
 
+@pytest.mark.multiprocess
 def test_consolidate_cli_reports_a_damaged_checkpoint_in_one_line(ckpt, tmp_path):
     import shutil
 
     damaged = tmp_path / "damaged"
     shutil.copytree(ckpt, damaged)
     (damaged / "metadata.json").write_text('{"format": "zero_strategy.checkpoint", "version": 1, "x": [')
-    env = dict(os.environ, PYTHONPATH=str(SRC))
-    done = subprocess.run([sys.executable, "-m", "zero_strategy.cli", "consolidate", str(damaged),
-                           str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60)
+    done = _procs.run([sys.executable, "-m", "zero_strategy.cli", "consolidate", str(damaged), str(tmp_path / "out")],
+                      60)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "metadata.json is unreadable or corrupted" in done.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _compare import rel_diff
 from _launch import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -67,8 +68,7 @@ def _by_name(reports: list[dict]) -> dict:
 
 def _weights_rel_diff(a: dict, b: dict) -> float:
     assert list(a) == list(b)
-    return max(((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max().clamp_min(1e-12)).item()
-               for k in b)
+    return rel_diff(a, b)
 
 
 def _check(runs, name: str, ref: str, tol: float) -> None:

@@ -1,24 +1,20 @@
 """`zero-strategy estimate` prints the memory table (or JSON) and fails cleanly."""
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from zero_strategy.cli import main, parse_count
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+import _procs
 
 
 def run_cli(*args):
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "zero_strategy.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return _procs.run([sys.executable, "-m", "zero_strategy.cli", *args], 120)
 
 
+@pytest.mark.multiprocess
 def test_subprocess_prints_the_table_for_every_stage():
     proc = run_cli("estimate", "--params", "7.5e9", "--world-size", "64")
     assert proc.returncode == 0, proc.stderr
@@ -30,6 +26,7 @@ def test_subprocess_prints_the_table_for_every_stage():
     assert float(zero3.split()[4]) == round(16 * 7.5e9 / 64 / 2**30, 2)
 
 
+@pytest.mark.multiprocess
 def test_subprocess_json_single_stage():
     proc = run_cli("estimate", "--params", "7B", "-n", "8", "--stage", "3", "--offload-optimizer", "cpu",
                    "--offload-params", "cpu", "--json")
@@ -41,6 +38,7 @@ def test_subprocess_json_single_stage():
     assert row["total_host"] == (2 + 12 + 4) * psi / n  # params + master/Adam + fp32 grad shard
 
 
+@pytest.mark.multiprocess
 def test_subprocess_error_exit_code_and_message():
     proc = run_cli("estimate", "--params", "1e9", "--optimizer", "adamm")
     assert proc.returncode == 2
@@ -193,6 +191,7 @@ def test_activations_in_the_table_and_json(capsys, tmp_path):
     assert "without checkpointing" in capsys.readouterr().out
 
 
+@pytest.mark.multiprocess
 def test_a_model_name_is_read_from_the_local_cache_only(tmp_path):
     """A hub name resolves offline from the Hugging Face cache; an uncached one fails, downloading nothing."""
     pytest.importorskip("transformers")
@@ -210,9 +209,7 @@ def test_a_model_name_is_read_from_the_local_cache_only(tmp_path):
 
 
 def run_cli_env(extra_env, *args):
-    env = {**os.environ, **extra_env, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "zero_strategy.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return _procs.run([sys.executable, "-m", "zero_strategy.cli", *args], 120, env=_procs.child_env(**extra_env))
 
 
 def test_shard_group_size_estimates_the_group_not_the_world(capsys):

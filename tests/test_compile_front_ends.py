@@ -19,6 +19,7 @@ import shutil
 import pytest
 import torch
 
+from _compare import rel_diff
 from _launch import launch
 
 pytest.importorskip("lightning")
@@ -39,8 +40,7 @@ LIGHTNING_CASES = [
 
 def _rel(a: dict, b: dict) -> float:
     assert set(a) == set(b), set(a) ^ set(b)
-    return max(float((a[k].float() - v.float()).abs().max() / v.float().abs().max().clamp_min(1e-12))
-               for k, v in b.items())
+    return rel_diff(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,7 @@ def accelerate_runs():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", ["model", "regional"])
+@pytest.mark.slow
 def test_accelerate_dynamo_backend_equals_eager_and_ddp(accelerate_runs, name):
     eager_reports, eager_weights, ddp_weights = accelerate_runs["eager"]
     reports, weights, _ = accelerate_runs[name]

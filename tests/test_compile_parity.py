@@ -85,6 +85,7 @@ def _check(res: dict, case: dict) -> None:
     assert res["vs_ref"] <= weight_tol, (res["worst_vs_ref"], res["vs_ref"])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ONE_RANK, ids=_key)
 def test_compiled_matches_eager_and_ddp_on_one_rank(case):
     for res in _results(1, ONE_RANK, case):
@@ -105,7 +106,9 @@ INDUCTOR = [dict(stage=3, precision="fp32", compile="blocks", backend="inductor"
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU backend generates C++ and needs a C++ compiler")
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", INDUCTOR, ids=_key)
+@pytest.mark.slow
 def test_inductor_matches_eager_and_ddp(case):
     """Inductor fuses kernels, so fp32 results differ from eager by rounding (2.6e-7 measured),
     within the fp32 tolerance. About 20 s on 2 cores with a cold compile cache."""

@@ -32,6 +32,7 @@ def _assert_equal(got: dict, want: dict) -> None:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.multiprocess
 def test_equals_full_state_dict(saved, tmp_path):
     ckpt, want = saved
     out = zs.checkpoint.consolidate(ckpt, tmp_path / "out")
@@ -41,6 +42,7 @@ def test_equals_full_state_dict(saved, tmp_path):
     assert got["frozen_mix"].dtype == torch.bfloat16 and got["embed.weight"].dtype == torch.float32
 
 
+@pytest.mark.multiprocess
 def test_loads_with_load_state_dict(saved, tmp_path):
     ckpt, want = saved
     out = zs.checkpoint.consolidate(ckpt, tmp_path / "out", dtype="fp32")
@@ -50,6 +52,7 @@ def test_loads_with_load_state_dict(saved, tmp_path):
         assert torch.equal(v, want[k].float()), k
 
 
+@pytest.mark.multiprocess
 def test_sharded_output_with_index(saved, tmp_path):
     ckpt, want = saved
     out = zs.checkpoint.consolidate(ckpt, tmp_path / "out", max_shard_size="4KB")
@@ -64,6 +67,7 @@ def test_sharded_output_with_index(saved, tmp_path):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
 
 
+@pytest.mark.multiprocess
 def test_torch_format(saved, tmp_path):
     ckpt, want = saved
     out = zs.checkpoint.consolidate(ckpt, tmp_path / "out", format="torch")
@@ -72,6 +76,7 @@ def test_torch_format(saved, tmp_path):
     assert got["head.weight"] is got["embed.weight"]
 
 
+@pytest.mark.multiprocess
 def test_cli(saved, tmp_path, capsys):
     ckpt, want = saved
     assert cli_main(["consolidate", str(ckpt), str(tmp_path / "out"), "--dtype", "bf16"]) == 0
@@ -81,6 +86,7 @@ def test_cli(saved, tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_existing_output_refused(saved, tmp_path):
     ckpt, _ = saved
     (tmp_path / "out").mkdir()

@@ -12,15 +12,12 @@ reader and writer should in fact stay near 2x ``CHUNK_BYTES`` (16 MB).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
+import _procs
 N, DIM = 5, 4096
 TENSOR = DIM * DIM * 4
 
@@ -57,14 +54,12 @@ print(json.dumps({"base": base, "peak": status("VmHWM")}))
 
 
 def _run(code: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = _procs.run([sys.executable, "-c", code, *args], 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_peak_rss_stays_near_one_tensor(tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -11,7 +11,6 @@ state is a per-process singleton; a process group is needed for ``setup``).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -20,7 +19,8 @@ pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-from _accelerate_launch import ROOT, launch_env  # noqa: E402
+import _procs  # noqa: E402
+from _accelerate_launch import launch_env  # noqa: E402
 
 CODE = r"""
 import json, tempfile, warnings, torch
@@ -58,15 +58,13 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def defaults() -> dict:
-    from _launch import free_port
-
-    proc = subprocess.run([sys.executable, "-c", CODE % {"port": free_port()}], cwd=ROOT, env=launch_env(),
-                          capture_output=True, text=True, timeout=240)
+    proc = _procs.run([sys.executable, "-c", CODE % {"port": _procs.free_port()}], 240, env=launch_env())
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT")), None)
     assert line is not None, (proc.stdout + proc.stderr)[-6000:]
     return json.loads(line[len("RESULT"):])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("front_end", ["setup", "lightning_trainer", "fabric", "accelerate", "hf_trainer"])
 def test_the_default_is_the_zero3_preset(defaults, front_end):
     from zero_strategy import ZeroConfig

@@ -9,12 +9,12 @@ fails here. The site goes to a temporary directory; nothing is written in the ch
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import _procs
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("mkdocs")
@@ -22,11 +22,11 @@ pytest.importorskip("mkdocstrings")
 pytest.importorskip("material")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_the_site_builds_strict(tmp_path):
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    proc = _procs.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                      230, env=_procs.child_env(NO_MKDOCS_2_WARNING="1"), cwd=ROOT)
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "WARNING" in line or "ERROR" in line]
     assert proc.returncode == 0, "mkdocs build --strict failed:\n" + "\n".join(warnings or [proc.stderr[-3000:]])
     assert (tmp_path / "site" / "architecture" / "index.html").exists()

@@ -23,6 +23,7 @@ def test_the_pages_have_python_examples_that_run():
     assert len(RUNNABLE) >= 10 and len(RUNNABLE) > len(COMPILE)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_python_block_runs(block: Block):

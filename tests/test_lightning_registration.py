@@ -22,6 +22,8 @@ pytest.importorskip("lightning")
 
 from zero_strategy.lightning.__main__ import PTH, install, pth_text, uninstall  # noqa: E402
 
+import _procs  # noqa: E402
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 PURELIB = sysconfig.get_paths()["purelib"]  # torch and Lightning; the editable install's finder is not run by -S
 
@@ -34,7 +36,7 @@ def _start_python(site_dir: Path, package_root: Path | None, code: str = "pass")
     """A fresh interpreter whose site dir is ``site_dir``, with ``zero_strategy`` importable from ``package_root``."""
     path = ([str(package_root)] if package_root is not None else []) + [PURELIB]
     prelude = f"import sys; sys.path[:0] = {path!r}; import site; site.addsitedir({str(site_dir)!r}); "
-    return subprocess.run([sys.executable, "-E", "-S", "-c", prelude + code], capture_output=True, text=True, timeout=180)
+    return _procs.run([sys.executable, "-E", "-S", "-c", prelude + code], 180)  # -E: PYTHONPATH not read
 
 
 def _copy_package(dest: Path) -> Path:
@@ -48,6 +50,8 @@ def test_the_pth_line_stores_no_path():
     assert str(SRC) not in line and "_autoregister_hook.py" in line and "find_spec(\"zero_strategy\")" in line
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hook_registers_the_presets_without_importing_zero_strategy_or_torch_at_start(tmp_path):
     (tmp_path / "site").mkdir()
     install(tmp_path / "site")
@@ -57,6 +61,8 @@ def test_hook_registers_the_presets_without_importing_zero_strategy_or_torch_at_
     assert out.stdout.split() == ["False", "False", "True", "True"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hook_is_silent_once_the_package_is_uninstalled(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -67,6 +73,8 @@ def test_hook_is_silent_once_the_package_is_uninstalled(tmp_path):
     assert (out.returncode, out.stderr, out.stdout) == (0, "", "False False\n")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_hook_follows_a_moved_package_and_is_silent_when_it_is_gone(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -107,14 +115,16 @@ except ValueError as err:
     ("import pytorch_lightning as pl", "pl.Trainer(accelerator='cpu', devices=1, strategy='zero3')"),
     ("from lightning_fabric import Fabric", "Fabric(accelerator='cpu', devices=1, strategy='zero3_offload')"),
 ])
+@pytest.mark.multiprocess
 def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call):
     pytest.importorskip("pytorch_lightning")
     code = STANDALONE.format(imports=imports, call=call)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    out = _procs.run([sys.executable, "-c", code], 180)
     assert "REFUSED:" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "import lightning.pytorch as pl" in out.stdout and "pip install lightning" in out.stdout
 
 
+@pytest.mark.multiprocess
 def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
     pytest.importorskip("pytorch_lightning")
     code = ("import warnings, zero_strategy, pytorch_lightning as pl\n"
@@ -126,5 +136,5 @@ def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
             "    pl.Trainer(accelerator='cpu', devices=1, strategy=s)\n"
             "except ValueError as err:\n"
             "    print('REJECTED')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    out = _procs.run([sys.executable, "-c", code], 180)
     assert "import lightning.pytorch as pl" in out.stdout and "REJECTED" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
 import zero_strategy as zs
 
+import _procs
+
 PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_offload_nvme"]
 
 
+@pytest.mark.multiprocess
 def test_import_does_not_import_lightning_and_registers_when_lightning_loads():
     code = ("import sys, zero_strategy; assert 'lightning' not in sys.modules, 'eager'; "
             "from lightning.pytorch.strategies import StrategyRegistry as T; "
             "from lightning.fabric.strategies import STRATEGY_REGISTRY as F; "
             f"missing = [n for n in {PRESETS!r} if n not in T or n not in F]; assert not missing, missing; "
             "print(T['zero3_offload']['description'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _procs.run([sys.executable, "-c", code], 120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "optimizer state and parameter shards in CPU memory" in out.stdout
 
@@ -86,6 +88,7 @@ def test_unsupported_precision_plugin_is_refused():
         s.precision_plugin = DoublePrecision()
 
 
+@pytest.mark.multiprocess
 def test_opt_in_hook_registers_without_importing_zero_strategy(tmp_path):
     """What the .pth written by `python -m zero_strategy.lightning install-autoregister` runs."""
     from pathlib import Path
@@ -97,5 +100,5 @@ def test_opt_in_hook_registers_without_importing_zero_strategy(tmp_path):
             "from lightning.pytorch.strategies import StrategyRegistry as T; "
             "from lightning.fabric.strategies import STRATEGY_REGISTRY as F; "
             "assert 'zero3_offload' in T and 'zero3_offload' in F")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _procs.run([sys.executable, "-c", code], 120)
     assert out.returncode == 0, out.stderr[-2000:]

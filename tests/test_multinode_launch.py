@@ -17,11 +17,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from _launch import HERE, SRC, free_port
+import _procs
+from _procs import HERE, free_port
 
 WORKER = str(HERE / "workers" / "multinode.py")
 ROOT = HERE.parent
@@ -29,30 +31,30 @@ TOL = 1e-5
 
 
 def env(**extra) -> dict:
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("SLURM_", "TORCHELASTIC_", "ACCELERATE_")) and k not in (
-                "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "GROUP_RANK")}
-    return dict(base, OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")]), **extra)
+    """The test's environment without any launcher's variables (each node's launcher sets its own)."""
+    drop = tuple(k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_", "ACCELERATE_")))
+    return _procs.child_env(drop=drop + _procs.LAUNCH_VARS + ("NODE_RANK", "GROUP_RANK"), **extra)
 
 
 def run_nodes(commands: list[tuple[list[str], dict]], out: Path, timeout: float = 200) -> list[dict]:
-    """Start one command per simulated node (or per process), wait, return the 4 ranks' reports."""
-    procs = [subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd, e in commands]
+    """Start one command per simulated node (or per process), wait, return the 4 ranks' reports.
+    At ``timeout`` every node's launcher is killed with all its ranks."""
+    procs = [_procs.start(cmd, e) for cmd, e in commands]
+    deadline = time.monotonic() + timeout
     logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    reports = []
-    for r in range(4):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} reported nothing:\n" + "\n".join(log[-3000:] for log in logs)
-        reports.append(json.loads(path.read_text()))
+    try:
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    _procs.kill_group(q)
+                tails = "\n".join(q.communicate()[0][-3000:] for q in procs)
+                raise AssertionError(f"the nodes did not finish in {timeout}s:\n{tails}") from None
+    finally:
+        for p in procs:
+            _procs.kill_group(p)
+    reports = _procs.read_reports(out, 4, "the 2 nodes", "\n".join(log[-3000:] for log in logs))
     for r, rep in enumerate(reports):
         assert "error" not in rep, f"rank {r}:\n{rep['error']}"
     return reports
@@ -83,6 +85,7 @@ def assert_two_nodes_of_two(reports: list[dict], node_key: str, local_key: str) 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_torchrun_static_rendezvous_two_nodes(tmp_path):
     out, port = prepare(tmp_path), free_port()
     reports = run_nodes([(torchrun(n, port, out, "plain"), env()) for n in (0, 1)], out)
@@ -119,6 +122,7 @@ def test_a_checkpoint_path_that_is_not_shared_between_nodes_fails_clearly_on_eve
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_lightning_num_nodes_2_under_torchrun(tmp_path):
     pytest.importorskip("lightning")
     out, port = prepare(tmp_path), free_port()
@@ -129,6 +133,7 @@ def test_lightning_num_nodes_2_under_torchrun(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_lightning_num_nodes_2_under_slurm_variables(tmp_path):
     """What ``srun --nodes 2 --ntasks-per-node 2`` sets, one process per task (srun starts them)."""
     pytest.importorskip("lightning")
@@ -148,6 +153,7 @@ def test_lightning_num_nodes_2_under_slurm_variables(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_accelerate_launch_two_machines(tmp_path):
     pytest.importorskip("accelerate")
     out, port = prepare(tmp_path), free_port()
@@ -178,6 +184,7 @@ def test_hybrid_sharding_per_node_under_torchrun(front_end, tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_hybrid_sharding_through_accelerate_config(tmp_path):
     pytest.importorskip("accelerate")
     out, port = prepare(tmp_path, shard_group_size=2), free_port()

@@ -24,8 +24,8 @@ import torch
 import zero_strategy as zs
 import zero_strategy._mechanisms.nvme_files as nvme_files
 from _models import TinyLM, batch, loss_fn, param_groups
+import _procs
 
-SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 def config(path, nvme=True):
@@ -97,13 +97,13 @@ def _holder(base, mode):
     cmd = [sys.executable, "-c", HOLDER, str(base), mode]
     if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0:
         cmd = ["unshare", "--pid", "--fork", "--kill-child", *cmd]  # its own pid namespace, as in a container: pid 1
-    env = dict(os.environ, PYTHONPATH=str(SRC))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    proc = _procs.start(cmd, stderr=None)
     path = Path(proc.stdout.readline().strip())
     assert path.is_dir(), path
     return proc, path
 
 
+@pytest.mark.multiprocess
 def test_a_live_directory_of_another_job_is_kept_a_dead_ones_removed(tmp_path):
     proc, live = _holder(tmp_path, "hold")
     try:
@@ -121,6 +121,7 @@ def test_a_live_directory_of_another_job_is_kept_a_dead_ones_removed(tmp_path):
     zs.teardown(model, keep_weights=False)
 
 
+@pytest.mark.multiprocess
 def test_stale_directory_of_a_dead_run_is_removed_not_read(tmp_path):
     proc, dead = _holder(tmp_path, "exit")
     proc.wait()

@@ -8,7 +8,6 @@ Accelerate decide every combination the same way.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
@@ -16,6 +15,8 @@ import pytest
 
 import zero_strategy as zs
 from zero_strategy._config.precision_rule import resolve_precision
+
+import _procs
 
 ENGINE = ["fp32", "bf16", "fp16"]
 LIGHTNING_FLAG = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -72,6 +73,7 @@ def test_accelerate_decides_the_same(config, wanted):
     assert got == _expected(config, wanted)
 
 
+@pytest.mark.multiprocess
 def test_default_32_true_with_a_bf16_deepspeed_file_stops_the_fit(tmp_path):
     """As a user writes it: a DeepSpeed file with bf16 enabled, no precision flag on the Trainer."""
     pytest.importorskip("lightning")
@@ -92,7 +94,6 @@ def test_default_32_true_with_a_bf16_deepspeed_file_stops_the_fit(tmp_path):
         else:
             print("TRAINED", next(trainer.lightning_module.parameters()).dtype)
     """)
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ds.json")], capture_output=True, text=True,
-                         timeout=180)
+    out = _procs.run([sys.executable, "-c", script, str(tmp_path / "ds.json")], 180)
     assert "REFUSED" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "Trainer(precision='bf16-mixed')" in out.stdout

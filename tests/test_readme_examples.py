@@ -32,6 +32,7 @@ def test_the_readme_has_python_examples_that_run():
     assert len(RUNNABLE) >= 4 and len(RUNNABLE) > len(COMPILE)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}" for b in RUNNABLE])
 def test_python_block_runs(block: Block):

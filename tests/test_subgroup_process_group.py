@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 
+from _compare import rel
 from _launch import launch
 
 pytestmark = pytest.mark.multiprocess
@@ -60,17 +61,13 @@ def results_for(runs, case: dict) -> list[dict]:
     return per_rank
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_each_pair_trains_like_ddp_over_its_subgroup(runs, case):
     per_rank = results_for(runs, case)
     for rank, res in enumerate(per_rank):
         assert (res["group_rank"], res["group_size"]) == (rank % 2, 2)
         for step, (lz, lr) in enumerate(zip(res["losses_zero"], res["losses_ref"], strict=True)):
-            assert _rel(lz, lr) <= TOL, f"rank {rank} step {step}: loss {lz} vs DDP {lr}"
+            assert rel(lz, lr) <= TOL, f"rank {rank} step {step}: loss {lz} vs DDP {lr}"
         assert res["weight_rel_diff"] <= TOL, (
             f"rank {rank}: final weights differ from DDP over its pair by {res['weight_rel_diff']:.3g} "
             f"(worst tensor {res['worst_tensor']})")

@@ -22,13 +22,13 @@ by hand; Lightning's ``strategy="zero_auto"`` trains like that preset under Ligh
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 import torch
 from torch import nn
 
+import _procs
 from _launch import launch
 
 import zero_strategy as zs
@@ -203,23 +203,18 @@ def test_lightning_strategy_name_zero_auto_trains_as_the_preset_it_chose(tmp_pat
     assert all(torch.equal(auto[k], hand[k]) for k in hand)
 
 
+@pytest.mark.multiprocess
 def test_accelerate_zero_auto_resolves_at_prepare():
     """``ZeroAccelerator("zero_auto")`` in one process (plain ``python``): after prepare its
     ``zero_config`` is the chosen preset, the one ``choose_preset`` names."""
     pytest.importorskip("accelerate")
-    import subprocess
     import sys
-    from pathlib import Path
 
-    here = Path(__file__).resolve().parent
     code = ("import torch, zero_strategy as zs; from zero_strategy.accelerate import ZeroAccelerator; "
             "from _models import TinyLM; acc = ZeroAccelerator('zero_auto'); m = TinyLM(layers=2); "
             "o = torch.optim.AdamW(m.parameters()); m, o = acc.prepare(m, o); "
             "print(acc.zero_config.stage, acc.zero_config.auto, zs.engine_of(m).config.stage)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent / "src"), str(here),
-                                                          os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    env = _procs.child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG"))
+    proc = _procs.run([sys.executable, "-c", code], 120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-3:] == ["2", "False", "2"], proc.stdout

@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from _compare import worst_rel_diff  # noqa: F401 - the workers' comparison (tests/_compare.py)
+
 
 def start() -> tuple[dict, Path]:
     out = Path(sys.argv[1])
@@ -50,17 +52,6 @@ def run_named_cases(cases: list, run: Callable[[dict], dict], barrier: bool = Fa
         if barrier:
             dist.barrier()
     return reports
-
-
-def worst_rel_diff(full: dict, ref: dict) -> tuple[float, str]:
-    """Largest per-tensor max|a - b| / max|ref| over ``ref``'s keys, and that tensor's name."""
-    worst, worst_name = 0.0, ""
-    for name, t in ref.items():
-        a, b = full[name].double(), t.double()
-        diff = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
-        if diff > worst:
-            worst, worst_name = diff, name
-    return worst, worst_name
 
 
 def finish(out: Path, report: dict) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from _compare import rel_diff
 from _worker import finish
 from zero_strategy.transformers import ZeroTrainer  # before TrainingArguments (see its module note)
 
@@ -30,13 +31,6 @@ def arguments(output_dir: Path, save: bool = True) -> TrainingArguments:
         output_dir=str(output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
         save_strategy="steps" if save else "no", save_steps=2, logging_steps=1, learning_rate=3e-3, lr_scheduler_type="linear",
         max_grad_norm=0.5, report_to=[], seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0)
-
-
-def rel_diff(a: dict, b: dict) -> float:
-    worst = 0.0
-    for k, v in b.items():
-        worst = max(worst, float((a[k].float() - v.float()).abs().max() / v.float().abs().max().clamp_min(1e-12)))
-    return worst
 
 
 def main() -> None:

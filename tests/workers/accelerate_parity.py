@@ -29,22 +29,13 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from _models import SEQ, VOCAB, TinyLM, param_groups  # noqa: E402
+from _compare import rel_diff  # noqa: E402
 from _worker import finish  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
 from zero_strategy.accelerate import ZeroAccelerator  # noqa: E402
 
 GLOBAL_ROWS = 8  # rows per micro-batch over all processes (divisible by 1, 2 and 4)
-
-
-def rel_diff(a: dict, b: dict) -> float:
-    worst = 0.0
-    for k, v in b.items():
-        if not v.is_floating_point():
-            continue
-        w = a[k].float()
-        worst = max(worst, float((w - v.float()).abs().max() / v.float().abs().max().clamp_min(1e-12)))
-    return worst
 
 
 def loss_of(model, tokens):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from _compare import rel_diff
 from _worker import finish
 from zero_strategy.transformers import zero_trainer  # before any TrainingArguments (see its module note)
 
@@ -161,13 +162,6 @@ def sync_refused(out: Path) -> dict:
     return {"raised": None}
 
 
-def rel(a: dict, b: dict) -> float:
-    worst = 0.0
-    for k, v in b.items():
-        worst = max(worst, float((a[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)))
-    return worst
-
-
 def main() -> None:
     out = Path(sys.argv[1])
     args = json.loads((out / "args.json").read_text())
@@ -187,7 +181,7 @@ def main() -> None:
             zero, ref = run(case, configs[case], out / case)
             report[case] = {"zero": {k: v for k, v in zero.items() if k != "weights"},
                             "ref": {k: v for k, v in ref.items() if k != "weights"},
-                            "trainable": sorted(ref["weights"]), "weights_rel": rel(zero["weights"], ref["weights"])}
+                            "trainable": sorted(ref["weights"]), "weights_rel": rel_diff(zero["weights"], ref["weights"])}
         except Exception:  # noqa: BLE001 - reported to the test; the ranks stop together
             report[case] = {"error": traceback.format_exc()}
             print(report[case]["error"], file=sys.stderr)

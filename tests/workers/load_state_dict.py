@@ -25,18 +25,12 @@ import copy
 import torch
 import torch.distributed as dist
 
+from _compare import rel_diff
 from _worker import finish, run_cases, start
 from _models import TinyLM, batch, loss_fn, param_groups
 from parity import Reference, _offload
 
 import zero_strategy as zs
-
-
-def rel_diff(got: dict, want: dict) -> float:
-    worst = 0.0
-    for k, w in want.items():
-        worst = max(worst, float((got[k].float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-12)))
-    return worst
 
 
 def other_weights(seed: int) -> dict:

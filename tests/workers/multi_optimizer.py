@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _compare import rel_diff
 from _worker import finish, start
 from _models import TinyLM, batch, loss_fn
 
@@ -65,8 +66,7 @@ def main() -> None:
             assert extra == {"step": 2}, extra
             model, zopts = fresh, fresh_opts
     full = zs.full_state_dict(model)
-    wdiff = max((full[k] - v).abs().max().item() / max(v.abs().max().item(), 1e-12)
-                for k, v in ref.state_dict().items())
+    wdiff = rel_diff(full, ref.state_dict())
     finish(out, dict(losses=losses, weight_rel_diff=wdiff))
 
 

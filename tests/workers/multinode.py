@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import zero_strategy as zs
+from _compare import rel_diff  # tests/ is on PYTHONPATH (tests/_procs.py)
 
 STEPS, PER_RANK, LR = 2, 4, 1e-2
 
@@ -60,8 +61,7 @@ def reference(world: int, lightning_order: bool = False) -> dict[str, torch.Tens
 
 
 def worst(full: dict, ref: dict) -> float:
-    return max(((full[k].double() - v.double()).abs().max() / v.double().abs().max().clamp_min(1e-12)).item()
-               for k, v in ref.items())
+    return rel_diff(full, ref)
 
 
 def train_plain(args: dict) -> tuple[dict, object]:

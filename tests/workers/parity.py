@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _worker import finish, start
+from _worker import finish, start, worst_rel_diff
 from _models import TinyLM, batch, loss_fn, param_groups
 
 import zero_strategy as zs
@@ -381,11 +381,7 @@ def _run_case(case: dict) -> dict:
     ref_sd = ref.full_state_dict()
     if set(full) != set(ref_sd):
         raise AssertionError(f"state dict keys differ: {set(full) ^ set(ref_sd)}")
-    worst, worst_name = 0.0, ""
-    for name, ref_t in ref_sd.items():
-        diff = (full[name].float() - ref_t.float()).abs().max().item() / max(ref_t.float().abs().max().item(), 1e-12)
-        if diff > worst:
-            worst, worst_name = diff, name
+    worst, worst_name = worst_rel_diff(full, ref_sd)
     return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, norms_ref=norms_ref,
                 norms_zero=norms_zero, skipped_ref=ref.skipped, skipped_zero=zopt.skipped_steps,
                 loss_scale_ref=ref.scale, loss_scale_zero=zopt.loss_scale,

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from _compare import tensor_rel_diff
 from _worker import finish, start
 from _models import TinyLM, batch, loss_fn, param_groups
 
@@ -37,7 +38,7 @@ def compare(got: dict, want: dict) -> dict:
         g = got.get(k)
         if g is None or g.shape != w.shape or g.numel() == 0:
             continue
-        worst = max(worst, float((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-12)))
+        worst = max(worst, tensor_rel_diff(g, w))
     return {"keys": list(got) == list(want), "shapes": all(k in got and got[k].shape == w.shape
                                                             for k, w in want.items()),
             "rel": worst, "min_numel": min(t.numel() for t in got.values())}

@@ -1,0 +1,110 @@
+"""How the tests start interpreters: one environment, one port, one cold start, one report reader.
+
+Every launcher in tests/ (``_launch.launch``, ``_accelerate_launch.accelerate_launch``, the
+recipe, CLI, Lightning-script and multi-node runs) builds on these, so:
+
+* :func:`child_env` is the one place ``PYTHONPATH`` is assembled: this checkout's ``src``
+  first (never an installed copy of the package), then ``tests/`` (the shared helpers
+  and models), then whatever the caller had; ``OMP_NUM_THREADS=1``.
+* :func:`start` / :func:`run` start a command in its own session, so a timeout kills the
+  whole process group: a launcher (torchrun, ``accelerate launch``) and every rank it
+  started, never leaving a rank behind. Everything has a timeout.
+* :func:`read_reports`: ranks are judged by the ``<out>/rank<r>.json`` each writes, not only
+  by exit codes, because ~30% of 2-rank CPU runs abort in interpreter teardown after
+  finishing their work; workers end with ``destroy_process_group(); os._exit(0)``
+  (tests/workers/_worker.py ``finish``).
+
+The warm start (ranks forked from a forkserver that imported torch once) is
+tests/_launch.py's; ``ZS_TEST_COLD_START=1`` makes it use :func:`start` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SRC = ROOT / "src"
+
+# what a launcher sets per rank: a child must not inherit the test process's own (a test run
+# under torchrun, or a variable a test set), or it joins the wrong group
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pythonpath() -> str:
+    """This checkout's ``src`` and ``tests/`` ahead of the caller's ``PYTHONPATH``."""
+    parts = [str(SRC), str(HERE), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(p for p in parts if p))
+
+
+def child_env(drop: tuple[str, ...] = (), **extra: str) -> dict:
+    """The environment of a child interpreter: this process's, less ``drop``, with :func:`pythonpath`,
+    ``OMP_NUM_THREADS=1`` and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=pythonpath())
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict | None = None, cwd: Path | str = ROOT, stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT, text: bool = True) -> subprocess.Popen:
+    """``cmd`` in a session (process group) of its own; ``env`` defaults to :func:`child_env`."""
+    return subprocess.Popen(cmd, env=child_env() if env is None else env, cwd=cwd, stdout=stdout, stderr=stderr,
+                            text=text, start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group (what :func:`start` made): the process and all it started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | str = ROOT,
+        merge_stderr: bool = False) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to completion (:func:`start`), capturing its output as text.
+
+    A run that outlives ``timeout`` has its whole process group killed and fails with the
+    output's tail; whatever the command left running when it returned is killed too.
+    ``merge_stderr``: stderr into stdout (one log in order).
+    """
+    proc = start(cmd, env, cwd, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd[-12:]))} did not finish in {timeout}s:\n"
+                             f"{(out + (err or ''))[-4000:]}") from None
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "" if merge_stderr else err)
+
+
+def read_reports(out: Path, ranks: int, what: str, log: str | None = None) -> list[dict]:
+    """Each rank's ``<out>/rank<r>.json``, in rank order; a rank that wrote none fails the run with
+    ``log``'s tail (by default that rank's ``<out>/rank<r>.log``)."""
+    reports = []
+    for rank in range(ranks):
+        path = out / f"rank{rank}.json"
+        if not path.exists():
+            if log is None:
+                rank_log = out / f"rank{rank}.log"
+                tail = rank_log.read_text()[-6000:] if rank_log.exists() else "(no log)"
+            else:
+                tail = log[-6000:]
+            raise AssertionError(f"rank {rank} of {what} reported nothing:\n{tail}")
+        reports.append(json.loads(path.read_text()))
+    return reports
