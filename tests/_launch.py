@@ -116,9 +116,12 @@ def _forkserver():
     return _FORKSERVER
 
 
-def _run_script(script: str, out: str, env: dict, log_path: str) -> None:
-    """In the forked rank: become ``python <script> <out>`` with ``env``, logging to ``log_path``."""
+def _run_script(script: str, argv: list[str], env: dict, log_path: str, cwd: str | None = None) -> None:
+    """In the forked process: become ``python <script> <argv...>`` with ``env`` in ``cwd``, logging
+    to ``log_path``."""
     import runpy
+    if cwd is not None:
+        os.chdir(cwd)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -130,15 +133,16 @@ def _run_script(script: str, out: str, env: dict, log_path: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.path[:0] = [str(Path(script).parent), *env["PYTHONPATH"].split(os.pathsep)]  # as a fresh interpreter
-    sys.argv = [script, out]
+    sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 
 
 class _WarmRank:
     """A forked rank with the part of ``subprocess.Popen``'s interface ``_run`` uses."""
 
-    def __init__(self, script: str, out: Path, env: dict, log_path: Path):
-        self.proc = _forkserver().Process(target=_run_script, args=(script, str(out), env, str(log_path)))
+    def __init__(self, script: str, argv: list[str], env: dict, log_path: Path, cwd: Path | None = None):
+        self.proc = _forkserver().Process(target=_run_script, args=(script, argv, env, str(log_path),
+                                                                    None if cwd is None else str(cwd)))
         self.proc.start()
 
     def wait(self, timeout: float) -> int:
@@ -168,7 +172,7 @@ def _start_rank(worker: str, rank: int, world_size: int, port: int, out: Path, e
                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
     script, log_path = str(HERE / "workers" / worker), out / f"rank{rank}.log"
     if _WARM:
-        return _WarmRank(script, out, env, log_path), None
+        return _WarmRank(script, [str(out)], env, log_path), None
     log = open(log_path, "w")
     return _ColdRank(_procs.start([sys.executable, script, str(out)], env, cwd=os.getcwd(), stdout=log)), log
 
@@ -192,6 +196,23 @@ class _ColdRank:
     def kill(self) -> None:
         _procs.kill_group(self.proc)
         self.proc.wait(5)
+
+
+def run_script(script: Path, cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """``python <script>`` in ``cwd`` with ``env``, one process, warm like the ranks ([Note: warm
+    worker start]; a fresh interpreter under ``ZS_TEST_COLD_START=1``): its exit code and output.
+    A run past ``timeout`` is killed and fails with its output's tail."""
+    if not _WARM:
+        proc = _procs.run([sys.executable, str(script)], timeout, env=env, cwd=cwd, merge_stderr=True)
+        return proc.returncode, proc.stdout
+    log_path = Path(cwd) / f".{Path(script).stem}.log"
+    proc = _WarmRank(str(script), [], env, log_path, cwd)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"{script} did not finish in {timeout}s:\n{log_path.read_text()[-4000:]}") from None
+    return code, log_path.read_text()
 
 
 def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) -> list[dict]:

@@ -24,12 +24,12 @@ import importlib
 import json
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import _procs
+from _launch import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -94,8 +94,8 @@ def run_block(block: Block) -> None:
         for name, content in fixture_files().items():
             (work / name).write_text(content)
         (work / "example.py").write_text(block.code)
-        proc = _procs.run([sys.executable, "example.py"], 280, env=_env(), cwd=work)
-        assert proc.returncode == 0, f"{block.id} failed:\n{(proc.stdout + proc.stderr)[-5000:]}"
+        code, output = run_script(work / "example.py", work, _env(), 280)
+        assert code == 0, f"{block.id} failed (exit code {code}):\n{output[-5000:]}"
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

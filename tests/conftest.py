@@ -31,7 +31,7 @@ def _session_tmpdir():
     shutil.rmtree(root, ignore_errors=True)
 
 
-# ------------------------------------------------------------------ tiers (docs/testing-tiers.md)
+# ------------------------------------------------------------------ tiers (docs/testing.md, "Tiers")
 # ``python -m pytest -m "not multiprocess"``: seconds, no interpreter started (checked below).
 # ``python -m pytest``: the default tier, the ``slow`` tests deselected (not skipped).
 # ``python -m pytest --full`` (or ZS_TEST_FULL=1; what .ci/run runs): everything.

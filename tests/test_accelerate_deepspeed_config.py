@@ -28,7 +28,7 @@ pytest.importorskip("accelerate")
 
 from _accelerate_launch import accelerate_launch, launch_env  # noqa: E402
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 
 DS_JSON = {  # the Hugging Face docs' ZeRO-3 style, "auto" where the integration fills values in
     "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},

@@ -16,7 +16,7 @@ pytest.importorskip("accelerate")
 
 from _accelerate_launch import accelerate_launch  # noqa: E402
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(400)]
 PRESETS = ["zero1", "zero2", "zero3", "zero2_offload"]
 
 

@@ -112,6 +112,7 @@ def test_load_state_on_one_process(launched):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_example_script_with_the_shipped_cpu_config():
     """The command of docs/front-ends/accelerate.md, with bf16 chosen on the launch command line (Accelerate's one precision setting)."""
     out = Path(tempfile.mkdtemp(prefix="zs_example_"))
@@ -288,6 +289,7 @@ def test_deepspeed_auto_values_are_resolved_from_accelerate():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_import_zero_strategy_does_not_import_accelerate():
     code = ("import sys, zero_strategy; assert 'accelerate' not in sys.modules; "
             "zero_strategy.ZeroAccelerator; assert 'accelerate' in sys.modules")

@@ -104,6 +104,7 @@ def _entries(results, key, precision):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("key", [row["key"] for row in TABLE])
@@ -121,6 +122,7 @@ def test_auto_resolves_to_the_explicit_value_in_every_front_end(results, key, pr
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fp16_auto_keeps_the_ds_config_loss_scale(results):
     """fp16.enabled "auto" resolved to fp16 by the front end still uses the section's loss-scale settings."""
     for e in _entries(results, "fp16.enabled+bf16.enabled", "fp16"):

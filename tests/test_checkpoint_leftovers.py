@@ -119,6 +119,7 @@ def _consolidate_killed(ckpt, out, sig):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_consolidate_terminated_removes_its_temporary_directory(ckpt, tmp_path):
     done = _consolidate_killed(ckpt, tmp_path / "out", "SIGTERM")
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
@@ -137,6 +138,7 @@ def test_consolidate_killed_leaves_a_leftover_the_next_run_removes(ckpt, tmp_pat
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_consolidate_cli_reports_a_damaged_checkpoint_in_one_line(ckpt, tmp_path):
     import shutil
 

@@ -15,6 +15,7 @@ def run_cli(*args):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_subprocess_prints_the_table_for_every_stage():
     proc = run_cli("estimate", "--params", "7.5e9", "--world-size", "64")
     assert proc.returncode == 0, proc.stderr
@@ -27,6 +28,7 @@ def test_subprocess_prints_the_table_for_every_stage():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_subprocess_json_single_stage():
     proc = run_cli("estimate", "--params", "7B", "-n", "8", "--stage", "3", "--offload-optimizer", "cpu",
                    "--offload-params", "cpu", "--json")
@@ -192,6 +194,7 @@ def test_activations_in_the_table_and_json(capsys, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_model_name_is_read_from_the_local_cache_only(tmp_path):
     """A hub name resolves offline from the Hugging Face cache; an uncached one fails, downloading nothing."""
     pytest.importorskip("transformers")

@@ -29,7 +29,7 @@ def theory(stage: int, n: dict) -> tuple[int, int]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage,precision", [(c["stage"], c["precision"]) for c in CASES])
 def test_elements_per_step_match_theory(world_size, stage, precision):
     for rank, res in enumerate(accounting(world_size)[(stage, precision)]):

@@ -86,6 +86,7 @@ def measured(res: dict) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_communication_per_phase_matches_theory(case):
     for rank, res in enumerate(results_of(case)):
@@ -98,6 +99,7 @@ def test_communication_per_phase_matches_theory(case):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("model,base", [("torch", "full"), ("torch", "frozen"), ("llama", "full"), ("llama", "lora")])
 @pytest.mark.parametrize("ckpt", ["non_reentrant", "reentrant"])
 def test_stage3_checkpointing_gathers_no_more_than_without(model, base, ckpt):

@@ -54,6 +54,7 @@ def lightning_runs(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero3_configure_model", "zero3_module", "zero2_module"])
 def test_lightning_compiled_equals_eager_and_ddp(lightning_runs, name):
     reports, weights = lightning_runs
@@ -84,6 +85,7 @@ def accelerate_runs():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["model", "regional"])
 @pytest.mark.slow
 def test_accelerate_dynamo_backend_equals_eager_and_ddp(accelerate_runs, name):

@@ -37,6 +37,8 @@ from _models import tiny_llama_config
 import zero_strategy as zs
 
 pytest.importorskip("transformers")
+# a dynamo compile per case, about 12 s together: the full tier (docs/testing.md#tiers)
+pytestmark = pytest.mark.slow
 
 
 def _train_compiled(stage: int, how: str) -> list[str]:

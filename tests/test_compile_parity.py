@@ -86,6 +86,7 @@ def _check(res: dict, case: dict) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ONE_RANK, ids=_key)
 def test_compiled_matches_eager_and_ddp_on_one_rank(case):
     for res in _results(1, ONE_RANK, case):
@@ -93,6 +94,7 @@ def test_compiled_matches_eager_and_ddp_on_one_rank(case):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TWO_RANKS, ids=_key)
 def test_compiled_matches_eager_and_ddp_on_two_ranks(case):
     results = _results(2, TWO_RANKS, case)
@@ -107,6 +109,7 @@ INDUCTOR = [dict(stage=3, precision="fp32", compile="blocks", backend="inductor"
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU backend generates C++ and needs a C++ compiler")
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", INDUCTOR, ids=_key)
 @pytest.mark.slow
 def test_inductor_matches_eager_and_ddp(case):

@@ -60,6 +60,7 @@ def _run(code: str, *args: str) -> str:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_peak_rss_stays_near_one_tensor(tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -65,6 +65,7 @@ def defaults() -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("front_end", ["setup", "lightning_trainer", "fabric", "accelerate", "hf_trainer"])
 def test_the_default_is_the_zero3_preset(defaults, front_end):
     from zero_strategy import ZeroConfig

@@ -24,6 +24,7 @@ def test_the_pages_have_python_examples_that_run():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the default tier compiles every block and checks its names
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_python_block_runs(block: Block):

@@ -17,6 +17,10 @@ pytest.importorskip("peft")
 
 from _checkpointing import CASES, CheckpointedLM, case_id, results_of  # noqa: E402
 
+# one launch of every case, about 11 s: the full tier (docs/testing.md, "Tiers"); the default tier
+# keeps checkpointing under compile (test_compile_parity.py)
+pytestmark = pytest.mark.slow
+
 
 
 @pytest.mark.multiprocess

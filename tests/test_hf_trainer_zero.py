@@ -24,6 +24,7 @@ def reports():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_zero_trainer_equals_the_stock_ddp_trainer(reports):
     for r in reports:
         assert (r["accelerator"], r["num_processes"], r["stage_a"]) == (["ZeroAccelerator"], 2, 3)  # a ZeroAccelerator
@@ -34,6 +35,7 @@ def test_zero_trainer_equals_the_stock_ddp_trainer(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_checkpoints_hold_every_ranks_shard(reports):
     for r in reports:
         assert {"zero_checkpoint", "model.safetensors", "config.json", "scheduler.pt",
@@ -42,6 +44,7 @@ def test_checkpoints_hold_every_ranks_shard(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_resume_from_checkpoint_continues_the_same_run(reports):
     for r in reports:
         assert r["stage_b"] == 2  # resumed under another stage
@@ -50,5 +53,6 @@ def test_resume_from_checkpoint_continues_the_same_run(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_saved_model_reloads_with_from_pretrained(reports):
     assert reports[0]["from_pretrained_rel"] < 1e-6

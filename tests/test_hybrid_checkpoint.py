@@ -18,7 +18,7 @@ import torch
 from _compare import rel_diff
 from _launch import launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 TOL = 1e-6
 
 

@@ -39,6 +39,7 @@ def results() -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_hybrid_sharding_matches_ddp(case):
@@ -59,6 +60,7 @@ NVME_CASES = [dict(stage=2, precision="fp32", accum=2, optimizer="adamw", shard_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hybrid_sharding_with_nvme_offload_matches_ddp(tmp_path):
     """The NVMe policies under hybrid sharding (2 groups of 2): each rank swaps its own shard

@@ -13,7 +13,7 @@ import torch
 
 from _launch import launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STRATEGIES = {
     "ddp": "ddp",

@@ -13,7 +13,7 @@ import torch
 
 from _launch import launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 

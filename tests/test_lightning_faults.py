@@ -35,6 +35,7 @@ def exit_times(strategy: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("strategy", ["zero1", pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_an_exception_in_training_step_ends_the_job_as_fast_as_ddp(strategy):

@@ -12,7 +12,7 @@ import pytest
 
 from _launch import launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 LINES = {
     "lightning's own": "GPU available:",

@@ -116,6 +116,7 @@ except ValueError as err:
     ("from lightning_fabric import Fabric", "Fabric(accelerator='cpu', devices=1, strategy='zero3_offload')"),
 ])
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call):
     pytest.importorskip("pytorch_lightning")
     code = STANDALONE.format(imports=imports, call=call)
@@ -125,6 +126,7 @@ def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
     pytest.importorskip("pytorch_lightning")
     code = ("import warnings, zero_strategy, pytorch_lightning as pl\n"

@@ -14,6 +14,7 @@ PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_o
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_import_does_not_import_lightning_and_registers_when_lightning_loads():
     code = ("import sys, zero_strategy; assert 'lightning' not in sys.modules, 'eager'; "
             "from lightning.pytorch.strategies import StrategyRegistry as T; "
@@ -89,6 +90,7 @@ def test_unsupported_precision_plugin_is_refused():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_opt_in_hook_registers_without_importing_zero_strategy(tmp_path):
     """What the .pth written by `python -m zero_strategy.lightning install-autoregister` runs."""
     from pathlib import Path

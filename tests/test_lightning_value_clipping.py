@@ -14,7 +14,7 @@ import torch
 
 from _launch import launch
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 CLIP = 2e-3
 ZERO = {"zero1": "zero1", "zero2": "zero2", "zero3": {"stage": 3, "param_persistence_threshold": 0},

@@ -1,5 +1,5 @@
 """Every test file that starts a Python interpreter says so with the ``multiprocess`` marker, so
-``python -m pytest -m "not multiprocess"`` starts none (docs/testing-tiers.md).
+``python -m pytest -m "not multiprocess"`` starts none (docs/testing.md, "Tiers").
 
 Two checks: this file's, static, over the files (a file that can start processes, through
 ``subprocess``, ``multiprocessing``, tests/_procs.py or a helper module importing one of

@@ -84,6 +84,7 @@ def assert_two_nodes_of_two(reports: list[dict], node_key: str, local_key: str) 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_torchrun_static_rendezvous_two_nodes(tmp_path):
@@ -94,6 +95,7 @@ def test_torchrun_static_rendezvous_two_nodes(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torchrun_c10d_rendezvous_two_nodes_and_a_shared_checkpoint(tmp_path):
     shared = str(tmp_path / "shared" / "ckpt")
@@ -108,6 +110,7 @@ def test_torchrun_c10d_rendezvous_two_nodes_and_a_shared_checkpoint(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_checkpoint_path_that_is_not_shared_between_nodes_fails_clearly_on_every_rank(tmp_path):
     (tmp_path / "node1").mkdir()
@@ -121,6 +124,7 @@ def test_a_checkpoint_path_that_is_not_shared_between_nodes_fails_clearly_on_eve
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_lightning_num_nodes_2_under_torchrun(tmp_path):
@@ -132,6 +136,7 @@ def test_lightning_num_nodes_2_under_torchrun(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_lightning_num_nodes_2_under_slurm_variables(tmp_path):
@@ -152,6 +157,7 @@ def test_lightning_num_nodes_2_under_slurm_variables(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_accelerate_launch_two_machines(tmp_path):
@@ -170,6 +176,7 @@ def test_accelerate_launch_two_machines(tmp_path):
 # Hybrid sharding through each front end's own knob: shard within the node (LOCAL_WORLD_SIZE=2),
 # replicate across the two nodes; the same reference.
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("front_end", ["plain", "lightning"])
 def test_hybrid_sharding_per_node_under_torchrun(front_end, tmp_path):
@@ -183,6 +190,7 @@ def test_hybrid_sharding_per_node_under_torchrun(front_end, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_hybrid_sharding_through_accelerate_config(tmp_path):

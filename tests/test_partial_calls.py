@@ -25,6 +25,7 @@ def run(case: str) -> list[dict]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["forward", "state_dict", "generate"])
 def test_a_call_on_rank_0_alone_raises_naming_the_unit_and_the_missing_rank(case):
     caller, other = run(case)
@@ -39,6 +40,7 @@ def test_a_call_on_rank_0_alone_raises_naming_the_unit_and_the_missing_rank(case
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_generate_with_synced_gpus_false_and_different_lengths_raises_instead_of_hanging():
     short, long_ = run("unsynced_generate")  # rank 0 stops after 2 tokens; rank 1 wants 8
     assert short["error"] is None
@@ -48,6 +50,7 @@ def test_generate_with_synced_gpus_false_and_different_lengths_raises_instead_of
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_rank_late_within_the_bound_is_not_an_error():
     first, second = run("late")
     assert first["error"] is None and second["error"] is None, (first, second)

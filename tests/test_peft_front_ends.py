@@ -73,6 +73,7 @@ FRONT_ENDS = ["lightning", "accelerate", "trainer"]
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_adapter_state_and_saved_adapter_equal_the_reference(request, front_end, stage):
@@ -87,6 +88,7 @@ def test_adapter_state_and_saved_adapter_equal_the_reference(request, front_end,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_generate_with_different_lengths_and_early_eos_per_rank_equals_the_reference(request, front_end, stage):
@@ -99,6 +101,7 @@ def test_generate_with_different_lengths_and_early_eos_per_rank_equals_the_refer
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("front_end", ["accelerate", "trainer"])
 def test_merged_model_saved_while_sharded_equals_the_reference(request, front_end, stage):
@@ -107,6 +110,7 @@ def test_merged_model_saved_while_sharded_equals_the_reference(request, front_en
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_lightning_rank_zero_save_after_fit_equals_the_reference(lightning_run, stage):
     report = lightning_run[0][stage]
@@ -118,6 +122,7 @@ def test_lightning_rank_zero_save_after_fit_equals_the_reference(lightning_run, 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_zero_trainer_logs_the_stock_trainers_losses(trainer_run, stage):
     for report in trainer_run:

@@ -74,6 +74,7 @@ def test_accelerate_decides_the_same(config, wanted):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_default_32_true_with_a_bf16_deepspeed_file_stops_the_fit(tmp_path):
     """As a user writes it: a DeepSpeed file with bf16 enabled, no precision flag on the Trainer."""
     pytest.importorskip("lightning")

@@ -33,6 +33,7 @@ def test_the_readme_has_python_examples_that_run():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # the default tier compiles every block and checks its names
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}" for b in RUNNABLE])
 def test_python_block_runs(block: Block):

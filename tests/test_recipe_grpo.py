@@ -19,7 +19,7 @@ import pytest
 
 from _recipe_helpers import ROOT, free_port, run
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 pytest.importorskip("trl")
 
 RECIPE = ROOT / "recipes" / "grpo_finetune.py"

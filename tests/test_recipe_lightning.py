@@ -15,7 +15,7 @@ import pytest
 
 from _recipe_helpers import ROOT, check_recipe_run, recipe_args, require_recipe_deps, run, tiny_bert, tiny_llama
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 require_recipe_deps("lightning")
 
 RECIPE = ROOT / "recipes" / "lightning_finetune.py"

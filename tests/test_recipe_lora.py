@@ -17,7 +17,7 @@ import pytest
 
 from _recipe_helpers import ROOT, free_port, require_recipe_deps, run, tiny_bert, tiny_llama
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 require_recipe_deps("peft")
 pytest.importorskip("trl")
 

@@ -24,7 +24,7 @@ def pretrained_dir(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_loading_equals_unsharded(pretrained_dir, stage):
     reports = launch("sharded_weights.py", 2, {"dir": pretrained_dir, "stage": stage}, timeout=180)
     for rank, rep in enumerate(reports):

@@ -20,7 +20,7 @@ def reports(world_size: int, prefetch: int = 1):
     return launch("stage3_access.py", world_size, {"prefetch": prefetch}, timeout=180)
 
 
-CONFIGS = [(2, 1), (2, 2), (4, 1)]
+CONFIGS = [(2, 1), (2, 2), pytest.param(4, 1, marks=pytest.mark.slow)]
 
 
 @pytest.mark.multiprocess

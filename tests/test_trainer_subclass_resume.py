@@ -23,6 +23,7 @@ def reports():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_the_subclass_override_restores_its_state_on_resume(reports):
     for r in reports:
         assert r["mro"][:3] == ["ZeroTrainerWithExtraState", "ZeroTrainerMixin", "TrainerWithExtraState"]
@@ -32,6 +33,7 @@ def test_the_subclass_override_restores_its_state_on_resume(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_the_stock_optimizer_checkpoint_is_neither_written_nor_read(reports):
     for r in reports:
         assert "zero_checkpoint" in r["checkpoint_files"] and "extra_state.json" in r["checkpoint_files"]

@@ -41,6 +41,7 @@ def _equal_to_ddp(case: dict, ref: dict) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_grpo_at_stage_3_gathers_each_unit_once_per_generate_and_equals_ddp(reports):
     for r in reports:
         case = r["zero3"]
@@ -50,6 +51,7 @@ def test_grpo_at_stage_3_gathers_each_unit_once_per_generate_and_equals_ddp(repo
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_grpo_with_the_reference_model_sharded_equals_ddp(reports):
     for r in reports:
         case = r["zero3_beta"]
@@ -59,6 +61,7 @@ def test_grpo_with_the_reference_model_sharded_equals_ddp(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_grpo_at_stage_2_equals_ddp_without_gathers(reports):
     for r in reports:
         case = r["zero2"]
@@ -67,6 +70,7 @@ def test_grpo_at_stage_2_equals_ddp_without_gathers(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_ds3_gather_for_generation_false_means_per_unit_gathers(reports):
     for r in reports:
         case = r["zero3_per_unit"]
@@ -76,6 +80,7 @@ def test_ds3_gather_for_generation_false_means_per_unit_gathers(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_budget_the_model_exceeds_falls_back_to_per_unit_gathers_with_one_log_line(reports):
     rank0, rank1 = reports
     for r in reports:

@@ -55,6 +55,7 @@ def _sent_what_ddp_sends(rep: dict) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["zero3_server", "zero3_colocate"])
 def test_stage_3_sends_the_full_current_weights_one_unit_at_a_time(reports, case):
     for rep in _receivers(reports, case):
@@ -67,6 +68,7 @@ def test_stage_3_sends_the_full_current_weights_one_unit_at_a_time(reports, case
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_stage_2_sends_the_replicated_weights_through_trls_own_path(reports):
     for rep in _receivers(reports, "zero2_server"):
         assert (rep["stage"], rep["sharded"], rep["stock_iterator_nan"]) == (2, False, False)
@@ -75,6 +77,7 @@ def test_stage_2_sends_the_replicated_weights_through_trls_own_path(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_lora_at_stage_3_sends_the_merged_base_weights_as_trl_names_them(reports):
     for rep in _receivers(reports, "zero3_lora_server"):
         assert rep["sharded"] and rep["stock_iterator_nan"]
@@ -84,6 +87,7 @@ def test_lora_at_stage_3_sends_the_merged_base_weights_as_trl_names_them(reports
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_online_dpo_trainers_own_push_streams_the_same_way(reports):
     """OnlineDPOTrainer pushes weights with its own _move_model_to_vllm_inner, which zero_trainer overrides."""
     for rep in _receivers(reports, "zero3_odpo_colocate"):
@@ -126,6 +130,7 @@ def test_a_non_lora_adapter_is_refused_at_stage_3():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_rloo_trainer_streams_the_same_way(reports):
     """RLOOTrainer generates through the same VLLMGeneration (as do the distillation and experimental trainers)."""
     for rep in _receivers(reports, "zero3_rloo_colocate"):

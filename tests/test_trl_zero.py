@@ -47,6 +47,7 @@ def _equal_to_ddp(case: dict, trainer: str, stage: int) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sft_trainer_from_a_deepspeed_config_equals_ddp(reports):
     for r in reports:
         _equal_to_ddp(r["sft"], "ZeroSFTTrainer", 3)
@@ -54,6 +55,7 @@ def test_sft_trainer_from_a_deepspeed_config_equals_ddp(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sft_trainer_with_lora_equals_ddp(reports):
     for r in reports:
         case = r["sft_lora"]
@@ -64,6 +66,7 @@ def test_sft_trainer_with_lora_equals_ddp(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_dpo_trainer_equals_ddp_with_the_reference_model_sharded_at_stage_3(reports):
     for r in reports:
         case = r["dpo_zero3"]
@@ -76,6 +79,7 @@ def test_dpo_trainer_equals_ddp_with_the_reference_model_sharded_at_stage_3(repo
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_dpo_trainer_at_stage_2_keeps_the_reference_model_replicated(reports):
     for r in reports:
         case = r["dpo_zero2"]
@@ -84,6 +88,7 @@ def test_dpo_trainer_at_stage_2_keeps_the_reference_model_replicated(reports):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_sync_ref_model_is_refused_at_stage_3(reports):
     for r in reports:
         assert "sync_ref_model" in (r["dpo_sync_refused"]["raised"] or "")

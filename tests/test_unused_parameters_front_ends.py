@@ -23,7 +23,7 @@ from _accelerate_launch import accelerate_launch  # noqa: E402
 from _compare import tensor_rel_diff  # noqa: E402
 from _launch import launch  # noqa: E402
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 TOL = 1e-5
 ACCELERATE_CASES = [{"model": m, "preset": p} for m in ("mixtral", "vlm")
                     for p in ("zero1", "zero2", "zero3", "zero3_offload")]

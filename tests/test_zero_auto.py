@@ -178,6 +178,7 @@ def test_setup_with_injected_memory_trains_as_the_chosen_preset_by_hand(monkeypa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_ranks_measure_agree_and_train_as_the_preset_by_hand():
     reports = launch("zero_auto.py", 2, {}, timeout=180)
     assert reports[0]["chosen"] == reports[1]["chosen"]
@@ -188,6 +189,7 @@ def test_two_ranks_measure_agree_and_train_as_the_preset_by_hand():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_lightning_strategy_name_zero_auto_trains_as_the_preset_it_chose(tmp_path):
     pytest.importorskip("lightning")
     # the TinyLM's model states are a few hundred KiB: every machine that runs this suite fits zero2
@@ -204,6 +206,7 @@ def test_lightning_strategy_name_zero_auto_trains_as_the_preset_it_chose(tmp_pat
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_accelerate_zero_auto_resolves_at_prepare():
     """``ZeroAccelerator("zero_auto")`` in one process (plain ``python``): after prepare its
     ``zero_config`` is the chosen preset, the one ``choose_preset`` names."""
