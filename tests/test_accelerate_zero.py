@@ -140,8 +140,8 @@ def _report() -> dict:
     assert report is not None, f"accelerate_errors.py reported nothing:\n{log[-6000:]}"
     return report
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_precision_defaults_to_fp32_when_the_launch_chose_none():
     assert _report()["default_precision"] == "fp32"
 
@@ -152,42 +152,42 @@ def test_preparing_a_prepared_model_again_is_refused(case):
     r = _report()[case]
     assert r["type"] == "ValueError" and "already prepared" in r["message"], r
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_an_optimizer_without_its_model_is_refused():
     r = _report()["optimizer_without_model"]
     assert r["type"] == "ValueError" and "same prepare() call" in r["message"], r
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_clipping_a_subset_of_the_parameters_is_refused():
     assert _report()["clip_subset"]["type"] == "ValueError"
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_a_config_precision_that_conflicts_with_the_launch_is_refused_with_the_flag_to_use():
     r = _report()["precision_conflict"]
     assert r["type"] == "ZeroConfigError" and "--mixed_precision bf16" in r["message"], r
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_a_model_prepared_before_its_optimizer_waits_for_it():
     r = _report()
     assert r["pending_before_optimizer"] == 1 and r["pending_after_optimizer"] == 0
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_save_state_while_a_model_waits_for_its_optimizer_is_refused():
     assert _report()["save_state_while_pending"]["type"] == "RuntimeError"
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_a_model_prepared_before_its_optimizer_is_sharded_when_the_optimizer_comes():
     r = _report()
     assert r["late_is_zero"] and r["late_optimizer"] == "ZeroAcceleratedOptimizer"
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_free_memory_gives_back_the_unsharded_model():
     from _models import TinyLM
 
@@ -195,8 +195,8 @@ def test_free_memory_gives_back_the_unsharded_model():
     assert not r["after_free_is_zero"]
     assert r["after_free_param_shape"] == list(TinyLM().layers[0].fc1.weight.shape)
 
-@pytest.mark.multiprocess
 
+@pytest.mark.multiprocess
 def test_an_optimizer_of_a_torn_down_model_is_refused():
     assert "torn down" in _report()["stale_optimizer"]["message"]
 
