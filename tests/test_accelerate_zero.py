@@ -146,39 +146,32 @@ def test_precision_defaults_to_fp32_when_the_launch_chose_none():
     assert _report()["default_precision"] == "fp32"
 
 
+#: each misuse the worker attempts after setup: the error it must raise and what the message names
+REFUSED = {
+    "prepared_twice": ("ValueError", "already prepared"),
+    "prepared_twice_with_optimizer": ("ValueError", "already prepared"),
+    "optimizer_without_model": ("ValueError", "same prepare() call"),
+    "clip_subset": ("ValueError", ""),
+    "precision_conflict": ("ZeroConfigError", "--mixed_precision bf16"),
+    "save_state_while_pending": ("RuntimeError", ""),
+}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["prepared_twice", "prepared_twice_with_optimizer"])
-def test_preparing_a_prepared_model_again_is_refused(case):
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_misuse_after_setup_is_refused_with_its_own_error(case):
+    """Preparing a prepared model again, an optimizer without its model, clipping a subset of
+    the parameters, a config precision against the launch's (the message names the flag to
+    use), ``save_state`` while a model waits for its optimizer."""
+    error, names = REFUSED[case]
     r = _report()[case]
-    assert r["type"] == "ValueError" and "already prepared" in r["message"], r
-
-
-@pytest.mark.multiprocess
-def test_an_optimizer_without_its_model_is_refused():
-    r = _report()["optimizer_without_model"]
-    assert r["type"] == "ValueError" and "same prepare() call" in r["message"], r
-
-
-@pytest.mark.multiprocess
-def test_clipping_a_subset_of_the_parameters_is_refused():
-    assert _report()["clip_subset"]["type"] == "ValueError"
-
-
-@pytest.mark.multiprocess
-def test_a_config_precision_that_conflicts_with_the_launch_is_refused_with_the_flag_to_use():
-    r = _report()["precision_conflict"]
-    assert r["type"] == "ZeroConfigError" and "--mixed_precision bf16" in r["message"], r
+    assert r["type"] == error and names in r["message"], r
 
 
 @pytest.mark.multiprocess
 def test_a_model_prepared_before_its_optimizer_waits_for_it():
     r = _report()
     assert r["pending_before_optimizer"] == 1 and r["pending_after_optimizer"] == 0
-
-
-@pytest.mark.multiprocess
-def test_save_state_while_a_model_waits_for_its_optimizer_is_refused():
-    assert _report()["save_state_while_pending"]["type"] == "RuntimeError"
 
 
 @pytest.mark.multiprocess
