@@ -20,13 +20,10 @@ import _procs
 from _procs import HERE, ROOT, free_port
 
 CPU_CONFIG = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
-# a launch's own settings, never the test process's: Accelerate reads these before its config file
-DROP = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG", "ACCELERATE_USE_DEEPSPEED",
-        "ACCELERATE_USE_FSDP", "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH", "ZERO_STRATEGY_LOG_ALL_RANKS")
 
 
 def launch_env(**extra: str) -> dict:
-    return _procs.child_env(drop=DROP, ACCELERATE_USE_CPU="1", **extra)
+    return _procs.child_env(drop=_procs.LAUNCH_VARS + _procs.FRONT_END_VARS, ACCELERATE_USE_CPU="1", **extra)
 
 
 def accelerate_run(script: Path, script_args: list[str], config: Path = CPU_CONFIG, ranks: int = 2,

@@ -83,8 +83,7 @@ def fixture_files() -> dict[str, str]:
 
 
 def _env() -> dict:
-    return _procs.child_env(drop=_procs.LAUNCH_VARS + ("ZERO_STRATEGY_CONFIG", "ACCELERATE_USE_DEEPSPEED",
-                                                       "ACCELERATE_USE_CPU", "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH"),
+    return _procs.child_env(drop=_procs.LAUNCH_VARS + _procs.FRONT_END_VARS,
                             HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 

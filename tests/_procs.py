@@ -34,6 +34,10 @@ SRC = ROOT / "src"
 # what a launcher sets per rank: a child must not inherit the test process's own (a test run
 # under torchrun, or a variable a test set), or it joins the wrong group
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# what our front ends read from the environment before their config: a child that runs a user's
+# script or a launch must not inherit a value a test set for itself
+FRONT_END_VARS = ("ZERO_STRATEGY_CONFIG", "ZERO_STRATEGY_ADOPTED_DEEPSPEED_LAUNCH", "ZERO_STRATEGY_LOG_ALL_RANKS",
+                  "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_CPU")
 
 
 def pythonpath() -> str:
