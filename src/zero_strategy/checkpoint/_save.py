@@ -76,6 +76,13 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
 def _save_in_group(path, model, engine, optimizer, extra_state) -> None:
     comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
+    owned = [g.name for z in zopts for g in z.groups if g.owned]
+    if owned:  # its state is per parameter, not per shard: See [Note: the ownership layout] in _engine/flat.py
+        raise CheckpointError(
+            f"save_checkpoint: the optimizer state of {owned[:3]} is kept per parameter (the ownership layout "
+            "of Muon, Adafactor and optimizer_layout='owned'), which sharded checkpoints do not hold yet. Save "
+            "the weights alone (optimizer=None), or optimizer.state_dict() per rank to resume at the same "
+            "world size.")
     path = Path(path).absolute()
     decision: tuple[str, str] | None = None
     owned: OwnedDir | None = None

@@ -242,9 +242,9 @@ def _check_params(w: _Where, meta: Metadata) -> None:
         gi = w.int_(f"{at}.group", p.group, 0, len(meta.groups) - 1)
         offset = w.int_(f"{at}.offset", p.offset)
         group = meta.groups[gi]
-        if offset + numel > group.numel:
+        if offset + numel > group.padded_numel:  # the ownership layout pads between ranks' parameters
             raise w.fail(at, f"elements [{offset}, {offset + numel}) lie outside group {gi} "
-                         f"({group.numel} elements)")
+                         f"({group.padded_numel} elements with padding)")
         spans.setdefault(gi, []).append((offset, offset + numel, fqn))
     for gi, items in spans.items():
         items.sort()
