@@ -18,6 +18,7 @@ optimizers and against one process on the global batch:
 from __future__ import annotations
 
 import functools
+import tempfile
 
 import pytest
 
@@ -32,6 +33,14 @@ CASES = [
     dict(name="adafactor-z2-bf16", recipe="adafactor", stage=2, precision="bf16"),
     dict(name="muon-z2-fp32-clip", recipe="muon", stage=2, precision="fp32", clip=0.05),
     dict(name="adafactor-z3-fp32-clip", recipe="adafactor", stage=3, precision="fp32", clip=0.05),
+    # CPU offload: the host step runs the same optimizer on views of the host master
+    *(dict(name=f"{recipe}-z{stage}-fp32-cpu", recipe=recipe, stage=stage, precision="fp32", offload_optimizer="cpu")
+      for recipe in ("muon", "adafactor") for stage in (1, 2, 3)),
+    dict(name="muon-z3-bf16-cpu-params-cpu", recipe="muon", stage=3, precision="bf16", offload_optimizer="cpu",
+         offload_params="cpu"),
+    dict(name="adafactor-z2-fp32-cpu-overlap", recipe="adafactor", stage=2, precision="fp32",
+         offload_optimizer="cpu", overlap_step=True),
+    dict(name="muon-z3-fp32-params-nvme", recipe="muon", stage=3, precision="fp32", offload_params="nvme"),
 ]
 VS_DDP = {"fp32": 1e-5, "bf16": 5e-2}
 VS_SINGLE = {"muon": 3e-2, "adafactor": 1e-4}
@@ -48,13 +57,16 @@ def _vs_ddp(case) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=None)
 def _results():
-    return launch_cases("owned_optimizers.py", 2, CASES, key=lambda r: r["name"], timeout=300)
+    with tempfile.TemporaryDirectory(prefix="zs_owned_nvme_") as nvme:
+        cases = [dict(c, nvme_path=nvme) for c in CASES]
+        return launch_cases("owned_optimizers.py", 2, cases, key=lambda r: r["name"], timeout=400)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_whole_tensor_optimizers_match_ddp_and_one_process(case):
     for rank, res in enumerate(_results().of(case["name"])):
         assert res["owned_groups"], "no group took the ownership layout"
+        assert res["stepped_on_host"] == bool(case.get("offload_optimizer")), res
         assert res["moved"] > 1e-3, "the weights did not train"
         weights, losses = _vs_ddp(case)
         assert res["vs_ddp"] <= weights, (rank, res)

@@ -199,6 +199,13 @@ def test_a_hugging_face_llama_with_muon_on_its_hidden_matrices():
     assert rel_diff(zs.full_state_dict(model), ref.state_dict()) <= 1e-6
 
 
+def test_nvme_optimizer_offload_is_refused_until_supported(tmp_path):
+    model = TinyLM(layers=2)
+    cfg = zs.ZeroConfig(stage=2, offload_optimizer={"device": "nvme", "path": str(tmp_path)})
+    with pytest.raises(ValueError, match="Muon steps whole parameters.*NVMeOffload yet.*offload_optimizer='cpu'"):
+        zs.setup(model, _muon_recipe(model), cfg)
+
+
 def test_a_checkpoint_of_per_parameter_state_is_refused_until_supported(tmp_path):
     model = TinyLM(layers=2)
     model, zopts = zs.setup(model, _muon_recipe(model), "zero2")

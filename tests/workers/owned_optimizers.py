@@ -3,7 +3,8 @@
 args["cases"]: dicts with ``name``, ``recipe`` ("muon": torch's docs recipe, Muon for the 2-D
 hidden matrices and AdamW for the rest as two optimizers; "adafactor": one Adafactor over
 everything in two param groups), ``stage``, ``precision`` (fp32 | bf16), optionally ``clip``
-(global-norm clipping in the config) and ``steps``.
+(global-norm clipping in the config), ``offload_optimizer`` / ``offload_params`` ("cpu", "nvme"
+under ``nvme_path``), ``overlap_step`` and ``steps``.
 
 Three runs of the same optimizers from the same weights, per case:
 
@@ -94,13 +95,23 @@ def ddp_run(base, recipe, steps, rank, precision, clip):
     return sd, losses
 
 
+def _offload(value, case):
+    """"nvme": NVMe offload under the case's nvme_path (a per-test temporary directory)."""
+    if value == "nvme":
+        return {"device": "nvme", "path": case["nvme_path"], "buffer_size": 4096 * 4}
+    return value
+
+
 def zero_run(base, case, rank, steps):
     model = copy.deepcopy(base)
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
-                        gradient_clipping=case.get("clip"))
+                        gradient_clipping=case.get("clip"), offload_optimizer=case.get("offload_optimizer"),
+                        offload_params=_offload(case.get("offload_params"), case),
+                        overlap_step=case.get("overlap_step", False))
     model, zopts = zs.setup(model, optimizers(model, case["recipe"]), cfg)
     engine = zs.api.engine_of(model)
     owned = sorted(g.name for g in engine.groups if g.owned)
+    on_host = any(g.masters.steps_on_host for g in engine.groups if g.owned)
     losses = []
     for step in range(steps):
         tokens, targets = batch(rank, step, 0)
@@ -112,7 +123,7 @@ def zero_run(base, case, rank, steps):
         for z in zopts:
             z.zero_grad()
     owned_state = sum(len(z.group_states(g)) for z in zopts for g in z.groups if g.owned)
-    return zs.full_state_dict(model), losses, owned, owned_state
+    return zs.full_state_dict(model), losses, owned, owned_state, on_host
 
 
 def run(case: dict) -> dict:
@@ -120,10 +131,10 @@ def run(case: dict) -> dict:
     steps = case.get("steps", 6)
     torch.manual_seed(1234)
     base = TinyLM(layers=3)
-    zero, zero_losses, owned, owned_state = zero_run(base, case, rank, steps)
+    zero, zero_losses, owned, owned_state, on_host = zero_run(base, case, rank, steps)
     ddp, ddp_losses = ddp_run(base, case["recipe"], steps, rank, case["precision"], case.get("clip"))
     single = single_process(base, case["recipe"], steps, world, case.get("clip"))
-    out = dict(name=case["name"], owned_groups=owned, owned_state_entries=owned_state,
+    out = dict(name=case["name"], owned_groups=owned, owned_state_entries=owned_state, stepped_on_host=on_host,
                vs_ddp=rel_diff(zero, ddp), vs_single=rel_diff(zero, single), ddp_vs_single=rel_diff(ddp, single),
                loss_vs_ddp=max(rel(a, b) for a, b in zip(zero_losses, ddp_losses)),
                moved=rel_diff(zero, base.state_dict()))

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from .._config.policies import NVMeOffload
 from .._engine.engine import ZeroEngine
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
@@ -129,7 +130,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
         self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
         self.offloaded = OffloadedStep(engine, self.groups, self._step_masters,
-                                       lambda master: self.optimizer.state.get(master, {}))
+                                       lambda master: self.optimizer.state.get(master, {}), self._set_grad)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -316,10 +317,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             mg = g.master_grad()
             if mg is not None and factor is not None:
                 mg.mul_(factor)
-            if g.owned:
-                self._give_views_grads(g, mg)
-            else:
-                g.master.grad = mg
+            self._set_grad(g, mg)
         self._step_masters(groups)
         handles = [g.publish_master(self.engine.comm) for g in groups]
         for g, h in zip(groups, handles):
@@ -327,14 +325,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 h.wait()
             if g.master.grad is not g.grads.grad_shard:
                 g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
-            for _, _, view in self._views.get(id(g), ()):
-                view.grad = None
+            if g.owned:
+                self._set_grad(g, None)
 
-    def _give_views_grads(self, g, grad: torch.Tensor | None) -> None:
-        """Ownership layout: each owned parameter's view gets its whole reduced gradient; one no rank
-        has a gradient for gets none and the optimizer skips it, as DDP's. See [Note: optimizers that
-        need whole tensors]."""
-        untouched, g.grads.untouched = g.grads.untouched, frozenset()  # used once, as keep_untouched does
+    def _set_grad(self, g, grad: torch.Tensor | None) -> None:
+        """Hand the optimizer group ``g``'s fp32 gradient (None: take it back). Flat layout: the
+        master's ``.grad``. Ownership layout: each owned parameter's view gets its whole reduced
+        gradient, and one no rank has a gradient for gets none, so the optimizer skips it as DDP's
+        (See [Note: optimizers that need whole tensors])."""
+        if not g.owned:
+            g.master.grad = grad
+            return
+        untouched = frozenset()
+        if grad is not None:
+            untouched, g.grads.untouched = g.grads.untouched, frozenset()  # used once, as keep_untouched does
         for s, where, view in self._views[id(g)]:
             view.grad = None if grad is None or s.index in untouched else grad[where].view(s.shape)
 
@@ -414,12 +418,11 @@ def layout_of(optimizer: torch.optim.Optimizer, config) -> str:
                             "Use a first-order optimizer (AdamW, SGD, Muon, Adafactor), or train without ZeRO.")
     if config.optimizer_layout == "owned" or (
             isinstance(optimizer, PER_TENSOR_OPTIMIZERS) and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)):
-        if config.offload_optimizer is not None:
+        if isinstance(config.offload_optimizer, NVMeOffload):
             raise ValueError(
                 f"zero_strategy: {name} steps whole parameters (the ownership layout), which does not "
-                f"support offload_optimizer={type(config.offload_optimizer).__name__} yet. Drop "
-                "offload_optimizer (presets zero1, zero2, zero3), or use an elementwise optimizer such as AdamW "
-                "with offload.")
+                "support offload_optimizer=NVMeOffload yet (its per-parameter state is not swapped). Use "
+                "offload_optimizer='cpu', or an elementwise optimizer such as AdamW with NVMe offload.")
         return "owned"
     if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
         return "flat"
