@@ -17,12 +17,18 @@ optimizers and against one process on the global batch:
 
 from __future__ import annotations
 
+import copy
 import functools
 import tempfile
 
 import pytest
+import torch
 
+import zero_strategy as zs
+from _compare import rel_diff
 from _launch import launch_cases
+from _models import TinyLM, batch, loss_fn
+from _models import whole_tensor_recipe as optimizers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -87,3 +93,47 @@ def test_muon_is_not_sgd_momentum():
     for res in _results().of("muon-z1-fp32"):
         assert res["vs_sgd_momentum"] > 10 * max(res["vs_single"], VS_SINGLE["muon"] / 10), res
         assert res["ddp_vs_single"] > 0.0, res  # DDP is not bitwise one process either
+
+
+def _train_one_process(model, opts, steps):
+    for step in steps:
+        pairs = [batch(r, step, 0) for r in range(2)]
+        loss_fn(model(torch.cat([t for t, _ in pairs])), torch.cat([t for _, t in pairs])).backward()
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+
+
+@pytest.mark.parametrize("recipe", ["adafactor", "muon"])
+def test_checkpoints_resume_at_another_world_size_and_stage(tmp_path, recipe):
+    """Per-parameter state saved by 2 ranks at stage 2 resumes on 1 at stage 3 (and on 1 at stage 1 with
+    the state left out, which must differ); saved by 1 rank at stage 1, it resumes on 2 at stage 3."""
+    torch.manual_seed(1234)
+    base = TinyLM(layers=3)
+    one = copy.deepcopy(base)  # 1 rank, stage 1, 3 steps of the global batch, saved
+    one, zopts = zs.setup(one, optimizers(one, recipe), zs.ZeroConfig(stage=1))
+    _train_one_process(one, zopts, range(3))
+    zs.save_checkpoint(tmp_path / "from1", one, zopts)
+    zs.teardown(one)
+    cases = [dict(name="2to1", recipe=recipe, stage=2, precision="fp32", save_at=3, ckpt=str(tmp_path / "from2"),
+                  final=str(tmp_path / "final.pt")),
+             dict(name="1to2", recipe=recipe, stage=3, precision="fp32", load_from=str(tmp_path / "from1"), start=3)]
+    results = launch_cases("owned_optimizers.py", 2, cases, key=lambda r: r["name"], timeout=300)
+    tol = VS_SINGLE[recipe]
+    for res in results.of("1to2"):
+        assert res["vs_single"] <= tol and res["vs_ddp"] <= tol, res
+
+    final = torch.load(tmp_path / "final.pt")
+    diffs = {}
+    for stage, with_state in ((3, True), (1, False)):
+        model = copy.deepcopy(base)
+        model, zopts = zs.setup(model, optimizers(model, recipe),
+                                zs.ZeroConfig(stage=stage, param_persistence_threshold=0))
+        zs.load_checkpoint(tmp_path / "from2", model, zopts if with_state else None)
+        _train_one_process(model, zopts, range(3, 6))
+        diffs[with_state] = rel_diff(zs.full_state_dict(model), final)
+        zs.teardown(model)
+    print(f"{recipe}: resumed at 1 rank vs uninterrupted 2-rank run {diffs[True]:.2e}, without the state {diffs[False]:.2e}")
+    assert diffs[True] <= tol, diffs
+    assert diffs[False] > 3 * max(diffs[True], tol / 10), diffs  # the state was restored, not started afresh

@@ -206,10 +206,19 @@ def test_nvme_optimizer_offload_is_refused_until_supported(tmp_path):
         zs.setup(model, _muon_recipe(model), cfg)
 
 
-def test_a_checkpoint_of_per_parameter_state_is_refused_until_supported(tmp_path):
+def test_a_checkpoint_resumed_with_another_optimizer_layout_is_refused(tmp_path):
+    """AdamW saved in flat shards, resumed as whole parameters (optimizer_layout='owned'): a clear error,
+    and the weights alone still load. Resuming across world sizes: tests/test_owned_optimizers.py."""
+    def adamw(m):
+        return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+
     model = TinyLM(layers=2)
-    model, zopts = zs.setup(model, _muon_recipe(model), "zero2")
-    _train(model, zopts, steps=1)
-    with pytest.raises(zs.CheckpointError, match="per parameter.*optimizer=None"):
-        zs.save_checkpoint(tmp_path / "ckpt", model, zopts)
-    zs.save_checkpoint(tmp_path / "weights", model)  # the weights alone still save
+    model, zopt = zs.setup(model, adamw(model), "zero2")
+    _train(model, [zopt], steps=1)
+    zs.save_checkpoint(tmp_path / "ckpt", model, zopt)
+    other = TinyLM(layers=2)
+    other, other_opt = zs.setup(other, adamw(other), zs.ZeroConfig(stage=2, optimizer_layout="owned"))
+    with pytest.raises(zs.CheckpointError, match="saved for flat shards but is kept here as whole parameters"):
+        zs.load_checkpoint(tmp_path / "ckpt", other, other_opt)
+    zs.load_checkpoint(tmp_path / "ckpt", other)
+    assert rel_diff(zs.full_state_dict(other), zs.full_state_dict(model)) == 0.0

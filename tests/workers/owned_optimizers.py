@@ -4,7 +4,9 @@ args["cases"]: dicts with ``name``, ``recipe`` ("muon": torch's docs recipe, Muo
 hidden matrices and AdamW for the rest as two optimizers; "adafactor": one Adafactor over
 everything in two param groups), ``stage``, ``precision`` (fp32 | bf16), optionally ``clip``
 (global-norm clipping in the config), ``offload_optimizer`` / ``offload_params`` ("cpu", "nvme"
-under ``nvme_path``), ``overlap_step`` and ``steps``.
+under ``nvme_path``), ``overlap_step`` and ``steps``; checkpoints: ``save_at`` (after that many
+steps, into ``ckpt``), ``final`` (rank 0 saves the final full state dict there), ``load_from`` and
+``start`` (resume that checkpoint, then train from step ``start``).
 
 Three runs of the same optimizers from the same weights, per case:
 
@@ -26,24 +28,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _compare import rel, rel_diff
-from _models import TinyLM, batch, loss_fn, param_groups
+from _models import TinyLM, batch, loss_fn, whole_tensor_recipe as optimizers
 from _worker import finish, run_cases, start
 
 import zero_strategy as zs
-
-
-def optimizers(model, recipe: str) -> list[torch.optim.Optimizer]:
-    """The users' idiom: torch's Muon docs (2-D hidden matrices to Muon, the rest to AdamW)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if recipe in ("muon", "sgd_in_muons_place"):
-        hidden = [p for n, p in named if p.ndim == 2 and n.startswith("layers.")]
-        rest = [p for n, p in named if not (p.ndim == 2 and n.startswith("layers."))]
-        first = (torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01) if recipe == "muon"
-                 else torch.optim.SGD(hidden, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01))
-        return [first, torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.0)]
-    if recipe == "adafactor":
-        return [torch.optim.Adafactor(param_groups(model, lr=1e-2))]
-    raise ValueError(recipe)
 
 
 def clip_and_step(opts, clip):
@@ -112,8 +100,12 @@ def zero_run(base, case, rank, steps):
     engine = zs.api.engine_of(model)
     owned = sorted(g.name for g in engine.groups if g.owned)
     on_host = any(g.masters.steps_on_host for g in engine.groups if g.owned)
-    losses = []
-    for step in range(steps):
+    start = 0
+    if case.get("load_from"):  # resume a checkpoint another world size and stage saved
+        zs.load_checkpoint(case["load_from"], model, zopts)
+        start = case["start"]
+    losses = [None] * start
+    for step in range(start, steps):
         tokens, targets = batch(rank, step, 0)
         loss = loss_fn(model(tokens), targets)
         loss.backward()
@@ -122,8 +114,13 @@ def zero_run(base, case, rank, steps):
             z.step()
         for z in zopts:
             z.zero_grad()
+        if step + 1 == case.get("save_at"):
+            zs.save_checkpoint(case["ckpt"], model, zopts)
     owned_state = sum(len(z.group_states(g)) for z in zopts for g in z.groups if g.owned)
-    return zs.full_state_dict(model), losses, owned, owned_state, on_host
+    final = zs.full_state_dict(model)
+    if case.get("final") and rank == 0:
+        torch.save(final, case["final"])
+    return final, losses, owned, owned_state, on_host
 
 
 def run(case: dict) -> dict:
@@ -136,7 +133,7 @@ def run(case: dict) -> dict:
     single = single_process(base, case["recipe"], steps, world, case.get("clip"))
     out = dict(name=case["name"], owned_groups=owned, owned_state_entries=owned_state, stepped_on_host=on_host,
                vs_ddp=rel_diff(zero, ddp), vs_single=rel_diff(zero, single), ddp_vs_single=rel_diff(ddp, single),
-               loss_vs_ddp=max(rel(a, b) for a, b in zip(zero_losses, ddp_losses)),
+               loss_vs_ddp=max(rel(a, b) for a, b in zip(zero_losses, ddp_losses) if a is not None),
                moved=rel_diff(zero, base.state_dict()))
     if case["recipe"] == "muon":
         sgd = single_process(base, "sgd_in_muons_place", steps, world, case.get("clip"))
