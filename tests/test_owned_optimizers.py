@@ -81,6 +81,19 @@ def test_whole_tensor_optimizers_match_ddp_and_one_process(case):
             assert res["vs_single"] <= VS_SINGLE[case["recipe"]], (rank, res)
 
 
+@pytest.mark.parametrize("name", ["adafactor-z1-fp32", "adafactor-z2-fp32"])
+def test_communication_is_the_flat_layouts_plus_the_padding(name):
+    """Stages 1-2 (one optimizer, so comm_stats covers the whole step): each trainable group is
+    reduce-scattered and all-gathered once over its padded buffer, nothing more; the padding is what
+    the ownership layout costs beyond ZeRO's 2 Psi (the flat layout's own padding is < N per group)."""
+    for res in _results().of(name):
+        v = res["volume"]
+        assert v["reduce_scatter"] == v["padded"] and v["all_gather"] == v["padded"], v
+        print(f"{name}: {v['padded']} elements per collective, flat layout {v['flat_padded']}, "
+              f"parameters {v['real']}: the ownership layout's padding costs {v['padded'] / v['flat_padded'] - 1:.1%}")
+        assert v["padded"] >= v["flat_padded"] >= v["real"]
+
+
 def test_both_ranks_own_state():
     """Every rank steps some whole parameters (the balance gives each a share)."""
     counts = [res["owned_state_entries"] for res in _results().of("muon-z2-fp32")]

@@ -117,10 +117,16 @@ def zero_run(base, case, rank, steps):
         if step + 1 == case.get("save_at"):
             zs.save_checkpoint(case["ckpt"], model, zopts)
     owned_state = sum(len(z.group_states(g)) for z in zopts for g in z.groups if g.owned)
+    comm = zs.comm_stats(model)  # the last step's, before full_state_dict gathers more
+    trainable = [g for g in engine.groups if g.trainable]
+    volume = dict(reduce_scatter=comm.get("reduce_scatter", {}).get("volume_elements", 0),
+                  all_gather=comm.get("all_gather", {}).get("volume_elements", 0),
+                  padded=sum(g.padded_numel for g in trainable), real=sum(g.numel for g in trainable),
+                  flat_padded=sum(-(-g.numel // g.world_size) * g.world_size for g in trainable))
     final = zs.full_state_dict(model)
     if case.get("final") and rank == 0:
         torch.save(final, case["final"])
-    return final, losses, owned, owned_state, on_host
+    return final, losses, owned, owned_state, on_host, volume
 
 
 def run(case: dict) -> dict:
@@ -128,10 +134,10 @@ def run(case: dict) -> dict:
     steps = case.get("steps", 6)
     torch.manual_seed(1234)
     base = TinyLM(layers=3)
-    zero, zero_losses, owned, owned_state, on_host = zero_run(base, case, rank, steps)
+    zero, zero_losses, owned, owned_state, on_host, volume = zero_run(base, case, rank, steps)
     ddp, ddp_losses = ddp_run(base, case["recipe"], steps, rank, case["precision"], case.get("clip"))
     single = single_process(base, case["recipe"], steps, world, case.get("clip"))
-    out = dict(name=case["name"], owned_groups=owned, owned_state_entries=owned_state, stepped_on_host=on_host,
+    out = dict(name=case["name"], volume=volume, owned_groups=owned, owned_state_entries=owned_state, stepped_on_host=on_host,
                vs_ddp=rel_diff(zero, ddp), vs_single=rel_diff(zero, single), ddp_vs_single=rel_diff(ddp, single),
                loss_vs_ddp=max(rel(a, b) for a, b in zip(zero_losses, ddp_losses) if a is not None),
                moved=rel_diff(zero, base.state_dict()))
