@@ -19,7 +19,8 @@ like the parameters it owns (none on a rank that owns none), so the user's optim
 class runs unchanged on whole tensors with the user's hyperparameters and its state is
 keyed by those views. The gradient each view gets is the reduced gradient, a view of the
 gradient shard; a parameter no rank has a gradient for gets none and is skipped, as with
-DDP. Which optimizers need this is a table (``PER_TENSOR_OPTIMIZERS``), and
+DDP. Which optimizers need this is a table (``PER_TENSOR_OPTIMIZERS``, and ``PER_TENSOR_BY_NAME`` for
+other libraries' such as transformers' Adafactor), and
 ``ZeroConfig(optimizer_layout="owned")`` asks for it for any other. An optimizer that
 reads other parameters or re-evaluates the loss (``LBFGS``'s closure and line search over
 all parameters as one vector) cannot be sharded either way and is refused by name.
@@ -69,6 +70,11 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
 #: optimizers exact on whole tensors but not on slices: stepped in the ownership layout
 PER_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name))
+
+#: per-tensor optimizers of other libraries, by (module, class name): the engine imports none of them
+PER_TENSOR_BY_NAME: frozenset[tuple[str, str]] = frozenset({
+    ("transformers.optimization", "Adafactor"),  # HF Trainer's optim="adafactor"
+})
 
 #: optimizers no layout can shard, and why
 UNSHARDABLE_OPTIMIZERS: dict[str, str] = {
@@ -416,8 +422,9 @@ def layout_of(optimizer: torch.optim.Optimizer, config) -> str:
         if cls.__module__.startswith("torch.optim") and cls.__name__ in UNSHARDABLE_OPTIMIZERS:
             raise TypeError(f"zero_strategy cannot shard {name}: {UNSHARDABLE_OPTIMIZERS[cls.__name__]}. "
                             "Use a first-order optimizer (AdamW, SGD, Muon, Adafactor), or train without ZeRO.")
-    if config.optimizer_layout == "owned" or (
-            isinstance(optimizer, PER_TENSOR_OPTIMIZERS) and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)):
+    per_tensor = isinstance(optimizer, PER_TENSOR_OPTIMIZERS) or any(
+        (cls.__module__, cls.__name__) in PER_TENSOR_BY_NAME for cls in type(optimizer).__mro__)
+    if config.optimizer_layout == "owned" or (per_tensor and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)):
         if isinstance(config.offload_optimizer, NVMeOffload):
             raise ValueError(
                 f"zero_strategy: {name} steps whole parameters (the ownership layout), which does not "
