@@ -124,8 +124,10 @@ def zero_run(base, case, rank, steps):
                   padded=sum(g.padded_numel for g in trainable), real=sum(g.numel for g in trainable),
                   flat_padded=sum(-(-g.numel // g.world_size) * g.world_size for g in trainable))
     final = zs.full_state_dict(model)
+    module_view = rel_diff(model.state_dict(), final)  # stage 3 gathers through the slots' offsets
     if case.get("final") and rank == 0:
         torch.save(final, case["final"])
+    volume["state_dict_vs_full"] = module_view
     return final, losses, owned, owned_state, on_host, volume
 
 
