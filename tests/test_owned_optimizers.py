@@ -151,3 +151,21 @@ def test_checkpoints_resume_at_another_world_size_and_stage(tmp_path, recipe):
     print(f"{recipe}: resumed at 1 rank vs uninterrupted 2-rank run {diffs[True]:.2e}, without the state {diffs[False]:.2e}")
     assert diffs[True] <= tol, diffs
     assert diffs[False] > 3 * max(diffs[True], tol / 10), diffs  # the state was restored, not started afresh
+
+
+FOUR_RANKS = [dict(name="muon-z3-fp32-4", recipe="muon", stage=3, precision="fp32"),
+              dict(name="adafactor-z2-fp32-4", recipe="adafactor", stage=2, precision="fp32"),
+              dict(name="muon-z1-fp32-cpu-4", recipe="muon", stage=1, precision="fp32", offload_optimizer="cpu")]
+
+
+@pytest.mark.slow
+def test_four_ranks_some_owning_nothing_in_a_group():
+    """4 ranks over blocks of two Muon matrices: two ranks own nothing in each block's group (their
+    shard is all padding, their param groups empty), and the result is still DDP's and one process's."""
+    results = launch_cases("owned_optimizers.py", 4, FOUR_RANKS, key=lambda r: r["name"], timeout=400)
+    for case in FOUR_RANKS:
+        for rank, res in enumerate(results.of(case["name"])):
+            assert res["vs_ddp"] <= 1e-5 and res["loss_vs_ddp"] <= 1e-5, (rank, res)
+            assert res["vs_single"] <= VS_SINGLE[case["recipe"]], (rank, res)
+        if case["recipe"] == "muon":  # 6 matrices, 2 per group: the groups' owners rotate over the ranks
+            assert sorted(r["owned_state_entries"] for r in results.of(case["name"])) == [1, 1, 2, 2]
