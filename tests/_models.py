@@ -75,3 +75,20 @@ def tiny_llama_config():
     return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        tie_word_embeddings=True)
+
+
+def whole_tensor_recipe(model, recipe: str) -> list[torch.optim.Optimizer]:
+    """Optimizers that need whole tensors, in the users' idiom. ``"muon"``: torch's Muon docs (2-D hidden
+    matrices to Muon, the rest to AdamW, two optimizers); ``"sgd_in_muons_place"``: the same with
+    SGD-momentum for Muon (what a ZeRO that skipped Muon's orthogonalization would compute);
+    ``"adafactor"``: one Adafactor over :func:`param_groups`."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if recipe in ("muon", "sgd_in_muons_place"):
+        hidden = [p for n, p in named if p.ndim == 2 and n.startswith("layers.")]
+        rest = [p for n, p in named if not (p.ndim == 2 and n.startswith("layers."))]
+        first = (torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01) if recipe == "muon"
+                 else torch.optim.SGD(hidden, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01))
+        return [first, torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.0)]
+    if recipe == "adafactor":
+        return [torch.optim.Adafactor(param_groups(model, lr=1e-2))]
+    raise ValueError(recipe)

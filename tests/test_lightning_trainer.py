@@ -30,6 +30,9 @@ def _cases(save_dir: str) -> list[dict]:
         dict(name="gan_zero2", strategy="zero2", module="gan"),
         dict(name="gan_zero3", strategy={"stage": 3, "unit_classes": ["Generator", "Discriminator"],
                                          "param_persistence_threshold": 0}, module="gan"),
+        dict(name="muon_ddp", strategy="ddp", module="muon"),
+        dict(name="muon_zero2", strategy="zero2", module="muon"),
+        dict(name="muon_zero3", strategy={"stage": 3, "param_persistence_threshold": 0}, module="muon"),
         dict(name="swa", strategy="zero2", callbacks="swa", epochs=1),
         dict(name="meta_ddp", strategy="ddp", module="meta", every_rank_saves=True),
         dict(name="meta_zero3", strategy="zero3", module="meta", summary=True, every_rank_saves=True),
@@ -125,6 +128,18 @@ def test_two_optimizer_manual_optimization_matches_ddp(run, name):
     for r in reports:
         assert r[name]["losses"] == pytest.approx(r["gan_ddp"]["losses"], rel=1e-5)
     _assert_close(_weights(save_dir, name), _weights(save_dir, "gan_ddp"), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["muon_zero2", "muon_zero3"])
+def test_configure_optimizers_returning_muon_and_adamw_matches_ddp(run, name):
+    """Muon's parameters are owned whole by one rank each (tests/test_owned_optimizers.py); both
+    reduce the same gradients as DDP, so even Muon's bf16 Newton-Schulz sees the same input."""
+    reports, save_dir = run
+    _ok(reports, "muon_ddp")
+    _ok(reports, name)
+    for r in reports:
+        assert r[name]["losses"] == pytest.approx(r["muon_ddp"]["losses"], rel=1e-5)
+    _assert_close(_weights(save_dir, name), _weights(save_dir, "muon_ddp"), rtol=1e-5)
 
 
 def test_swa_is_refused_clearly(run):

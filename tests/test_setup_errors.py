@@ -20,13 +20,13 @@ def fresh():
 
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.LBFGS(ps),
-    *([lambda ps: torch.optim.Adafactor(ps)] if hasattr(torch.optim, "Adafactor") else []),
     lambda ps: torch.optim.SparseAdam(ps),
 ])
-def test_non_elementwise_optimizer_is_refused(make_opt):
+def test_an_optimizer_no_layout_can_shard_is_refused(make_opt):
+    """Adafactor and Muon step whole parameters (tests/test_ownership_layout.py); these cannot be sharded."""
     model = TinyLM(layers=2)
     opt = make_opt([p for p in model.parameters() if p.requires_grad])
-    with pytest.raises(TypeError, match=rf"cannot shard {type(opt).__name__}.*elementwise.*AdamW"):
+    with pytest.raises(TypeError, match=rf"cannot shard {type(opt).__name__}: it needs .*first-order optimizer"):
         zs.setup(model, opt, "zero2")
 
 

@@ -53,6 +53,12 @@ CLEARED_BY_MODEL = [dict(shape, stage=stage, offload=None, clear="model")
 #: 2-3, which agree at the end of backward; stage 1 agrees in the step, which reduces)
 LIKE_DDP = [dict(shape, stage=stage, offload=None, grads_like_ddp=True)
             for stage in (2, 3) for shape in (dict(model="moe"), dict(model="vlm", text_only_steps=[1, 2]))]
+#: Adafactor steps whole parameters (the ownership layout): a parameter no rank used gets no
+#: gradient and is skipped, its own step count included, so even the adapter used again at step 3
+#: is exact, with no warning (where AdamW's flat group shares one count)
+WHOLE = [dict(shape, stage=stage, offload=offload, optimizer="adafactor")
+         for stage in (1, 2, 3) for offload in (None, "cpu")
+         for shape in (dict(model="adapter", adapter_steps=[0, 3]), dict(model="moe"))]
 TOL = 1e-5  # fp32: both sides add the same two ranks' gradients
 
 
@@ -64,7 +70,7 @@ def _key(case: dict) -> str:
 def reports(stage: int) -> tuple:
     """Raw per-rank results of one launch per stage (asserted in the tests, not here)."""
     # REFUSED last: it ends the loop
-    cases = [c for c in CASES + CLEARED_BY_MODEL + LIKE_DDP + WARNED + REFUSED if c["stage"] == stage]
+    cases = [c for c in CASES + WHOLE + CLEARED_BY_MODEL + LIKE_DDP + WARNED + REFUSED if c["stage"] == stage]
     return tuple(launch("routed.py", 2, {"cases": cases}, timeout=240))
 
 
@@ -89,6 +95,12 @@ def _matches_the_plain_model(case: dict) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", CASES, ids=_key)
 def test_matches_the_plain_model_on_the_global_batch(case):
+    _matches_the_plain_model(case)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", WHOLE, ids=_key)
+def test_whole_parameter_optimizers_skip_unused_parameters_exactly(case):
     _matches_the_plain_model(case)
 
 

@@ -33,7 +33,7 @@ from ._engine import offload_states as offload_states_impl
 from ._engine.engine import ZeroEngine
 from ._engine.memory import MemoryReport, measure
 from ._engine.placement import single_device
-from ._optim.optimizer import ZeroOptimizer, check_elementwise
+from ._optim.optimizer import ZeroOptimizer, layout_of
 from .config import ZeroConfig
 
 # [Note: engine lookup without keeping models alive]
@@ -82,13 +82,15 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
         raise ValueError("zero_strategy.setup: this model is already set up; call setup once per model "
                          "(call zero_strategy.teardown(model) first to start over)")
     for opt in optimizers:
-        check_elementwise(opt)
+        layout_of(opt, cfg)  # refuse what no layout shards before anything is set up
     shard_group, replicate_group = hybrid_groups(cfg.shard_group_size, process_group)
     comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
+    owned = frozenset(k for k, opt in enumerate(optimizers) if layout_of(opt, cfg) == "owned")
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
-    engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn)
+    engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
+                        owned_optimizers=owned)
     engine.undo_on_teardown = (model_integrations.install(model, engine)  # See [Note: conversions on a set-up model]
                                + conversions.install(model, engine, end=lambda: teardown(model)))
     _ENGINES[id(model)] = engine

@@ -57,6 +57,9 @@ __all__ = [
 
 # ------------------------------------------------------------------ the config
 
+#: ``ZeroConfig.optimizer_layout`` values: the layout follows the optimizer, or whole parameters for all
+OPTIMIZER_LAYOUTS = ("auto", "owned")
+
 
 @dataclass(frozen=True)
 class ZeroConfig:
@@ -113,6 +116,13 @@ class ZeroConfig:
             masters, gradients), or a list of kinds (DeepSpeed's ``OffloadStateTypeEnum``
             names or ours). The parameters cannot be among them: generation runs the model.
             Stored as the tuple of kinds (empty: off).
+        optimizer_layout: how an optimizer's state is split over ranks. ``"auto"``: an
+            elementwise optimizer (AdamW, SGD, ...) steps contiguous 1/N slices of each flat
+            buffer; a per-tensor one (``torch.optim.Muon``, ``torch.optim.Adafactor``, the
+            list in ``_optim/optimizer.py``) steps whole parameters, each owned by one rank
+            (the *ownership layout*, See [Note: the ownership layout] in _engine/flat.py).
+            ``"owned"``: every optimizer steps whole parameters, for an optimizer of your
+            own that reads only its own parameter's gradient and state.
     """
 
     stage: int = 3
@@ -131,6 +141,7 @@ class ZeroConfig:
     auto: bool = False
     shard_group_size: int | str | None = None
     offload_states_during_generation: bool | tuple[str, ...] = ()
+    optimizer_layout: str = "auto"
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -183,6 +194,11 @@ class ZeroConfig:
             set_("shard_group_size", size)
         set_("offload_states_during_generation",
              _as_generation_offload(self.offload_states_during_generation))
+        if self.optimizer_layout not in OPTIMIZER_LAYOUTS:
+            raise ZeroConfigError("optimizer_layout", f"must be one of {list(OPTIMIZER_LAYOUTS)}, got "
+                                  f"{self.optimizer_layout!r}{_suggest(str(self.optimizer_layout), OPTIMIZER_LAYOUTS)}",
+                                  "Use 'auto' (the layout follows the optimizer), or 'owned' to step whole "
+                                  "parameters with any per-tensor optimizer.")
         if self.collective_timeout is not None:
             timeout = _as_float("collective_timeout", self.collective_timeout)
             if not timeout > 0 or timeout == float("inf"):
@@ -227,6 +243,7 @@ class ZeroConfig:
             "collective_timeout": self.collective_timeout,
             "shard_group_size": self.shard_group_size,
             **({"auto": True} if self.auto else {}),
+            **({"optimizer_layout": self.optimizer_layout} if self.optimizer_layout != "auto" else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }

@@ -2,7 +2,8 @@
 
 args["cases"]: list of dicts with
   name, strategy ("ddp" or a preset name, or {"stage": .., ...} for ZeroStrategy(**dict)),
-  precision, accumulate, clip (gradient_clip_val), clip_algorithm, epochs, batch (per rank), module ("lm" | "gan"),
+  precision, accumulate, clip (gradient_clip_val), clip_algorithm, epochs, batch (per rank), module ("lm" | "gan" |
+  "meta" | "muon"),
   ckpt_dir (ModelCheckpoint there: top-1 by train_loss + last, every epoch),
   resume (ckpt_path for fit),
   save_weights_only (path: trainer.save_checkpoint(path, weights_only=True) after fit: a plain .ckpt),
@@ -110,6 +111,32 @@ class LitGAN(pl.LightningModule):
                 torch.optim.SGD(self.discriminator.parameters(), lr=5e-2, momentum=0.9))
 
 
+class LitMuon(pl.LightningModule):
+    """torch's Muon recipe in Lightning's idiom: configure_optimizers returns [Muon, AdamW] (Muon for
+    the hidden 2-D matrices, AdamW for embeddings, norms and biases), manual optimization."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(1234)
+        self.model = TinyLM(layers=2)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        tokens, targets = batch
+        loss = loss_fn(self.model(tokens), targets)
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+            opt.zero_grad()
+        self.losses.append(float(loss))
+
+    def configure_optimizers(self):
+        hidden = [p for n, p in self.model.named_parameters() if p.requires_grad and p.ndim == 2 and "layers." in n]
+        rest = [p for n, p in self.model.named_parameters() if p.requires_grad and not (p.ndim == 2 and "layers." in n)]
+        return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-3)]
+
+
 class _SeededInit:
     """``reset_parameters`` from the module's own seed plus 1000 * rank.
 
@@ -186,7 +213,7 @@ def make_strategy(spec):
 def run_case(case: dict, out, world: int) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, StochasticWeightAveraging
 
-    module = {"gan": LitGAN, "meta": LitMeta}.get(case.get("module"), LitLM)()
+    module = {"gan": LitGAN, "meta": LitMeta, "muon": LitMuon}.get(case.get("module"), LitLM)()
     callbacks = []
     if case.get("ckpt_dir"):
         callbacks.append(ModelCheckpoint(dirpath=case["ckpt_dir"], monitor="train_loss", mode="min",

@@ -2,7 +2,7 @@
 
 args["cases"]: dicts with model ("moe" | "moe_blocks" | "vlm" | "adapter" | "early_exit"),
 routing ("disjoint" | "shared", the MoEs), images_on / text_only_steps (vlm), adapter_steps,
-optimizer ("sgd"; default AdamW), unfreeze (a submodule frozen at setup and unfrozen after),
+optimizer ("sgd", "adafactor"; default AdamW), unfreeze (a submodule frozen at setup and unfrozen after),
 clear ("model": ``model.zero_grad()`` after each step, default the optimizer's), stage,
 offload (None | "cpu"), precision, steps. The reference is a plain copy of the model trained
 on the global batch on every rank (each rank's batch run through it, the losses averaged):
@@ -55,6 +55,8 @@ def make_optimizer(case: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
     both with weight decay, so a parameter stepped without a gradient moves."""
     if case.get("optimizer") == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    if case.get("optimizer") == "adafactor":  # whole parameters, each with its own step count
+        return torch.optim.Adafactor(model.parameters(), lr=1e-2, weight_decay=0.1)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 

@@ -57,8 +57,10 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, config, comm: Collectives,
                  optimizer_group_of: dict[int, tuple[int, int]], device: torch.device | None = None,
-                 param_init_fn=None):
+                 param_init_fn=None, owned_optimizers: frozenset[int] = frozenset()):
         """``optimizer_group_of``: id(param) -> (which optimizer, which of its param groups).
+        ``owned_optimizers``: which optimizers step whole parameters (See [Note: the ownership
+        layout] in _engine/flat.py).
 
         ``device``/``param_init_fn``: where and how meta-device parameters are materialized.
         """
@@ -78,6 +80,7 @@ class ZeroEngine:
             grad_dtype=self.grad_dtype, comm=comm, device=self.device,
             offload_optimizer=config.offload_optimizer, offload_params=config.offload_params,
             transfers=self.transfers, param_init_fn=param_init_fn, swap=self.swap,
+            owned_optimizers=owned_optimizers,
         )
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]

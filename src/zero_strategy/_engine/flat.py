@@ -28,12 +28,29 @@ the few methods that need one and get handles back.
   (never a plausible zero, as an empty tensor summed would give), and an in-place
   write raises. ``model.state_dict()`` gathers for real (``_engine/module_state.py``).
   Never a view of the zero-byte ``full``: reading one crashes the process.
+
+[Note: the ownership layout]
+An optimizer that is not elementwise (``torch.optim.Muon`` orthogonalizes each gradient
+matrix, ``Adafactor`` keeps per-row and per-column statistics) needs each parameter whole,
+and a contiguous 1/N slice cuts matrices in pieces. An *owned* group assigns each parameter
+whole to one rank (largest first onto the least-loaded rank, :func:`ownership_layout`) and
+lays the buffer out as rank 0's parameters, padding up to the common shard size, rank 1's,
+padding, and so on. The shard is still one equal-sized contiguous slice per rank, so the
+reduce-scatter, the all-gathers, offload and checkpoints move it exactly as a flat group's;
+only the offsets differ, and everything reads parameters through their ``ParamSlot``.
+What this rank's shard holds is whole parameters (:meth:`FlatGroup.owned_slots`), which the
+user's own optimizer steps as views of the master shaped like the parameters. The price is
+the padding: every rank's shard is as large as the most loaded rank's, which costs that
+much memory and communication beyond the flat layout (``comm_stats`` counts it), and a
+parameter larger than an even share makes the padding large. Padding is zero in gradients
+(``padding()``), so global-norm clipping over shards stays exact.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Mapping
@@ -64,6 +81,42 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
+
+
+def ownership_layout(numels: list[int], world_size: int,
+                     owner_load: list[int] | None = None) -> tuple[list[int], list[int], int]:
+    """Offsets, owner rank per parameter and shard size of an ownership layout.
+
+    See [Note: the ownership layout]. Largest parameter first onto the rank owning the fewest
+    elements of this group, ties broken by what each rank owns over the groups built before
+    (``owner_load``, updated in place) and then by rank, so every rank computes the same.
+    """
+    load = [0] * world_size
+    carried = owner_load if owner_load is not None else [0] * world_size
+    owner_of = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], carried[r], r))
+        owner_of[i] = r
+        load[r] += numels[i]
+    shard_numel = max(1, max(load, default=0))
+    offsets, at = [0] * len(numels), [r * shard_numel for r in range(world_size)]
+    for i, n in enumerate(numels):  # each rank's parameters in registration order
+        offsets[i], at[owner_of[i]] = at[owner_of[i]], at[owner_of[i]] + n
+    if owner_load is not None:
+        for r in range(world_size):
+            owner_load[r] += load[r]
+    return offsets, owner_of, shard_numel
+
+
+def _gaps(slots: list[ParamSlot], padded_numel: int) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for s in sorted(slots, key=lambda s: s.offset):
+        if s.offset > at:
+            out.append((at, s.offset))
+        at = max(at, s.offset + s.numel)
+    if at < padded_numel:
+        out.append((at, padded_numel))
+    return out
 
 
 class _DeferredHandle:
@@ -106,7 +159,11 @@ class FlatGroup:
         offload_params: OffloadPolicy = None,
         transfers: Transfers | None = None,
         swap=None,
+        owned: bool = False,
+        owner_load: list[int] | None = None,
     ):
+        """``owned``: lay the buffer out by owner (See [Note: the ownership layout]);
+        ``owner_load``: elements each rank owns in the groups built so far (updated here)."""
         self.name = name
         self.trainable = trainable
         #: which of setup()'s optimizers steps this group, and which of its param groups
@@ -120,15 +177,21 @@ class FlatGroup:
         self.swap = swap if uses_swap(trainable=trainable, shard_params=shard_params, offload_optimizer=offload_optimizer,
                                       offload_params=offload_params) else None
 
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for fqn, p in named_params:
-            self.slots.append(ParamSlot(len(self.slots), fqn, p, p.shape, offset, p.numel()))
-            offset += p.numel()
-        self.numel = offset                                                # real elements
-        self.padded_numel = max(1, math.ceil(offset / world_size)) * world_size
-        self.shard_numel = self.padded_numel // world_size
+        #: See [Note: the ownership layout]: each parameter whole in one rank's shard
+        self.owned = owned
+        numels = [p.numel() for _, p in named_params]
+        if owned:
+            offsets, self.owner_of, self.shard_numel = ownership_layout(numels, world_size, owner_load)
+        else:
+            offsets = [0, *itertools.accumulate(numels)][:len(numels)]
+            self.shard_numel = max(1, math.ceil(sum(numels) / world_size))
+            self.owner_of = None  # a parameter may span ranks
+        self.slots: list[ParamSlot] = [ParamSlot(i, fqn, p, p.shape, offsets[i], numels[i])
+                                       for i, (fqn, p) in enumerate(named_params)]
+        self.numel = sum(numels)                                           # real elements
+        self.padded_numel = self.shard_numel * world_size
         self.shard_start = rank * self.shard_numel
+        self._padding = _gaps(self.slots, self.padded_numel)
 
         self.full = torch.zeros(self.padded_numel, dtype=compute_dtype, device=device)
         self._copy_params_into(self.full, 0, self.padded_numel)
@@ -190,11 +253,25 @@ class FlatGroup:
         """dst[i] <- element (start + i) of the flat layout, taken from the live parameters."""
         end = start + length
         with torch.no_grad():
+            if self.owned:
+                dst[:length].zero_()  # padding sits between owners' parameters: never garbage
             for s in self.slots:
                 lo, hi = max(start, s.offset), min(end, s.offset + s.numel)
                 if lo < hi:
                     src = s.param.detach().reshape(-1)[lo - s.offset:hi - s.offset]
                     dst[lo - start:hi - start].copy_(src)
+
+    def padding(self) -> list[tuple[int, int]]:
+        """The [start, stop) ranges of the flat buffer that hold no parameter (kept zero in gradients)."""
+        return self._padding
+
+    def owned_slots(self):
+        """Ownership layout: yield (slot, where) for each parameter whole in this rank's shard,
+        ``where`` its elements in a shard-sized tensor (master, gradient shard)."""
+        for s in self.slots:
+            if self.owner_of[s.index] == self.rank:
+                lo = s.offset - self.shard_start
+                yield s, slice(lo, lo + s.numel)
 
     def slot_ranges_in_shard(self):
         """Yield (slot, lo, hi, where): the part [lo, hi) of each slot's flattened elements this

@@ -227,7 +227,8 @@ class GradBuffer:
             for s in layout.slots:
                 if not self._written[s.index]:
                     self.full_grad[s.offset:s.offset + s.numel].zero_()
-            self.full_grad[layout.numel:].zero_()
+            for lo, hi in layout.padding():  # See [Note: the ownership layout] in flat.py
+                self.full_grad[lo:hi].zero_()
         full = self.full_grad
         if comm.data_parallel_size > 1 and full.dtype == torch.float16:
             full.div_(comm.data_parallel_size)  # fp16: divide before summing so the sum cannot overflow

@@ -188,9 +188,10 @@ def _resting_on_device(engine, optimizers: list, groups: list, kind: str):
         for z in optimizers:
             for g in z.groups:
                 if g.masters is not None and not g.masters.steps_on_host:
-                    for v in z.optimizer.state.get(g.master, {}).values():
-                        if isinstance(v, torch.Tensor) and v.numel() > 1:  # a step count is a few bytes
-                            yield v
+                    for state in z.group_states(g):
+                        for v in state.values():
+                            if isinstance(v, torch.Tensor) and v.numel() > 1:  # a step count is a few bytes
+                                yield v
     elif kind == "lp_grads":
         for g in groups:
             yield from (t for t in (g.grads.grad_shard, g.grads.carried) if t is not None)

@@ -318,11 +318,15 @@ def build_units(
     transfers: Transfers,
     param_init_fn=None,
     swap=None,
+    owned_optimizers: frozenset[int] = frozenset(),
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
     Meta-device parameters are materialized here, unit by unit (see _engine/materialize.py).
+    ``owned_optimizers``: the optimizers whose groups take the ownership layout (See [Note:
+    the ownership layout] in _engine/flat.py), balanced over all their groups together.
     """
+    owner_load = [0] * comm.world_size
     unit_modules = find_unit_modules(model, unit_classes)
     if plan.shards_parameters:
         warn_if_no_units(model, unit_modules, unit_classes, persistence_threshold)
@@ -380,6 +384,7 @@ def build_units(
                 world_size=comm.world_size, device=device,
                 offload_optimizer=offload_optimizer, offload_params=offload_params,
                 transfers=transfers, swap=swap,
+                owned=trainable and opt_index in owned_optimizers, owner_load=owner_load,
             ))
         if groups or unit_name == ROOT:
             units.append(Unit(unit_name, modules[unit_name], groups, is_root=unit_name == ROOT))

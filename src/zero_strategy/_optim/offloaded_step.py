@@ -18,7 +18,7 @@ never leave the main thread).
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -36,10 +36,15 @@ class OffloadedStep:
     """
 
     def __init__(self, engine: "ZeroEngine", groups: list, step_masters: Callable[[list], None],
-                 state_of: Callable[[torch.Tensor], dict]):
+                 state_of: Callable[[torch.Tensor], dict],
+                 set_grad: Callable[[Any, torch.Tensor | None], None] | None = None):
+        """``set_grad(group, grad)``: hand the optimizer a group's fp32 gradient (None: take it back):
+        the master's ``.grad``, or views of it per parameter (See [Note: optimizers that need whole
+        tensors] in optimizer.py)."""
         self.engine = engine
         self.groups = groups
         self._step_masters = step_masters
+        self._set_grad = set_grad or (lambda g, grad: setattr(g.master, "grad", grad))
         self._state_of = state_of  # master -> the user's optimizer state of it (read at each call)
         self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
         self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
@@ -153,12 +158,12 @@ class OffloadedStep:
                     grad = g.master_grad()  # waits for this group's download only
                     if factor != 1.0:
                         grad.mul_(factor)
-                    g.master.grad = grad
+                    self._set_grad(g, grad)
                 try:
                     self._step_masters(batch)
                 finally:
                     for g in batch:
-                        g.master.grad = None
+                        self._set_grad(g, None)
                 uploads = [g.stage_master_upload() for g in batch]
             except BaseException:
                 for g in begun:

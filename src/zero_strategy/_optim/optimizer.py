@@ -7,8 +7,23 @@ the parameters that group held. Hyperparameters, per-group settings and anything
 that holds the param-group dicts (LR schedulers) keep working, and the update is
 the user's own optimizer code (fused/foreach kernels included). This is exact
 only for *elementwise* optimizers, where each element's update depends on that
-element alone; others (LBFGS, Adafactor, anything with per-tensor norms) get a
-clear error instead of a silently different update.
+element alone.
+
+[Note: optimizers that need whole tensors]
+``torch.optim.Muon`` orthogonalizes each gradient matrix, ``Adafactor`` keeps per-row and
+per-column statistics: their update of an element depends on the whole tensor, so a
+slice of a flat buffer would step them silently wrong. Their groups take the ownership
+layout (See [Note: the ownership layout] in _engine/flat.py): each parameter lies whole in
+one rank's master shard, and that rank's param groups hold views of its master shaped
+like the parameters it owns (none on a rank that owns none), so the user's optimizer
+class runs unchanged on whole tensors with the user's hyperparameters and its state is
+keyed by those views. The gradient each view gets is the reduced gradient, a view of the
+gradient shard; a parameter no rank has a gradient for gets none and is skipped, as with
+DDP. Which optimizers need this is a table (``PER_TENSOR_OPTIMIZERS``, and ``PER_TENSOR_BY_NAME`` for
+other libraries' such as transformers' Adafactor), and
+``ZeroConfig(optimizer_layout="owned")`` asks for it for any other. An optimizer that
+reads other parameters or re-evaluates the loss (``LBFGS``'s closure and line search over
+all parameters as one vector) cannot be sharded either way and is refused by name.
 
 [Note: the order inside ``step()``]
 1. make gradient shards final (stage 1 reduce-scatters here; stages 2-3 only wait);
@@ -37,6 +52,7 @@ from typing import Any
 
 import torch
 
+from .._config.policies import NVMeOffload
 from .._engine.engine import ZeroEngine
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
@@ -51,6 +67,22 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     ) if hasattr(torch.optim, name)
 )
 
+#: optimizers exact on whole tensors but not on slices: stepped in the ownership layout
+PER_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name))
+
+#: per-tensor optimizers of other libraries, by (module, class name): the engine imports none of them
+PER_TENSOR_BY_NAME: frozenset[tuple[str, str]] = frozenset({
+    ("transformers.optimization", "Adafactor"),  # HF Trainer's optim="adafactor"
+})
+
+#: optimizers no layout can shard, and why
+UNSHARDABLE_OPTIMIZERS: dict[str, str] = {
+    "LBFGS": "it needs a closure that re-evaluates the loss, and its line search treats all parameters "
+             "as one vector (each rank would need every parameter and gradient)",
+    "SparseAdam": "it needs sparse gradients, and sharded gradients are dense flat buffers",
+}
+
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """The optimizer ``setup`` returns: the user's optimizer stepping master shards.
@@ -61,7 +93,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, index: int = 0):
         """``index``: which of the optimizers given to ``setup`` this is (several: e.g. a GAN)."""
-        check_elementwise(optimizer)
+        layout_of(optimizer, engine.config)
         if len(optimizer.state) > 0:
             raise ValueError(
                 "zero_strategy.setup: the optimizer has already stepped (its state is keyed by the "
@@ -74,8 +106,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #: the flat groups this optimizer steps (all trainable groups when it is the only one)
         self.groups = [g for g in engine.trainable_groups if g.optimizer_index == index]
         by_group: dict[int, list] = {i: [] for i in range(len(optimizer.param_groups))}
+        #: id(group) -> (slot, where in the shard, the view the optimizer steps): See [Note: optimizers
+        #: that need whole tensors]
+        self._views: dict[int, list[tuple[Any, slice, torch.nn.Parameter]]] = {}
         for g in self.groups:
-            by_group[g.optimizer_group].append(g.master)
+            if g.owned:
+                views = [(s, where, torch.nn.Parameter(g.master.data[where].view(s.shape)))
+                         for s, where in g.owned_slots()]
+                self._views[id(g)] = views
+                by_group[g.optimizer_group].extend(v for _, _, v in views)
+            else:
+                by_group[g.optimizer_group].append(g.master)
         for i, pg in enumerate(optimizer.param_groups):
             pg["params"] = by_group[i]
         # the attributes torch.optim.Optimizer's machinery (hooks, schedulers) looks for
@@ -95,7 +136,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
         self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
         self.offloaded = OffloadedStep(engine, self.groups, self._step_masters,
-                                       lambda master: self.optimizer.state.get(master, {}))
+                                       lambda master: self.optimizer.state.get(master, {}), self._set_grad)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -282,7 +323,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             mg = g.master_grad()
             if mg is not None and factor is not None:
                 mg.mul_(factor)
-            g.master.grad = mg
+            self._set_grad(g, mg)
         self._step_masters(groups)
         handles = [g.publish_master(self.engine.comm) for g in groups]
         for g, h in zip(groups, handles):
@@ -290,6 +331,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 h.wait()
             if g.master.grad is not g.grads.grad_shard:
                 g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
+            if g.owned:
+                self._set_grad(g, None)
+
+    def _set_grad(self, g, grad: torch.Tensor | None) -> None:
+        """Hand the optimizer group ``g``'s fp32 gradient (None: take it back). Flat layout: the
+        master's ``.grad``. Ownership layout: each owned parameter's view gets its whole reduced
+        gradient, and one no rank has a gradient for gets none, so the optimizer skips it as DDP's
+        (See [Note: optimizers that need whole tensors])."""
+        if not g.owned:
+            g.master.grad = grad
+            return
+        untouched = frozenset()
+        if grad is not None:
+            untouched, g.grads.untouched = g.grads.untouched, frozenset()  # used once, as keep_untouched does
+        for s, where, view in self._views[id(g)]:
+            view.grad = None if grad is None or s.index in untouched else grad[where].view(s.shape)
+
+    def group_states(self, g) -> list[dict]:
+        """The optimizer state of flat group ``g`` on this rank: the master's (flat layout), or one
+        per parameter this rank owns (ownership layout)."""
+        keys = [v for _, _, v in self._views[id(g)]] if g.owned else [g.master]
+        return [self.optimizer.state[k] for k in keys if k in self.optimizer.state]
+
+    def owned_views(self, g) -> list[tuple[Any, slice, torch.nn.Parameter]]:
+        """Ownership layout: (slot, where in the shard, the view stepped) per parameter this rank owns."""
+        return list(self._views.get(id(g), ()))
 
     def _step_masters(self, groups) -> None:
         """The user's optimizer steps the masters of ``groups`` that have a ``.grad`` (unhooked:
@@ -344,16 +411,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+def layout_of(optimizer: torch.optim.Optimizer, config) -> str:
+    """``"flat"`` or ``"owned"``: how ``optimizer``'s state is split over ranks under ``config``, or a
+    clear error where neither is exact. See [Note: optimizers that need whole tensors]."""
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError("zero_strategy.setup was given a ZeroOptimizer: the model and optimizer are "
                          "already set up; call setup once")
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise TypeError(
-            f"zero_strategy cannot shard {type(optimizer).__name__}: sharded optimizer state is exact "
-            f"only for elementwise optimizers (each element's update depends on that element alone). "
-            f"Use one of torch.optim.{{{names}}} (or a subclass of one).")
+    name = type(optimizer).__name__
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in UNSHARDABLE_OPTIMIZERS:
+            raise TypeError(f"zero_strategy cannot shard {name}: {UNSHARDABLE_OPTIMIZERS[cls.__name__]}. "
+                            "Use a first-order optimizer (AdamW, SGD, Muon, Adafactor), or train without ZeRO.")
+    per_tensor = isinstance(optimizer, PER_TENSOR_OPTIMIZERS) or any(
+        (cls.__module__, cls.__name__) in PER_TENSOR_BY_NAME for cls in type(optimizer).__mro__)
+    if config.optimizer_layout == "owned" or (per_tensor and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)):
+        if isinstance(config.offload_optimizer, NVMeOffload):
+            raise ValueError(
+                f"zero_strategy: {name} steps whole parameters (the ownership layout), which does not "
+                "support offload_optimizer=NVMeOffload yet (its per-parameter state is not swapped). Use "
+                "offload_optimizer='cpu', or an elementwise optimizer such as AdamW with NVMe offload.")
+        return "owned"
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        return "flat"
+    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    whole = ", ".join(c.__name__ for c in PER_TENSOR_OPTIMIZERS)
+    raise TypeError(
+        f"zero_strategy cannot shard {name}: it is in neither table. Elementwise optimizers (each element's "
+        f"update depends on that element alone: torch.optim.{{{names}}} or a subclass) step slices of flat "
+        f"buffers; per-tensor ones (torch.optim.{{{whole}}}) step whole parameters, each owned by one rank. "
+        f"If {name} reads only its own parameter's gradient and state, set "
+        "ZeroConfig(optimizer_layout='owned'); if it reads other parameters, it cannot be sharded.")
 
 
 def _unhooked_step_of(optimizer: torch.optim.Optimizer):

@@ -16,6 +16,14 @@ A rank file holds, for flat group ``i`` of the saving run, 1-D tensors of
 ``exp_avg``...). Scalar optimizer state (Adam's ``step``) is the same on every rank
 and lives in the metadata.
 
+A group in the ownership layout (Muon, Adafactor: See [Note: the ownership layout] in
+_engine/flat.py) has per-parameter optimizer state instead, of any shape (Adafactor's row
+and column factors): the owner's rank file holds ``g{i}.p{j}.<key>`` (flattened) for slot
+``j`` of the group, and the group's ``param_state`` records, by fully qualified name, the
+owning rank, the slot, each tensor's dtype and shape and the non-tensor values. A reader
+at any world size takes a parameter's whole state from that one file, whichever rank owns
+the parameter now.
+
 Each parameter is recorded by its fully qualified name with its group and offset
 in that group's flat buffer; with the group's ``shard_numel`` this says which rank
 file holds any element: flat element ``e`` of group ``g`` is element
@@ -89,6 +97,11 @@ class GroupLayout:
     state_scalars: dict[str, dict] = field(default_factory=dict)
     #: which of the saving run's optimizers stepped this group (several: e.g. a GAN)
     optimizer_index: int | None = None
+    #: the ownership layout: optimizer state per parameter (``param_state``), not per shard
+    owned: bool = False
+    #: fqn -> {"rank", "slot", "tensors": {key: {"dtype", "shape", "on_param_device"}},
+    #: "scalars": {key: {"value", "tensor": false}}}, for owned groups (stored as g{i}.p{slot}.<key>)
+    param_state: dict[str, dict] = field(default_factory=dict)
 
     @property
     def weight_tensor(self) -> str:
@@ -96,6 +109,9 @@ class GroupLayout:
 
     def state_tensor(self, key: str) -> str:
         return f"g{self.index}.state.{key}"
+
+    def param_state_tensor(self, slot: int, key: str) -> str:
+        return f"g{self.index}.p{slot}.{key}"
 
 
 @dataclass
@@ -197,7 +213,7 @@ def describe_groups(engine) -> list[GroupLayout]:
             optimizer_index=g.optimizer_index,
             shard_params=bool(g.shard_params), dtype=dtype_name(stored), numel=int(g.numel),
             padded_numel=int(g.padded_numel), shard_numel=int(g.shard_numel),
-            world_size=int(engine.comm.world_size)))
+            world_size=int(engine.comm.world_size), owned=bool(g.owned)))
     return out
 
 

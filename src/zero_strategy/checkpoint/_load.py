@@ -93,6 +93,10 @@ class _Reader:
             piece = self.handle(self.meta.rank_file(rank)).get_slice(tensor_of(group))[a:b]
             dst[at:at + b - a].copy_(piece)
 
+    def tensor(self, rank: int, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` of rank file ``rank`` (per-parameter optimizer state)."""
+        return self.handle(self.meta.rank_file(rank)).get_tensor(name)
+
     def close(self) -> None:
         self._open.clear()
 
@@ -216,7 +220,9 @@ def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
             continue  # missing: allowed by strict=False, keeps its current value
         dst = target[where]
         reader.fill(dst, fqn, lo, hi, lambda grp: grp.weight_tensor)
-    if zopts and g.trainable:
+    if zopts and g.trainable and g.owned:
+        _load_param_state(reader, g, zopts[g.optimizer_index], names, alias)
+    elif zopts and g.trainable:
         zopt = zopts[g.optimizer_index]
         _load_optimizer_state(reader, g, zopt, names, alias)
         # the rebuilt state tensors rest where the master does from now on (NVMe: the swap file)
@@ -234,6 +240,8 @@ def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
     saved = [meta.groups[meta.params[fqn].group] for _, fqn in sources]
     first = saved[0]
     for grp, (s, fqn) in zip(saved, sources):
+        if grp.param_state:
+            raise _layout_changed(s.fqn, "whole parameters (the ownership layout)", "flat shards")
         if not grp.trainable:
             raise CheckpointError(f"{s.fqn} is trainable here but was frozen in the checkpoint: it has no "
                                   "optimizer state (load with optimizer=None, or freeze it again)")
@@ -259,6 +267,40 @@ def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
         else:
             state[key] = sc["value"]
     zopt.optimizer.state[g.master] = state
+
+
+def _layout_changed(fqn: str, saved: str, here: str) -> CheckpointError:
+    return CheckpointError(
+        f"{fqn}: its optimizer state was saved for {saved} but is kept here as {here}: the optimizer or "
+        "ZeroConfig(optimizer_layout=...) changed since the save. Resume with the optimizer it was saved with, "
+        "or load the weights alone (optimizer=None) and start the optimizer fresh")
+
+
+def _load_param_state(reader: _Reader, g, zopt, names, alias) -> None:
+    """Ownership layout: each parameter this rank owns now takes its whole saved state, from the rank
+    file of whichever rank owned it then (See [Note: the on-disk layout] in _layout.py)."""
+    meta = reader.meta
+    for s, _, view in zopt.owned_views(g):
+        zopt.optimizer.state.pop(view, None)
+        fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
+        if fqn is None:
+            continue
+        grp = meta.groups[meta.params[fqn].group]
+        if not grp.trainable:
+            raise CheckpointError(f"{s.fqn} is trainable here but was frozen in the checkpoint: it has no "
+                                  "optimizer state (load with optimizer=None, or freeze it again)")
+        if grp.state_tensors or grp.state_scalars:
+            raise _layout_changed(s.fqn, "flat shards", "whole parameters (the ownership layout)")
+        entry = grp.param_state.get(fqn)
+        if entry is None:
+            continue  # saved before its first step
+        state: dict[str, Any] = {}
+        for key, t in entry["tensors"].items():
+            value = reader.tensor(entry["rank"], grp.param_state_tensor(entry["slot"], key))
+            state[key] = value.to(view.device if t["on_param_device"] else "cpu").reshape(t["shape"])
+        for key, sc in entry["scalars"].items():
+            state[key] = sc["value"]
+        zopt.optimizer.state[view] = state
 
 
 def _load_buffers(reader: _Reader, model, buffers: list[str]) -> None:

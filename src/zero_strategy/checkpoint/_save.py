@@ -126,15 +126,19 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
                 records.append(extra_record)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = f"rank {comm.rank} could not write its checkpoint file in {tmp}: {describe(err)}"
-    gathered = all_gather_object(comm, (records, error))
-    errors = [e for _, e in gathered if e]
+    owned_state = {layout.index: layout.param_state for layout in groups if layout.owned}
+    gathered = all_gather_object(comm, (records, error, owned_state))
+    errors = [e for _, e, _ in gathered if e]
     if errors:
         raise CheckpointError("; ".join(errors))  # rank 0 removes the directory on the way out
 
     error = None
     if comm.rank == 0:
         try:
-            files = [r for recs, _ in gathered for r in recs]
+            for _, _, states in gathered:  # each owner recorded its own parameters' state
+                for index, entries in states.items():
+                    groups[index].param_state.update(entries)
+            files = [r for recs, _, _ in gathered for r in recs]
             meta = _metadata(model, engine, zopts, groups, files, extra_meta)
             _write_metadata(tmp, meta)
             _swap_into_place(owned, path)
@@ -213,9 +217,37 @@ def _optimizer_state(zopts, g, layout: GroupLayout) -> list[tuple[str, torch.Ten
     return tensors
 
 
-def _group_entries(g, layout: GroupLayout, zopts) -> list[tuple[str, torch.Tensor]]:
+def _param_state(zopts, g, layout: GroupLayout, rank: int) -> list[tuple[str, torch.Tensor]]:
+    """The ownership layout: the state of each parameter this rank owns, whole (tensors returned,
+    flattened; their shapes and the other values into ``layout.param_state``)."""
+    if not zopts or not g.trainable:
+        return []
+    zopt = zopts[g.optimizer_index]
+    tensors = []
+    for s, _, view in zopt.owned_views(g):
+        state = zopt.optimizer.state.get(view)
+        if not state:
+            continue  # not stepped yet: nothing to save, as for a flat group
+        entry = {"rank": rank, "slot": s.index, "tensors": {}, "scalars": {}}
+        for key, v in sorted(state.items()):
+            if isinstance(v, torch.Tensor):
+                entry["tensors"][key] = {"dtype": dtype_name(v.dtype), "shape": list(v.shape),
+                                         "on_param_device": v.device == view.device}
+                tensors.append((layout.param_state_tensor(s.index, key), v.detach().contiguous().reshape(-1)))
+            elif v is None or isinstance(v, (bool, int, float)):
+                entry["scalars"][key] = {"value": v, "tensor": False}
+            else:
+                raise CheckpointError(f"optimizer state {key!r} of {s.fqn} is neither a tensor nor a number: "
+                                      f"{type(v).__name__}; cannot save it")
+        layout.param_state[s.fqn] = entry
+    return tensors
+
+
+def _group_entries(g, layout: GroupLayout, zopts, rank: int) -> list[tuple[str, torch.Tensor]]:
     weight = g.weight_shard
     entries = [(layout.weight_tensor, weight.detach())]
+    if g.owned:  # See [Note: the on-disk layout] in _layout.py
+        return entries + _param_state(zopts, g, layout, rank)
     for key, t in _optimizer_state(zopts, g, layout):
         entries.append((layout.state_tensor(key), t.detach()))
     return entries
@@ -232,12 +264,13 @@ def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> Fil
         with g.resident(write_back=False):
             layout.state_tensors.clear()
             layout.state_scalars.clear()
-            specs.extend((n, t.dtype, [t.numel()]) for n, t in _group_entries(g, layout, zopts))
+            layout.param_state.clear()
+            specs.extend((n, t.dtype, [t.numel()]) for n, t in _group_entries(g, layout, zopts, engine.comm.rank))
     name = rank_file_name(engine.comm.rank, engine.comm.world_size)
     with StreamWriter(tmp / name, specs, {"format": "pt"}) as w:
         for layout, g in zip(groups, engine.groups):
             with g.resident(write_back=False):
-                for n, t in _group_entries(g, layout, zopts):
+                for n, t in _group_entries(g, layout, zopts, engine.comm.rank):
                     w.write(n, t)
         digest, size = w.close()
     return FileRecord(name=name, sha256=digest, bytes=size, rank=engine.comm.rank)

@@ -61,7 +61,10 @@ _TOP_KEYS = {"world_size", "stage", "precision", "groups", "params", "state_dict
 _TOP_REQUIRED = {"world_size", "stage", "precision", "groups", "params", "state_dict_keys", "files", "format",
                  "version", "checksum"}
 _GROUP_KEYS = {"index", "name", "trainable", "optimizer_group", "shard_params", "dtype", "numel", "padded_numel",
-               "shard_numel", "world_size", "state_tensors", "state_scalars", "optimizer_index"}
+               "shard_numel", "world_size", "state_tensors", "state_scalars", "optimizer_index", "owned",
+               "param_state"}
+_PARAM_STATE_KEYS = {"rank", "slot", "tensors", "scalars"}
+_PARAM_TENSOR_KEYS = {"dtype", "shape", "on_param_device"}
 _PARAM_KEYS = {"fqn", "names", "shape", "group", "offset", "numel"}
 _FILE_KEYS = {"name", "sha256", "bytes", "rank"}
 _SCALER_KEYS = {"scale", "good_steps", "hysteresis_left"}
@@ -127,7 +130,7 @@ def hyperparameter_ok(v: Any) -> bool:
     if isinstance(v, str):
         return len(v) <= _MAX_HYPER_STR
     if isinstance(v, list):
-        return len(v) <= _MAX_HYPER_LIST and all(_finite_number(x) for x in v)
+        return len(v) <= _MAX_HYPER_LIST and all(x is None or _finite_number(x) for x in v)  # Adafactor's eps
     return False
 
 
@@ -140,7 +143,8 @@ def check_raw(d: Any, path: Path) -> None:
         if not isinstance(d[name], kind):
             raise w.fail(name, f"expected a {kind.__name__}, got {type(d[name]).__name__}")
     for i, g in enumerate(d["groups"]):
-        w.keys(f"groups[{i}]", g, _GROUP_KEYS, _GROUP_KEYS - {"optimizer_index", "state_tensors", "state_scalars"})
+        w.keys(f"groups[{i}]", g, _GROUP_KEYS, _GROUP_KEYS - {"optimizer_index", "state_tensors", "state_scalars", "owned",
+                                                           "param_state"})
     for fqn, p in d["params"].items():
         w.keys(f"params[{fqn!r}]", p, _PARAM_KEYS, _PARAM_KEYS)
     for i, f in enumerate(d["files"]):
@@ -191,6 +195,51 @@ def _check_group(w: _Where, g: GroupLayout, i: int, ws: int) -> None:
                          f"and _; dtype one of {', '.join(_STATE_DTYPES)}), got dtype {dname!r}")
     for key, sc in g.state_scalars.items():
         _check_scalar(w, f"{at}.state_scalars[{key!r}]", key, sc)
+    w.type_(f"{at}.owned", g.owned, (bool,), "true or false")
+    if not isinstance(g.param_state, dict) or (g.param_state and not g.owned):
+        raise w.fail(f"{at}.param_state", "must be a mapping, and empty unless the group is owned")
+    for fqn, entry in g.param_state.items():
+        _check_param_state(w, f"{at}.param_state[{fqn!r}]", entry, ws, g.padded_numel)
+
+
+def _check_param_state(w: _Where, at: str, entry: Any, ws: int, padded: int) -> None:
+    """One parameter's optimizer state in the ownership layout (See [Note: the on-disk layout])."""
+    w.keys(at, entry, _PARAM_STATE_KEYS, _PARAM_STATE_KEYS)
+    w.int_(f"{at}.rank", entry["rank"], 0, ws - 1)
+    w.int_(f"{at}.slot", entry["slot"], 0, padded)
+    tensors, scalars = entry["tensors"], entry["scalars"]
+    if not isinstance(tensors, dict) or not isinstance(scalars, dict):
+        raise w.fail(at, "tensors and scalars must be mappings")
+    for key, t in tensors.items():
+        here = f"{at}.tensors[{key!r}]"
+        w.keys(here, t, _PARAM_TENSOR_KEYS, _PARAM_TENSOR_KEYS)
+        if not _STATE_KEY.fullmatch(str(key)) or t["dtype"] not in _STATE_DTYPES:
+            raise w.fail(here, f"not an optimizer-state entry (key of letters, digits and _; dtype one of "
+                         f"{', '.join(_STATE_DTYPES)}), got dtype {t['dtype']!r}")
+        shape = t["shape"]
+        if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+            raise w.fail(here, f"shape {shape!r} is not a list of at most {_MAX_DIMS} sizes")
+        product = 1
+        for x in shape:
+            product *= w.int_(f"{here}.shape", x, 0, padded)
+        if product > padded:
+            raise w.fail(here, f"shape {shape} holds more elements than its group ({padded})")
+        w.type_(f"{here}.on_param_device", t["on_param_device"], (bool,), "true or false")
+    for key, sc in scalars.items():
+        if not isinstance(sc, dict) or sc.get("tensor") is not False:
+            raise w.fail(f"{at}.scalars[{key!r}]", f"not a non-tensor optimizer-state value: {sc!r}")
+        _check_scalar(w, f"{at}.scalars[{key!r}]", key, sc)
+
+
+def param_state_tensors(meta: Metadata, rank: int) -> dict[str, tuple[str, list[int]]]:
+    """The per-parameter state tensors rank file ``rank`` holds: name -> (dtype, [numel])."""
+    out = {}
+    for g in meta.groups:
+        for entry in g.param_state.values():
+            if entry["rank"] == rank:
+                for key, t in entry["tensors"].items():
+                    out[g.param_state_tensor(entry["slot"], key)] = (t["dtype"], [math.prod(t["shape"])])
+    return out
 
 
 def _check_scalar(w: _Where, at: str, key: Any, sc: Any) -> None:
@@ -242,9 +291,9 @@ def _check_params(w: _Where, meta: Metadata) -> None:
         gi = w.int_(f"{at}.group", p.group, 0, len(meta.groups) - 1)
         offset = w.int_(f"{at}.offset", p.offset)
         group = meta.groups[gi]
-        if offset + numel > group.numel:
+        if offset + numel > group.padded_numel:  # the ownership layout pads between ranks' parameters
             raise w.fail(at, f"elements [{offset}, {offset + numel}) lie outside group {gi} "
-                         f"({group.numel} elements)")
+                         f"({group.padded_numel} elements with padding)")
         spans.setdefault(gi, []).append((offset, offset + numel, fqn))
     for gi, items in spans.items():
         items.sort()
@@ -336,7 +385,7 @@ def _check_optimizers(w: _Where, meta: Metadata) -> None:
                                  "optimizer's parameter list")
                 if not hyperparameter_ok(value):
                     raise w.fail(f"{at}.param_groups[{j}].{key}", f"{value!r} is not a finite number, a boolean, "
-                                 "null, a short string or a short list of finite numbers")
+                                 "null, a short string or a short list of finite numbers or nulls")
     scalers = meta.loss_scalers
     if scalers is None:
         scalers = [meta.loss_scaler] * len(opts)
@@ -393,6 +442,9 @@ def check_rank_file(path: Path, meta: Metadata) -> None:
         want[g.weight_tensor] = (g.dtype, [g.shard_numel])
         for key, dname in g.state_tensors.items():
             want[g.state_tensor(key)] = (dname, [g.shard_numel])
+    rank = next((r for r in range(meta.world_size) if meta.rank_file(r) == path.name), None)
+    if rank is not None:
+        want.update(param_state_tensors(meta, rank))
     _compare(path, header(path), want)
 
 
