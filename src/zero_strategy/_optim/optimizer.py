@@ -94,8 +94,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # the user's own object stepped directly would step masters without gradients: a silent
         # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
         self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
-        self.offloaded = OffloadedStep(engine, self.groups, self._step_masters,
-                                       lambda master: self.optimizer.state.get(master, {}))
+        self.offloaded = OffloadedStep(engine, self.groups, self._step_masters, lambda: self.optimizer.state)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -291,10 +290,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if g.master.grad is not g.grads.grad_shard:
                 g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
 
-    def _step_masters(self, groups) -> None:
+    def _step_masters(self, groups, window: tuple[int, int] | None = None) -> None:
         """The user's optimizer steps the masters of ``groups`` that have a ``.grad`` (unhooked:
-        See [Note: hooks fire once per step])."""
-        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _engine/untouched.py
+        See [Note: hooks fire once per step]); ``window``: elements [a, b) of one group's shard
+        (a chunk of a streamed group, _optim/chunked_step.py)."""
+        with keep_untouched(self.optimizer, groups, window):  # See [Note: no gradient on any rank] in _engine/untouched.py
             self._unhooked_step(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
