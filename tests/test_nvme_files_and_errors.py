@@ -17,6 +17,7 @@ import torch
 
 import zero_strategy as zs
 import zero_strategy._mechanisms.nvme as nvme
+import zero_strategy._mechanisms.swap_file as swap_file
 import zero_strategy._mechanisms.nvme_files as nvme_files
 from _models import TinyLM, batch, loss_fn, param_groups
 
@@ -83,7 +84,7 @@ def test_io_error_during_training_is_a_clear_error(tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(nvme.os, "pwrite", full_disk)
+    monkeypatch.setattr(swap_file.os, "pwrite", full_disk)
     with pytest.raises(nvme.NVMeError, match=r"write to .*zero_swap.*disk full \(\d+\.\d\d GiB free there\)"):
         train_step(model, zopt, step=1)
 

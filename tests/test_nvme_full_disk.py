@@ -20,6 +20,7 @@ import torch
 
 import zero_strategy as zs
 import zero_strategy._mechanisms.nvme as nvme
+import zero_strategy._mechanisms.swap_file as swap_file
 import zero_strategy._engine.placement as placement
 from _launch import launch
 from _models import TinyLM, batch, loss_fn, param_groups
@@ -106,7 +107,7 @@ def test_write_failure_raises_within_seconds_and_returns_its_slot(tmp_path, monk
     model, zopt = make(tmp_path)
     for s in range(step):
         train_step(model, zopt, s)
-    monkeypatch.setattr(nvme.os, "pwrite", _enospc)
+    monkeypatch.setattr(swap_file.os, "pwrite", _enospc)
     t0 = time.monotonic()
     with pytest.raises(nvme.NVMeError, match=r"write to .*swap\.bin at byte \d+ failed: disk full "
                                              r"\(\d+\.\d\d GiB free there\)"):

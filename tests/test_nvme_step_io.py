@@ -15,7 +15,9 @@
   no reads to go stale.
 
 One process, TinyLM with every parameter sharded (threshold 0), swap files in the
-test's temporary directory; the swap file's requests are recorded by key.
+test's temporary directory; the swap file's requests are recorded by key. Staging slots of
+64 KiB hold each group's whole state here (the largest is 28 KB), the pipeline these
+tests pin; a group larger than a slot streams in chunks (tests/test_nvme_streaming.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ pytestmark = pytest.mark.timeout(120, method="thread")  # a regression can hang 
 def _setup(tmp_path, offload="nvme", layers=2):
     torch.manual_seed(0)
     model = TinyLM(layers=layers)
-    policy = {"device": "nvme", "path": str(tmp_path), "buffer_size": 4096 * 4} if offload == "nvme" else offload
+    policy = {"device": "nvme", "path": str(tmp_path), "buffer_size": 4096 * 16} if offload == "nvme" else offload
     return zs.setup(model, torch.optim.AdamW(param_groups(model)),
                     zs.ZeroConfig(stage=3, param_persistence_threshold=0,
                                   offload_optimizer=policy, offload_params=policy))
@@ -51,10 +53,10 @@ class Requests:
         self.log: list[tuple[str, str, str, str]] = []
         submit = self.file.submit
 
-        def recording(write, key, buf):
+        def recording(write, key, buf, start=0):
             group, kind, name = key.rsplit(":", 2)
             self.log.append(("write" if write else "read", group, kind, name))
-            return submit(write, key, buf)
+            return submit(write, key, buf, start)
 
         self.file.submit = recording
 

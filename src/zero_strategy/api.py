@@ -226,10 +226,18 @@ def no_sync(model: nn.Module):
     return engine_of(model).no_sync()
 
 
-def memory_report(model: nn.Module) -> MemoryReport:
-    """Model-state bytes this rank holds now (params, grads, master, optimizer state)."""
+def memory_report(model: nn.Module, reset_peak: bool = False) -> MemoryReport:
+    """Model-state bytes this rank holds now (params, grads, master, optimizer state), and
+    its working set (gathered units, gradient buffers, staging) now and at its peak.
+
+    ``reset_peak=True``: after measuring, the peaks start again from now, so the next
+    report's peak is the next phase's (as ``torch.cuda.reset_peak_memory_stats``).
+    """
     engine = engine_of(model)
-    return measure(engine, engine.optimizers())
+    report = measure(engine, engine.optimizers())
+    if reset_peak:
+        engine.transfers.working_set.reset_peak()
+    return report
 
 
 def _optimizers_of(engine: ZeroEngine, optimizer, where: str) -> list:

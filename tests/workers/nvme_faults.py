@@ -23,7 +23,7 @@ from _worker import start
 from _models import TinyLM, batch, loss_fn, param_groups
 
 import zero_strategy as zs
-import zero_strategy._mechanisms.nvme as nvme
+import zero_strategy._mechanisms.swap_file as swap_file
 import zero_strategy._engine.placement as placement
 
 
@@ -48,7 +48,7 @@ def main() -> None:
             if failing and args["fault"] == "enospc" and step == args["at"]:
                 def full(*a, **k):
                     raise OSError(errno.ENOSPC, "No space left on device")
-                nvme.os.pwrite = full
+                swap_file.os.pwrite = full
             t0 = time.monotonic()
             tokens, targets = batch(rank, step, 0)
             loss_fn(model(tokens), targets).backward()

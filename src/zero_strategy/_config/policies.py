@@ -43,7 +43,11 @@ class NVMeOffload:
 
     ``path=None`` is resolved by the engine: ``$ZERO_STRATEGY_NVME_PATH``, else a
     temporary directory. ``buffer_size`` is in bytes and a multiple of 4096 so
-    buffers can be used for O_DIRECT I/O.
+    buffers can be used for O_DIRECT I/O: the size of one staging buffer and of one I/O
+    request. The host memory staging takes is ``buffer_count`` (raised to what the
+    pipeline holds at once) times ``buffer_size``, whatever the model: a flat group whose
+    state is larger than a buffer streams through the buffers in chunks (See [Note:
+    bounded staging] in _mechanisms/nvme_stream.py).
     """
 
     path: str | None = None
@@ -63,8 +67,8 @@ class NVMeOffload:
                                       "$ZERO_STRATEGY_NVME_PATH or a temp dir.")
         object.__setattr__(self, "buffer_count", _as_int(
             "buffer_count", self.buffer_count, 2, MAX_BUFFER_COUNT,
-            "each buffer is a host staging slot as large as one group's swapped state, and the pipeline "
-            "never has more than read_ahead + 4 (plus stage 3's prefetch) in use, so more only hold memory"))
+            "each buffer is a host staging slot of buffer_size bytes, and the pipeline never has more than "
+            "read_ahead + 4 (plus stage 3's prefetch) in use, so more only hold memory"))
         size = _as_int("buffer_size", self.buffer_size, 1, MAX_BUFFER_SIZE,
                        "it is the size of one read or write request, and Linux moves at most 2 GiB - 4 KiB "
                        "per request")

@@ -210,6 +210,7 @@ class FlatGroup:
         self.state = ShardState.GATHERED
         self._attach_views()
         if shard_params:
+            self.transfers.working_set.add("gathered", self.full.untyped_storage().nbytes())
             self.release()
 
     def __repr__(self) -> str:
@@ -316,7 +317,9 @@ class FlatGroup:
         if self.state is ShardState.GATHERED:
             return None
         storage = self.full.untyped_storage()
-        storage.resize_(self.padded_numel * self.full.element_size())
+        if storage.nbytes() == 0:
+            storage.resize_(self.padded_numel * self.full.element_size())
+            self.transfers.working_set.add("gathered", storage.nbytes())  # See [Note: the working set]
         if self.params.needs_deferred_gather:
             self.params.prefetch()  # a prefetch runs the read under the previous unit's compute
             return _DeferredHandle(lambda: self._gather_from_shard(comm))
@@ -338,7 +341,8 @@ class FlatGroup:
             return
         for s, placeholder in zip(self.slots, self._placeholders):
             s.param.data = placeholder
-        self.full.untyped_storage().resize_(0)
+        self.transfers.working_set.remove("gathered", self.full.untyped_storage().nbytes())
+        self.full.untyped_storage().resize_(0)  # counted when begin_gather (or __init__) allocated it
         self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------------ step

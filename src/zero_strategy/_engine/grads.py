@@ -50,7 +50,8 @@ class GradBuffer:
         self.layout = layout  # the FlatGroup: slots, padded/shard sizes, own()
         self.grad_dtype, self.device = grad_dtype, device
         self.state = GradState.EMPTY
-        self.full_grad: torch.Tensor | None = None    # [padded] unreduced, this rank
+        self._working_set = layout.transfers.working_set  # See [Note: the working set]
+        self._full_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None   # [shard] reduced and averaged
         #: bumped whenever grad_shard's values change (offload re-downloads a stale copy)
         self.version = 0
@@ -156,6 +157,18 @@ class GradBuffer:
                 "gradients before backward or for the whole model (model.zero_grad(), optimizer.zero_grad())")
         self._forget(dropped, keep_full, keep_others=kept, to_none=dropped)
         return not kept and len(latest) == len(dropped)
+
+    @property
+    def full_grad(self) -> torch.Tensor | None:
+        """[padded] this rank's unreduced gradients (a gradient bucket of the working set)."""
+        return self._full_grad
+
+    @full_grad.setter
+    def full_grad(self, value: torch.Tensor | None) -> None:
+        old = self._full_grad
+        self._full_grad = value
+        self._working_set.replace("grad_buckets", 0 if old is None else old.numel() * old.element_size(),
+                                  0 if value is None else value.numel() * value.element_size())
 
     # ------------------------------------------------------------ accumulate
     def accumulate(self, slot) -> None:

@@ -6,6 +6,12 @@ once), not from a formula, so tests can compare it with the ZeRO formula in
 memory on purpose, "offloaded" for what ``offload_states`` moved there until
 ``reload_states``, "device" for the rest; ``by_location`` gives the real device
 types as well (identical placements on a CPU-only machine).
+
+Beside that resting state, the *working set* (See [Note: the working set] in
+_mechanisms/working_set.py): stage-3 units gathered, full gradient buffers, staging
+buffers, as held now and at their peak since setup or the last ``reset_peak``. The
+staging pool's buffers are in both (they rest between steps), so add
+``peak_working_set_bytes`` to ``total - by_category["staging"]`` for the worst moment.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from .._mechanisms.working_set import WORKING_SET_CATEGORIES
 
 CATEGORIES = ("params", "grads", "master", "optimizer_state", "staging")
 
@@ -24,6 +32,12 @@ class MemoryReport:
     by_category: dict[str, int]
     by_placement: dict[str, dict[str, int]] = field(default_factory=dict)
     by_location: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: working-set bytes held when measured, per category ("gathered", "grad_buckets", "staging")
+    working_set: dict[str, int] = field(default_factory=dict)
+    #: each working-set category's peak since setup or the last reset_peak
+    peak_working_set: dict[str, int] = field(default_factory=dict)
+    #: the peak of the working set's sum (the categories' peaks need not coincide)
+    peak_working_set_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -54,6 +68,10 @@ class MemoryReport:
             h = self.by_placement.get("host", {}).get(k, 0) / 2**20
             lines.append(f"{k:<16}{d:>12.3f}{h:>12.3f}")
         lines.append(f"{'total':<16}{self.device_bytes / 2**20:>12.3f}{self.host_bytes / 2**20:>12.3f}")
+        if self.peak_working_set:
+            lines.append("working set MiB, now / peak: " + ", ".join(
+                f"{k} {self.working_set.get(k, 0) / 2**20:.3f} / {self.peak_working_set[k] / 2**20:.3f}"
+                for k in WORKING_SET_CATEGORIES) + f"; peak of the sum {self.peak_working_set_bytes / 2**20:.3f}")
         if self.offloaded_bytes:
             lines.append(f"offloaded to host by offload_states: {self.offloaded_bytes / 2**20:.3f} MiB "
                          "(reload_states brings it back)")
@@ -97,4 +115,6 @@ def measure(engine, optimizers=()) -> MemoryReport:
         for t in engine.swap.staging_tensors():
             add("staging", True, t)
         placements["nvme"] = {"swap_file": engine.swap.bytes_on_disk()}
-    return MemoryReport(cats, placements, locs)
+    now, peak, peak_total = engine.transfers.working_set.snapshot()
+    return MemoryReport(cats, placements, locs, working_set=now, peak_working_set=peak,
+                        peak_working_set_bytes=peak_total)

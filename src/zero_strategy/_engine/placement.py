@@ -22,7 +22,8 @@ def offload_services(model: nn.Module, config, comm: Collectives, device: torch.
     if nvme is None:
         return transfers, None
     return transfers, NVMeStore(nvme, comm.rank, pin=transfers.pin,
-                                needed_bytes=swap_bytes(model, config, comm.world_size))
+                                needed_bytes=swap_bytes(model, config, comm.world_size),
+                                working_set=transfers.working_set)
 
 
 def size_swap_pool(swap: NVMeStore, units, prefetch: int) -> None:

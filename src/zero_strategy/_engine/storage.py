@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .._config.policies import NVMeOffload, OffloadPolicy
+from .._mechanisms import nvme_stream
 from .._mechanisms.transfers import HOST, Transfers
 
 
@@ -64,11 +65,13 @@ class DeviceParamShard:
                                "call zero_strategy.reload_states(model) first")
         return self.tensor
 
-    def take_master(self, master: torch.Tensor, transfers: Transfers):
-        """shard <- master (cast). Returns an upload event to ``wait()`` or None."""
-        if master.device != self.tensor.device:  # host master: cast on the host, half the PCIe bytes
-            return transfers.upload_cast(self.tensor, master)
-        self.tensor.copy_(master)
+    def take_master(self, master: torch.Tensor, transfers: Transfers, start: int = 0):
+        """shard[start:start + master.numel()] <- master (cast; ``start``: a chunk of a streamed
+        step). Returns an upload event to ``wait()`` or None."""
+        dst = self.tensor[start:start + master.numel()]
+        if master.device != dst.device:  # host master: cast on the host, half the PCIe bytes
+            return transfers.upload_cast(dst, master)
+        dst.copy_(master)
         return None
 
 
@@ -81,8 +84,8 @@ class HostParamShard(DeviceParamShard):
         transfers.upload(own, self.tensor).wait()
         return own
 
-    def take_master(self, master: torch.Tensor, transfers: Transfers):
-        self.tensor.copy_(master)  # both on the host: cast in place, no upload
+    def take_master(self, master: torch.Tensor, transfers: Transfers, start: int = 0):
+        self.tensor[start:start + master.numel()].copy_(master)  # both on the host: cast in place, no upload
         return None
 
 
@@ -92,6 +95,7 @@ class NVMeParamShard(HostParamShard):
     def __init__(self, tensor: torch.Tensor, swap, owner):
         super().__init__(tensor)
         self.swap, self.owner = swap, owner
+        self.numel = tensor.numel()  # the tensor's .data is empty while evicted
         swap.adopt(owner, "param", {"param": tensor})
 
     @property
@@ -104,6 +108,11 @@ class NVMeParamShard(HostParamShard):
         self.swap.prefetch(self.owner, "param")
 
     def gather_source(self, own: torch.Tensor, transfers: Transfers) -> torch.Tensor:
+        if self.swap.streamed(self.owner, "param"):  # See [Note: bounded staging] in _mechanisms/nvme_stream.py
+            chunk = nvme_stream.chunk_elems(self.swap.pool.slot_bytes, own.element_size(), own.numel())
+            for a, b, views in nvme_stream.stream(self.swap, self.owner, "param", chunk, write=False):
+                transfers.upload(own[a:b], views["param"]).synchronize()  # the slot is reused next
+            return own
         self.swap.swap_in(self.owner, "param")
         uploaded = transfers.upload(own, self.tensor)
         uploaded.wait()
@@ -111,7 +120,12 @@ class NVMeParamShard(HostParamShard):
         self.swap.swap_out(self.owner, "param", write=False)
         return own
 
-    def take_master(self, master: torch.Tensor, transfers: Transfers):
+    def take_master(self, master: torch.Tensor, transfers: Transfers, start: int = 0):
+        whole_in_slot = self.swap.in_slot(self.owner, "param")  # inside resident(): written back with it
+        if master.numel() != self.numel or (self.swap.streamed(self.owner, "param") and not whole_in_slot):
+            # a chunk of a streamed step, or a shard larger than a slot: chunk by chunk, never whole
+            nvme_stream.write_from(self.swap, self.owner, "param", "param", master, start)
+            return None
         self.swap.swap_in(self.owner, "param", read=False)  # overwritten whole: reading it back is waste
         self.tensor.copy_(master)
         self.swap.swap_out(self.owner, "param", write=True, wait=False)
@@ -125,6 +139,8 @@ class DeviceMaster:
     steps_on_host = False
     #: the step may run in one optimizer call with other groups' (see [Note: step batches])
     steps_together = True
+    #: the step goes chunk by chunk (a swap set larger than a staging slot: NVMe only)
+    streams = False
 
     def __init__(self, master: nn.Parameter, aliases_params: bool):
         self.master = master
@@ -236,7 +252,37 @@ class NVMeMaster(HostMaster):
         swap.adopt(owner, "opt", {"master": master})
 
     def prefetch(self) -> None:
-        self.swap.prefetch(self.owner, "opt")
+        if not self.streams:  # a streamed set is read chunk by chunk in its step, not ahead of it
+            self.swap.prefetch(self.owner, "opt")
+
+    @property
+    def streams(self) -> bool:
+        """Master and state (AdamW's 12 bytes per element, before its state exists) are larger
+        than a staging slot: the step streams them. See [Note: bounded staging]."""
+        return self.swap.streamed(self.owner, "opt", planned_bytes=12 * self.numel)
+
+    def stream(self, fresh: bool):
+        """The chunks of master and optimizer state, as ``nvme_stream.stream`` yields them;
+        ``fresh``: the optimizer has no state yet, so only the master is read."""
+        chunk = nvme_stream.chunk_elems(self.swap.pool.slot_bytes, 12, self.numel)
+        return nvme_stream.stream(self.swap, self.owner, "opt", chunk, read_keys={"master"} if fresh else None)
+
+    def swapped_state(self) -> set[str]:
+        """The optimizer state keys that rest in the swap file beside the master."""
+        return {k[len("state."):] for k in self.swap.keys(self.owner, "opt") if k.startswith("state.")}
+
+    def keep_state_chunk(self, key: str, tensor: torch.Tensor, start: int, views: dict) -> None:
+        """A streamed first step created ``tensor``: elements [start, ...) of state ``key``."""
+        name = f"state.{key}"
+        nvme_stream.register(self.swap, self.owner, "opt", name, tensor, self.numel)
+        if name in views:
+            views[name].copy_(tensor)  # written back with the chunk
+        else:  # its chunk was read before the key existed
+            nvme_stream.write_from(self.swap, self.owner, "opt", name, tensor, start)
+
+    def fail(self, err: BaseException) -> None:
+        """A streamed step stopped part way: what the swap file holds is no longer one step's."""
+        self.swap.fail(err)
 
     def cancel_prefetch(self) -> None:
         self.swap.cancel_prefetch(self.owner, "opt")

@@ -143,7 +143,8 @@ _INITIAL_FROM_GROUP = {"sum": "initial_accumulator_value", "step_size": "lr"}
 
 
 @contextlib.contextmanager
-def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable) -> Iterator[None]:
+def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable, window: tuple[int, int] | None = None
+                   ) -> Iterator[None]:
     """Around one optimizer step of ``groups``: afterwards, put back the master elements and
     the optimizer state (of the master's shape) of their untouched parameters.
 
@@ -153,6 +154,10 @@ def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable) -> Iterat
     a step count shared by its group advanced, and then used again, is warned about once
     per group (the one difference from DDP that is left). ``untouched`` is used once:
     the next step's agreement sets it again.
+
+    ``window=(a, b)``: the one group is stepped a chunk at a time (a streamed NVMe group,
+    _optim/chunked_step.py) and its master and state are now elements [a, b) of the shard;
+    ``untouched`` is used up by the chunk that ends the shard.
     """
     saved, fresh, kept = [], [], []
     with torch.no_grad():
@@ -160,12 +165,17 @@ def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable) -> Iterat
             master = g.master
             if master is None or master.grad is None:  # not stepped now
                 continue
-            untouched, g.grads.untouched = g.grads.untouched, frozenset()
-            _warn_if_back(g, untouched)
+            untouched = g.grads.untouched
+            if window is None or window[1] >= g.shard_numel:
+                g.grads.untouched = frozenset()
+                _warn_if_back(g, untouched)
             if not untouched:
                 continue
-            kept.append((g, untouched))
+            if window is None or window[1] >= g.shard_numel:
+                kept.append((g, untouched))
             where = [w for s, _, _, w in g.slot_ranges_in_shard() if s.index in untouched]
+            if window is not None:
+                where = _within(where, *window)
             if not where:  # none of them in this rank's shard
                 continue
             state = optimizer.state.get(master, {})
@@ -188,6 +198,16 @@ def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable) -> Iterat
         state = optimizer.state.get(g.master, {})
         if any(not torch.is_tensor(v) or v.shape != g.master.shape for v in state.values()):
             g.kept_behind |= untouched
+
+
+def _within(where: list[slice], a: int, b: int) -> list[slice]:
+    """The parts of shard ranges ``where`` inside elements [a, b), relative to ``a``."""
+    out = []
+    for w in where:
+        lo, hi = max(w.start, a), min(w.stop, b)
+        if lo < hi:
+            out.append(slice(lo - a, hi - a))
+    return out
 
 
 def _warn_if_back(g, untouched: frozenset[int]) -> None:

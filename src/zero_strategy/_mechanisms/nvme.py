@@ -42,133 +42,40 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import enum
-import errno
-import os
 import threading
 import time
-import weakref
-from pathlib import Path
 
 import torch
 
 from .aligned import aligned_empty, round_up
-from .nvme_files import (JobDir, NVMeError, check_room, free_space, prepare_base, remove_stale_job_dirs, reserve,
-                         resolve_nvme_path)
+from .nvme_files import NVMeError, check_room, prepare_base, resolve_nvme_path
+from .swap_file import SwapFile, wait_all
 
 __all__ = ["NVMeError", "NVMeStore", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
 
 #: seconds a thread waits for a free staging slot before giving up (a failure wakes it at once)
 SLOT_TIMEOUT_S = 300.0
-#: seconds one I/O request may take before the store is declared failed
-IO_TIMEOUT_S = 300.0
-
-
-class SwapFile:
-    """This rank's swap file: one aligned region per swapped tensor, chunked parallel I/O.
-
-    It lives alone in a private, locked directory (see [Note: swap files nobody else can
-    touch]); ``reserved`` bytes of it are allocated on disk up front.
-    """
-
-    def __init__(self, base: Path, rank: int, io_threads: int, chunk_bytes: int, reserve_bytes: int = 0):
-        remove_stale_job_dirs(base)
-        self.dir = JobDir(base, rank)
-        self.path = self.dir.path / "swap.bin"
-        try:
-            self.fd, self.direct = self.dir.create_file("swap.bin", direct=hasattr(os, "O_DIRECT"))
-            self.reserved = round_up(reserve_bytes)
-            reserve(self.fd, self.path, 0, self.reserved)
-        except BaseException:
-            if hasattr(self, "fd"):
-                os.close(self.fd)
-            self.dir.remove()
-            raise
-        self.chunk = chunk_bytes
-        self.regions: dict[str, tuple[int, int]] = {}
-        self._end = 0
-        self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="zero-nvme-io")
-        self.bytes_read = self.bytes_written = 0
-        self._lock = threading.Lock()
-        # removed when this object is collected or at interpreter exit, whichever is first
-        # (a plain atexit.register(self.close) would keep every swap file alive until exit)
-        self._finalizer = weakref.finalize(self, _remove_swap_file, self.fd, self.dir, self._io)
-
-    def region(self, key: str, nbytes: int) -> tuple[int, int]:
-        with self._lock:
-            if key not in self.regions:
-                end = self._end + round_up(nbytes)
-                if end > self.reserved:  # beyond the up-front estimate: reserve the growth now
-                    reserve(self.fd, self.path, self.reserved, end)
-                    self.reserved = end
-                self.regions[key] = (self._end, round_up(nbytes))
-                self._end = end
-            return self.regions[key]
-
-    @property
-    def size(self) -> int:
-        return self._end
-
-    def _io_chunk(self, write: bool, buf: torch.Tensor, offset: int) -> None:
-        view = memoryview(buf.numpy())
-        done = 0
-        while done < len(view):
-            try:
-                n = (os.pwrite(self.fd, view[done:], offset + done) if write
-                     else os.preadv(self.fd, [view[done:]], offset + done))
-            except OSError as e:
-                what = "disk full" if e.errno == errno.ENOSPC else e.strerror
-                raise NVMeError(f"NVMe {'write to' if write else 'read from'} {self.path} at byte {offset + done} "
-                                f"failed: {what} ({free_space(self.dir.path)} there)") from None
-            if n <= 0:
-                raise NVMeError(f"NVMe {'write to' if write else 'read from'} {self.path} at byte "
-                                f"{offset + done} made no progress (file truncated?)")
-            done += n
-
-    def submit(self, write: bool, key: str, buf: torch.Tensor) -> list[concurrent.futures.Future]:
-        """Start moving ``buf`` (aligned uint8, region-sized) to/from region ``key``."""
-        offset, size = self.regions[key]
-        assert buf.numel() == size, (key, buf.numel(), size)
-        futures = []
-        for start in range(0, size, self.chunk):
-            part = buf[start:start + self.chunk]
-            futures.append(self._io.submit(self._io_chunk, write, part, offset + start))
-        with self._lock:
-            if write:
-                self.bytes_written += size
-            else:
-                self.bytes_read += size
-        return futures
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-def _remove_swap_file(fd: int, directory: JobDir, io: concurrent.futures.ThreadPoolExecutor) -> None:
-    io.shutdown(wait=True, cancel_futures=True)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    directory.remove()
-
-
-def wait_all(futures, path: Path | None = None) -> None:
-    """Wait for I/O requests; re-raises NVMeError from the I/O thread, or one for a request that hangs."""
-    deadline = time.monotonic() + IO_TIMEOUT_S
-    for f in futures:
-        try:
-            f.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            raise NVMeError(f"an NVMe request on {path or 'the swap file'} did not complete in {IO_TIMEOUT_S:.0f} s "
-                            f"({free_space(path.parent) if path else 'free space unknown'}); the disk or its "
-                            "filesystem is not responding") from None
 
 
 class SlotPool:
-    """``count`` aligned host buffers; ``acquire`` blocks until one is free (back-pressure)."""
+    """``count`` aligned host buffers of at most ``slot_bytes`` each (or one chunk of
+    ``nvme_stream.ALIGN_ELEMS`` elements of each tensor of a set, where that is more);
+    ``acquire`` blocks until one is free (back-pressure).
 
-    def __init__(self, count: int, pin: bool):
+    Staging is bounded by ``count × slot_bytes`` (See [Note: bounded staging] in
+    _mechanisms/nvme_stream.py): a set larger than a slot is streamed through slots in
+    chunks, never given a slot of its own size. ``acquire_private`` is the one way past the
+    bound, for a caller that needs a large set whole (a checkpoint): its buffer is freed at
+    ``release``, not kept, and both are counted in the working set.
+    """
+
+    def __init__(self, count: int, pin: bool, slot_bytes: int | None = None, working_set=None):
         self._pin = pin
         self._free: list[torch.Tensor | None] = [None] * count
         self.count = count
+        self.slot_bytes = slot_bytes
+        self._working_set = working_set
+        self._private: set[int] = set()  # data_ptr of buffers from acquire_private
         self._cv = threading.Condition()
         self._failed: str | None = None
 
@@ -186,6 +93,10 @@ class SlotPool:
                 self.count = count
                 self._cv.notify_all()
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit in one slot."""
+        return self.slot_bytes is None or nbytes <= self.slot_bytes
+
     def acquire(self, nbytes: int) -> torch.Tensor:
         deadline = time.monotonic() + SLOT_TIMEOUT_S
         with self._cv:
@@ -198,9 +109,26 @@ class SlotPool:
                                     f"{self.count} held); a write-back or read did not finish")
                 self._cv.wait(left)
             buf = self._free.pop(self._best_fit(nbytes))
-        if buf is None or buf.numel() < nbytes:
-            buf = aligned_empty(nbytes, self._pin)  # grows to the largest swap set seen
+        if buf is None or buf.numel() < nbytes:  # grows to the largest request seen, at most slot_bytes
+            old = 0 if buf is None else buf.numel()
+            buf = None  # freed before the new one is allocated
+            buf = aligned_empty(nbytes, self._pin)
+            self._count(old, nbytes)
         return buf
+
+    def acquire_private(self, nbytes: int) -> torch.Tensor:
+        """A buffer of its own for a set too large for a slot, freed at ``release``."""
+        if self._failed:
+            raise NVMeError(f"NVMe offload stopped: {self._failed}")
+        buf = aligned_empty(nbytes, self._pin)
+        with self._cv:
+            self._private.add(buf.data_ptr())
+        self._count(0, nbytes)
+        return buf
+
+    def _count(self, old: int, new: int) -> None:
+        if self._working_set is not None:
+            self._working_set.replace("staging", old, new)
 
     def _best_fit(self, nbytes: int) -> int:
         """Index of the smallest free buffer that holds ``nbytes``; else an unallocated one; else
@@ -216,6 +144,10 @@ class SlotPool:
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cv:
+            if buf.data_ptr() in self._private:
+                self._private.discard(buf.data_ptr())
+                self._count(buf.numel(), 0)
+                return
             self._free.append(buf)
             self._cv.notify()
 
@@ -250,7 +182,7 @@ class _SwapSet:
 class NVMeStore:
     """The swap file, the slot pool and the residency of every swapped group of one rank."""
 
-    def __init__(self, policy, rank: int, pin: bool, needed_bytes: int):
+    def __init__(self, policy, rank: int, pin: bool, needed_bytes: int, working_set=None):
         directory, default = resolve_nvme_path(policy)
         prepare_base(directory, default)
         check_room(directory, needed_bytes)
@@ -259,7 +191,9 @@ class NVMeStore:
         self.file = SwapFile(directory, rank, policy.io_threads, policy.buffer_size, reserve_bytes=needed_bytes)
         # stepping + read-ahead + one write-back, plus (stage 3) this group's parameter shard and the
         # previous one's parameter write-back, must fit at once, or the pipeline waits on itself
-        self.pool = SlotPool(max(policy.buffer_count, policy.read_ahead + 4), pin)
+        # of buffer_size bytes each: a larger set streams through them (See [Note: bounded staging])
+        self.pool = SlotPool(max(policy.buffer_count, policy.read_ahead + 4), pin,
+                             slot_bytes=policy.buffer_size, working_set=working_set)
         self._sets: dict[tuple[int, str], _SwapSet] = {}
         self._meta: dict[tuple[int, str], dict[str, tuple[torch.dtype, int]]] = {}
         self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-nvme-evict")
@@ -306,18 +240,51 @@ class NVMeStore:
             s.tensors[key] = t
             meta[key] = (t.dtype, t.numel())
             fkey = f"{s.name}:{key}"
-            _, size = self.file.region(fkey, t.numel() * t.element_size())
-            buf = aligned_empty(size, pin=False)
-            buf[:t.numel() * t.element_size()].copy_(t.detach().reshape(-1).view(torch.uint8))
-            staged.append((buf, self.file.submit(True, fkey, buf)))
-        for _, futures in staged:
-            wait_all(futures, self.file.path)
+            self.file.region(fkey, t.numel() * t.element_size())
+            staged.append((fkey, t))
+        self._write_out(staged)
         if s.residency is not Residency.IN_SLOT:  # not inside a residency: evict now
             self._evict(s)
+
+    def _write_out(self, staged: list[tuple[str, torch.Tensor]]) -> None:
+        """Write whole tensors to their regions through one buffer of at most ``buffer_size``
+        bytes (a tensor larger than that goes in pieces): adopting a large group costs no
+        aligned copy of its size. Synchronous: adopt runs at setup, at a first step and at a
+        checkpoint load, never on a path that overlaps other I/O."""
+        limit = self.pool.slot_bytes or 1 << 62
+        longest = max((t.numel() * t.element_size() for _, t in staged), default=0)
+        if not longest:
+            return
+        buf = self.pool.acquire_private(min(round_up(longest), round_up(limit)))
+        try:
+            for fkey, t in staged:
+                data = t.detach().reshape(-1).view(torch.uint8)
+                for start in range(0, data.numel(), buf.numel()):
+                    part = data[start:start + buf.numel()]
+                    size = round_up(part.numel())
+                    buf[:part.numel()].copy_(part)
+                    wait_all(self.file.submit(True, fkey, buf[:size], start=start), self.file.path)
+        finally:
+            self.pool.release(buf)
+
+    def streamed(self, group, kind: str, planned_bytes: int = 0) -> bool:
+        """Whether the set is larger than one staging slot (``planned_bytes``: what it will hold
+        once its optimizer state exists), so that it streams in chunks. See [Note: bounded staging]."""
+        key = (id(group), kind)
+        return key in self._meta and not self.pool.fits(max(self._slot_bytes(key), planned_bytes))
 
     def needs_adopt(self, group, kind: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         s = self._sets.get((id(group), kind))
         return {k: t for k, t in tensors.items() if s is None or k not in s.tensors}
+
+    def in_slot(self, group, kind: str) -> bool:
+        """Whether the set is resident now (its tensors view its slot)."""
+        s = self._sets.get((id(group), kind))
+        return s is not None and s.residency is Residency.IN_SLOT
+
+    def keys(self, group, kind: str) -> list[str]:
+        """The names of the set's swapped tensors ("master", "state.exp_avg", "param")."""
+        return list(self._meta.get((id(group), kind), {}))
 
     def has(self, group, kind: str) -> bool:
         return (id(group), kind) in self._sets
@@ -334,6 +301,10 @@ class NVMeStore:
                             "swapped training state is incomplete, so it is not read back. Restart from "
                             "the last checkpoint after fixing the disk")
 
+    def fail(self, err: BaseException) -> None:
+        """Mark the store failed from outside (a streamed step that stopped part way)."""
+        self._fail(err)
+
     def _fail(self, err: BaseException, s: _SwapSet | None = None) -> None:
         """Mark the store failed, return ``s``'s slot and wake every slot waiter. See [Note: failures]."""
         if self._failed is None:
@@ -346,11 +317,17 @@ class NVMeStore:
                 self._evict(other, only_if_idle=True)
 
     def prefetch(self, group, kind: str, read: bool = True) -> None:
-        """Start reading the set into a slot (no-op if resident or already reading).
+        """Start reading the set into a slot (no-op if resident or already reading, and for a
+        set larger than a slot: it streams, or ``swap_in`` reads it whole when asked to).
 
         ``read=False`` only takes the slot: for a caller that overwrites every tensor of
         the set (see ``swap_in``).
         """
+        if self.streamed(group, kind):
+            return
+        self._prefetch(group, kind, read)
+
+    def _prefetch(self, group, kind: str, read: bool) -> None:
         s = self._sets[(id(group), kind)]
         self._check_healthy(s)
         with s.lock:
@@ -358,7 +335,10 @@ class NVMeStore:
                 return
             assert s.residency is Residency.EVICTED, (s.name, s.residency)
             meta = self._meta[(id(group), kind)]
-            s.slot = self.pool.acquire(self._slot_bytes((id(group), kind)))
+            nbytes = self._slot_bytes((id(group), kind))
+            # a set larger than a slot is only ever whole for a caller that needs it so (a
+            # checkpoint, a full state dict): a buffer of its own, freed at swap_out
+            s.slot = self.pool.acquire(nbytes) if self.pool.fits(nbytes) else self.pool.acquire_private(nbytes)
             s.residency = Residency.READING
             offset, s.reads = 0, []
             try:
@@ -397,7 +377,7 @@ class NVMeStore:
         slot's stale bytes are never seen; a read already in flight is still waited for.
         """
         s = self._sets[(id(group), kind)]
-        self.prefetch(group, kind, read=read)
+        self._prefetch(group, kind, read=read)
         with s.lock:
             if s.residency is Residency.IN_SLOT:
                 return

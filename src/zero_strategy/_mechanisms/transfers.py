@@ -38,7 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .working_set import WorkingSet
+
 HOST = torch.device("cpu")
+
+#: the largest pinned staging slot of a cast upload (2 slots); a larger tensor goes in pieces
+STAGING_SLOT_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,9 @@ class Transfers:
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._staging = _StagingRing(2, self.host_empty)
+        #: what the engine holds beyond its resting state, now and at its peak (See [Note: the working set])
+        self.working_set = WorkingSet()
+        self._staging = _StagingRing(2, self.host_empty, self.working_set)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
@@ -106,12 +113,18 @@ class Transfers:
 
         Casting on the host halves the bytes over PCIe for bf16/fp16 parameters. Any
         thread may call it: a slot is taken from the ring and handed back with its
-        upload's event, so no two copies ever share a slot (see _StagingRing).
+        upload's event, so no two copies ever share a slot (see _StagingRing). A tensor
+        larger than a slot (``STAGING_SLOT_BYTES``) goes in pieces, so the ring stays
+        two slots of at most that size, whatever the largest group.
         """
-        with self._staging.slot(src_host.numel(), dst_dev.dtype) as (view, done):
-            view.copy_(src_host)
-            done.append(self.upload(dst_dev, view))
-        return done[0]
+        piece = max(1, STAGING_SLOT_BYTES // dst_dev.element_size())
+        events = []
+        for a in range(0, src_host.numel(), piece):
+            with self._staging.slot(min(piece, src_host.numel() - a), dst_dev.dtype) as (view, done):
+                view.copy_(src_host[a:a + piece])
+                done.append(self.upload(dst_dev[a:a + piece], view))
+            events.append(done[0])
+        return events[-1] if events else DONE  # one stream: the last upload completes after the others
 
     def staging_tensors(self) -> list[torch.Tensor]:
         return self._staging.buffers()
@@ -138,8 +151,9 @@ class _StagingRing:
     request seen.
     """
 
-    def __init__(self, count: int, allocate):
+    def __init__(self, count: int, allocate, working_set: WorkingSet | None = None):
         self._allocate = allocate
+        self._working_set = working_set
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._all: list[list] = []
         for _ in range(count):
@@ -155,7 +169,11 @@ class _StagingRing:
             entry[1].synchronize()
             buf = entry[0]
             if buf is None or buf.numel() < numel or buf.dtype != dtype:
+                old = 0 if buf is None else buf.numel() * buf.element_size()
+                entry[0] = buf = None
                 buf = entry[0] = self._allocate(numel, dtype)
+                if self._working_set is not None:
+                    self._working_set.replace("staging", old, buf.numel() * buf.element_size())
             yield buf[:numel], done
         finally:
             entry[1] = done[0] if done else DONE

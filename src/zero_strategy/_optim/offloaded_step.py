@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._mechanisms.transfers import step_batches
+from .chunked_step import step_in_chunks
 
 if TYPE_CHECKING:
     from .._engine.engine import ZeroEngine
@@ -31,12 +32,13 @@ if TYPE_CHECKING:
 class OffloadedStep:
     """One optimizer's host-side step over its groups, and the group steps overlap_step starts early.
 
-    ``step_masters(groups)``: the user's optimizer stepping those groups' masters (the
-    ZeroOptimizer's, so hooks and the untouched-parameter rule stay in one place).
+    ``step_masters(groups, window=None)``: the user's optimizer stepping those groups' masters
+    (the ZeroOptimizer's, so hooks and the untouched-parameter rule stay in one place).
+    ``states()``: the user's optimizer's ``state`` mapping now (a ``load_state_dict`` replaces it).
     """
 
-    def __init__(self, engine: "ZeroEngine", groups: list, step_masters: Callable[[list], None],
-                 state_of: Callable[[torch.Tensor], dict],
+    def __init__(self, engine: "ZeroEngine", groups: list, step_masters: Callable[..., None],
+                 states: Callable[[], dict],
                  set_grad: Callable[[Any, torch.Tensor | None], None] | None = None):
         """``set_grad(group, grad)``: hand the optimizer a group's fp32 gradient (None: take it back):
         the master's ``.grad``, or views of it per parameter (See [Note: optimizers that need whole
@@ -45,7 +47,7 @@ class OffloadedStep:
         self.groups = groups
         self._step_masters = step_masters
         self._set_grad = set_grad or (lambda g, grad: setattr(g.master, "grad", grad))
-        self._state_of = state_of  # master -> the user's optimizer state of it (read at each call)
+        self._states = states
         self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
         self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
         if engine.swap is not None:  # slots of its own for the reads backward starts
@@ -149,6 +151,11 @@ class OffloadedStep:
         with torch.profiler.record_function(f"zero::cpu_step::{batch[0].name}+{len(batch) - 1}"):
             for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
                 nxt.masters.prefetch()
+            if batch[0].masters.streams:  # larger than a staging slot: one group, chunk by chunk
+                grad = batch[0].master_grad()
+                if factor != 1.0:
+                    grad.mul_(factor)
+                return [step_in_chunks(batch[0], grad, self._step_masters, self._states())]
             begun = []
             try:
                 for g in batch:
@@ -170,5 +177,5 @@ class OffloadedStep:
                     g.masters.abort_step()  # hand the slot back unwritten, or the next step waits forever
                 raise
             for g in batch:
-                g.masters.end_step(self._state_of(g.master))
+                g.masters.end_step(self._states().get(g.master, {}))
             return uploads

@@ -135,8 +135,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # the user's own object stepped directly would step masters without gradients: a silent
         # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
         self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
-        self.offloaded = OffloadedStep(engine, self.groups, self._step_masters,
-                                       lambda master: self.optimizer.state.get(master, {}), self._set_grad)
+        self.offloaded = OffloadedStep(engine, self.groups, self._step_masters, lambda: self.optimizer.state,
+                                       self._set_grad)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -358,10 +358,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Ownership layout: (slot, where in the shard, the view stepped) per parameter this rank owns."""
         return list(self._views.get(id(g), ()))
 
-    def _step_masters(self, groups) -> None:
+    def _step_masters(self, groups, window: tuple[int, int] | None = None) -> None:
         """The user's optimizer steps the masters of ``groups`` that have a ``.grad`` (unhooked:
-        See [Note: hooks fire once per step])."""
-        with keep_untouched(self.optimizer, groups):  # See [Note: no gradient on any rank] in _engine/untouched.py
+        See [Note: hooks fire once per step]); ``window``: elements [a, b) of one group's shard
+        (a chunk of a streamed group, _optim/chunked_step.py)."""
+        with keep_untouched(self.optimizer, groups, window):  # See [Note: no gradient on any rank] in _engine/untouched.py
             self._unhooked_step(self.optimizer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -52,7 +52,7 @@ NO_EFFECT = {
     "reduce_scatter": "gradients are always reduce-scattered per unit (stages 2-3)",
     "allgather_bucket_size": "the all-gather bucket is one unit",
     "reduce_bucket_size": "the reduce-scatter bucket is one unit",
-    "sub_group_size": "the optimizer steps per unit",
+    "sub_group_size": "the optimizer steps per flat group; with NVMe, a group larger than buffer_size streams in chunks of it",
     "max_in_cpu": "NVMe parameter offload keeps no CPU cache of parameters",
     "block_size": "NVMe I/O is sized by NVMeOffload(buffer_size=...)",
     "queue_depth": "NVMe I/O is sized by NVMeOffload(io_threads=...)",

@@ -1,0 +1,93 @@
+"""The optimizer step of one streamed group, chunk by chunk.
+
+[Note: a step in chunks is the step]
+A flat group whose master and optimizer state are larger than one NVMe staging slot is
+stepped as consecutive chunks [a, b) of its shard (See [Note: bounded staging] in
+_mechanisms/nvme_stream.py). Setup only accepts elementwise optimizers (See [Note: why
+re-home instead of wrap] in optimizer.py): each element's update reads that element of the
+master, gradient and state tensors, and the group's hyperparameters and shared scalars
+(Adam's ``step``). So the user's optimizer is called once per chunk with the master, its
+``.grad`` and its elementwise state viewing that chunk, and the shared scalars put back to
+their values before the step for every chunk but the first: each chunk sees exactly the
+values one call on the whole shard would, and after the last chunk the scalars have moved
+once. At the group's first step the optimizer has no state yet: each chunk starts from
+none, as the optimizer would start the whole shard (its initial values are elementwise:
+zeros, or a constant of the group's settings), and the chunk's new state goes to the swap
+file. tests/test_nvme_streaming.py compares the chunks with one call on the whole tensor,
+fused and foreach kernels included.
+
+If a chunk's step raises, the chunks before it are already written: the swap file holds
+half a step, so the store is marked failed (no later read can return it) and the error
+says to restart from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Callable
+
+import torch
+
+from .._mechanisms.nvme import NVMeError
+
+
+class _Events:
+    """The upload events of one group's chunks, waited for together."""
+
+    def __init__(self, events: list):
+        self.events = [e for e in events if e is not None]
+
+    def wait(self, stream=None) -> None:
+        for e in self.events:
+            e.wait(stream)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            e.synchronize()
+
+
+@torch.no_grad()
+def step_in_chunks(group, grad: torch.Tensor, step_masters: Callable[..., None], states: dict) -> _Events:
+    """Step ``group`` (its gradient ``grad`` [shard] fp32, already scaled) chunk by chunk, and
+    write each chunk's new parameter shard. See [Note: a step in chunks is the step]."""
+    masters, master = group.masters, group.master
+    masters.cancel_prefetch()  # a whole-set read started before the set outgrew a slot: not used
+    state = states.get(master)
+    swapped = masters.swapped_state()
+    fresh = not state or not swapped
+    # the shared scalars (Adam's step) as they are before the step: every chunk starts from them
+    before = {} if fresh else {k: copy.deepcopy(v) for k, v in state.items() if k not in swapped}
+    events = []
+    chunks = masters.stream(fresh)
+    try:
+        with contextlib.closing(chunks):
+            for a, b, views in chunks:
+                master.data = views["master"]
+                master.grad = grad[a:b]
+                if fresh:
+                    states.pop(master, None)  # the optimizer starts this chunk as it starts a shard
+                else:
+                    for k in swapped:
+                        state[k].data = views[f"state.{k}"]
+                    if a:
+                        state.update(copy.deepcopy(before))
+                step_masters([group], window=(a, b))
+                if fresh:
+                    for k, v in states[master].items():
+                        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == b - a:
+                            masters.keep_state_chunk(k, v, a, views)
+                events.append(group.params.take_master(views["master"], group.transfers, start=a))
+    except BaseException as e:
+        err = NVMeError(f"the optimizer step of flat group {group.name!r}, streamed in chunks from the "
+                        f"NVMe swap file, stopped part way ({type(e).__name__}: {e}); the swap file holds "
+                        "part of a step, so it is not read again. Restart from the last checkpoint")
+        masters.fail(err)
+        raise err from e
+    finally:
+        master.grad = None
+        master.data = torch.empty(0, dtype=master.dtype)
+        for k, v in states.get(master, {}).items():
+            if k in swapped or k in masters.swapped_state():
+                v.data = torch.empty(0, dtype=v.dtype)
+    return _Events(events)
