@@ -1,6 +1,6 @@
 """One-GPU benchmark: plain GPU training vs zero_strategy (with and without CPU offload) vs peers, one run.
 
-The anchor model of ../shared/ANCHORS.md: a Llama-style ``LlamaForCausalLM`` with
+The peers' published anchor model: a Llama-style ``LlamaForCausalLM`` with
 940.6M parameters (hidden 2048, 16 layers, 16 heads, intermediate 5504, vocab
 32000, SDPA attention), batch 8 x 2048 tokens of random ids, the same batch every
 step, world size 1.

@@ -2,7 +2,7 @@
 
 Each rank writes ``<out>/rank<r>.json``; success is judged by those reports, not
 only by exit codes, because ~30% of 2-rank CPU runs abort in interpreter teardown
-after finishing their work (see ../shared/ANCHORS.md). A run that does not finish
+after finishing their work (gloo teardown). A run that does not finish
 within ``timeout`` is killed, so a hang fails the test instead of hanging CI. The
 run's temporary directory is removed afterwards (the logs travel in the error message).
 """

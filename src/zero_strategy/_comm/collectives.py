@@ -8,7 +8,7 @@ every stage runs (and is tested) in a single process.
 
 [Note: which reduce-scatter]
 On gloo the list form of ``reduce_scatter`` measured ~1.5x faster than the
-single-tensor form for 64 MiB buffers (../shared/ANCHORS.md), so gloo gets the list
+single-tensor form for 64 MiB buffers (torch 2.x, 2 CPU ranks), so gloo gets the list
 form and everything else (NCCL) the single-tensor form. Both need equal shards,
 which the flat buffers guarantee by padding.
 
