@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU device call should run, from the repository root, in under 5 minutes:
 #
-#   pip wheel --no-deps -w .whl deepspeed==0.19.8 ...   # once, here: peer wheels (~5 MiB; /.whl/ is git-ignored)
+#   (once, where a package registry is: the peer wheels in .whl/, see benchmarks/README.md; /.whl/ is git-ignored)
 #   device run:  command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=420
 #
 # 1. installs the carried peer wheels (.whl/*.whl, if any) into /tmp/site ($PEER_SITE overrides);
