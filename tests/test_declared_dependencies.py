@@ -69,7 +69,7 @@ def test_the_scan_sees_the_packages_we_know_the_code_uses():
     assert {"torch", "yaml", "safetensors", "numpy"} <= set().union(*(tops(m) for m in need if ".lightning" not in m
                                                                       and ".accelerate" not in m
                                                                       and ".transformers" not in m))
-    assert "numpy" in tops(f"{PACKAGE}._mechanisms.nvme")  # buf.numpy() for the swap file's I/O
+    assert "numpy" in tops(f"{PACKAGE}._mechanisms.swap_file")  # buf.numpy() for the swap file's I/O
     assert "lightning" in tops(f"{PACKAGE}.lightning._strategy")
     assert "accelerate" in tops(f"{PACKAGE}.transformers")  # through zero_strategy.accelerate
     assert "lightning" not in tops(PACKAGE), "import zero_strategy must not need Lightning"
