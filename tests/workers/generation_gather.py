@@ -64,6 +64,11 @@ def sharded_groups(model) -> int:
     return sum(len(u.sharded_groups) for u in zs.engine_of(model).units)
 
 
+def sharded_units(model) -> int:
+    """Units with sharded groups: one (coalesced) all-gather each, however many groups they have."""
+    return sum(1 for u in zs.engine_of(model).units if u.sharded_groups)
+
+
 def unit_states(model) -> list[str]:
     return sorted({u.state.value for u in zs.engine_of(model).units if u.sharded_groups})
 
@@ -114,7 +119,7 @@ def run_generate(case: dict, out) -> dict:
             "sampled_equal": sampled == expected[True], "per_unit_equal": per_unit == expected[False],
             "uneven_equal": uneven == uneven_expected,
             "gathers_in_block": in_block, "gathers_without_block": without_block,
-            "sharded_groups": sharded_groups(model),
+            "sharded_groups": sharded_groups(model), "sharded_units": sharded_units(model),
             "log": [ln for ln in lines.lines if "gathered_for_generation" in ln],
             "states_after": unit_states(model)}
 

@@ -67,6 +67,24 @@ Two collectives of one size that paired across ranks complete without a word (a
 gather of expert 2 on one rank summed with a gather of expert 0 on another); this
 catches them before the step applies what they computed, on every rank at once.
 
+[Note: coalesced collectives]
+A unit with several flat groups (members of an expert list, the root's parts, a block's
+persistent group beside its sharded one) would issue one collective per group, and
+on gloo each costs 0.5-2 ms to issue and wait beyond its bytes (measured on 2 ranks:
+a 720,896 + 68,864 element reduce-scatter pair 4.8-5.9 ms apart, 2.7-3.6 ms as one;
+six small all-gathers 3.2 ms apart, 0.6-0.9 ms as one). :meth:`Collectives.all_gather_coalesced`
+and :meth:`Collectives.reduce_scatter_coalesced` issue one collective for many flat
+buffers, as FSDP2 does for its parameter groups: the shards are packed rank-major
+into one buffer ``[N, sum(S_i)]`` (a copy in), one all-gather or reduce-scatter runs
+on it, and the all-gather copies each rank's slice back out into every output at its
+wait (the reduce-scatter's outputs are views into its one output: no copy out). The
+copies cost one pass over the bytes, which on a GPU is far below a collective's launch
+latency and on gloo below the per-call cost saved. The flight recorder sees one
+collective of the summed size under the caller's label, and the byte counters count
+one call of the summed (already padded) sizes, so communication volume is unchanged.
+Writes into the outputs keep their autograd version counters, as the uncoalesced
+in-place gathers do (stage-3 ``full`` buffers have views saved for backward).
+
 """
 
 from __future__ import annotations
@@ -86,7 +104,7 @@ import torch.distributed as dist
 from .faults import (LOCAL, MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger, Record,
                      desync_diagnosis, diagnosis, find_desync, is_timeout)
 from .stats import CommStats, OpCounter
-from .waits import DESYNC_CHECK_AFTER, Handle
+from .waits import DESYNC_CHECK_AFTER, Handle, Then
 
 __all__ = ["CollectiveDesync", "CollectiveError", "CollectiveTimeout", "Collectives", "CommStats", "Handle",
            "OpCounter", "DESYNC_CHECK_AFTER"]
@@ -312,6 +330,46 @@ class Collectives:
         else:
             call = lambda: _reduce_scatter_single(shard, full, group=self.group, async_op=True)  # noqa: E731
         return self._issue("reduce_scatter", label, full, full.numel(), async_op, (shard, full), call)
+
+    def all_gather_coalesced(self, outputs: list[torch.Tensor], shards: list[torch.Tensor],
+                             label: str = "") -> Handle | Then:
+        """outputs[i][N*S_i] <- concat over ranks of shards[i][S_i], as one all-gather (async; the
+        copies out run at ``wait()``). See [Note: coalesced collectives]."""
+        if len(outputs) == 1:
+            return self.all_gather(outputs[0], shards[0], async_op=True, label=label)
+        n = self.world_size
+        sizes = [s.numel() for s in shards]
+        packed = torch.empty(n, sum(sizes), dtype=outputs[0].dtype, device=outputs[0].device)
+        mine = packed[self.rank]  # [sum(S_i)], this rank's row: what it sends
+        torch.cat(shards, out=mine)
+        handle = self.all_gather(packed.view(-1), mine, async_op=True, label=label)
+
+        def copy_out() -> None:
+            lo = 0
+            with torch.no_grad():
+                for out, size in zip(outputs, sizes):
+                    with torch.autograd._unsafe_preserve_version_counter(out):
+                        out.view(n, size).copy_(packed[:, lo:lo + size])
+                    lo += size
+        return Then(handle, copy_out)
+
+    def reduce_scatter_coalesced(self, fulls: list[torch.Tensor], label: str = ""
+                                 ) -> tuple[Handle, list[torch.Tensor]]:
+        """One reduce-scatter for several flat buffers: returns the handle and ``outs[i]`` [S_i],
+        this rank's summed slot of ``fulls[i]`` [N*S_i] once the handle is waited on (views into
+        one output). The inputs are read here: callers may drop them. See [Note: coalesced collectives]."""
+        n = self.world_size
+        sizes = [f.numel() // n for f in fulls]
+        out = torch.empty(sum(sizes), dtype=fulls[0].dtype, device=fulls[0].device)
+        if len(fulls) == 1:
+            return self.reduce_scatter(out, fulls[0], async_op=True, label=label), [out]
+        packed = torch.empty(n, sum(sizes), dtype=fulls[0].dtype, device=fulls[0].device)
+        lo = 0
+        for full, size in zip(fulls, sizes):
+            packed[:, lo:lo + size].copy_(full.view(n, size))
+            lo += size
+        handle = self.reduce_scatter(out, packed.view(-1), async_op=True, label=label)
+        return handle, list(out.split(sizes))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
                    label: str = "", count: bool = True) -> Handle:

@@ -77,6 +77,22 @@ class Handle:
         self._keep = ()
 
 
+class Then:
+    """A handle whose ``wait()`` waits for ``inner`` and then runs ``after`` once (the copies out
+    of a coalesced collective; see [Note: coalesced collectives] in _comm/collectives.py)."""
+
+    __slots__ = ("_inner", "_after")
+
+    def __init__(self, inner, after):
+        self._inner, self._after = inner, after
+
+    def wait(self) -> None:
+        if self._after is not None:
+            after, self._after = self._after, None
+            self._inner.wait()  # raises before anything is copied out of a failed collective
+            after()
+
+
 def _wait_on_thread(work, seconds: float, check_desync=None) -> None:
     """``work.wait()`` on a daemon thread, given up after ``seconds``; after
     :data:`DESYNC_CHECK_AFTER` seconds ``check_desync()`` runs every second and may raise

@@ -95,7 +95,8 @@ class ZeroEngine:
         if self.plan.shards_parameters:
             comm.split_gradient_stream()  # See [Note: two streams of collectives]
         self.agreements = StepAgreements(comm, self.plan.keeps_full_gradients)
-        self.reduces = ReduceQueue(comm.gradients, self.trainable_groups, in_place=self.plan.keeps_full_gradients,
+        self.reduces = ReduceQueue(comm.gradients, [(u.name, [g for g in u.groups if g.trainable]) for u in self.units],
+                                   in_place=self.plan.keeps_full_gradients,
                                    in_flight_limit=lambda: 1 if self._overlapping() else MAX_IN_FLIGHT,
                                    on_reduced=self._on_reduced)
         self.schedule = GatherSchedule([u for u in self.units[1:] if u.sharded_groups], config.prefetch)
@@ -462,7 +463,7 @@ class ZeroEngine:
         self.reduces.wait_all()
         groups = self.trainable_groups if groups is None else groups
         for g in self.agreements.for_step(groups, self._unfrozen):
-            self.reduces.launch(g)  # every rank reduces it, with zeros where it has no gradient
+            self.reduces.launch([g])  # every rank reduces it, with zeros where it has no gradient
         self.reduces.wait_all(notify=False)
         for g in self.groups:
             g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time

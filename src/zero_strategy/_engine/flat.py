@@ -133,6 +133,73 @@ class _DeferredHandle:
             start().wait()
 
 
+def begin_gather_groups(groups: list["FlatGroup"], comm: Collectives, label: str):
+    """Start one all-gather of the ``groups`` not gathered yet (several: coalesced, See [Note:
+    coalesced collectives] in _comm/collectives.py); None when all are gathered. Where a shard
+    rests on NVMe, the reads start now and the collective is issued at ``wait()``, in the
+    same order on every rank (``_DeferredHandle``)."""
+    opened = [g for g in groups if g.open_for_gather()]
+    if not opened:
+        return None
+    name = opened[0].name if len(opened) == 1 else label
+
+    def start():
+        with contextlib.ExitStack() as stack:
+            for g in opened:
+                stack.enter_context(_preserve_version(g.full))
+            sources = [g.gather_source() for g in opened]
+            return comm.all_gather_coalesced([g.full for g in opened], sources, label=name)
+    if any(g.params.needs_deferred_gather for g in opened):
+        return _DeferredHandle(start)
+    return start()
+
+
+#: the step's all-gathers of groups kept whole are coalesced up to this many elements per call (4 MiB
+#: in fp32): small groups (stage 3's persistent ones, biases and norms) cost a collective's fixed
+#: cost each, while above it one group's own bytes outweigh it and the copies in and out would only
+#: add to them. See [Note: coalesced collectives] in _comm/collectives.py.
+COALESCE_STEP_ELEMENTS = 1 << 20
+
+
+def publish_masters(groups: list["FlatGroup"], comm: Collectives) -> list:
+    """:meth:`FlatGroup.publish_master` for each of ``groups``, with the all-gathers of neighbours that
+    fit :data:`COALESCE_STEP_ELEMENTS` together issued as one. Returns the handles to wait for."""
+    return _coalesced_gathers([(g, g.publish_local()) for g in groups], comm)
+
+
+def gather_replicated_groups(groups: list["FlatGroup"], comm: Collectives) -> list:
+    """Stages 1-2 and persistent stage-3 groups (the offloaded step): all-gather each ``full`` from its
+    own slice, coalesced as :func:`publish_masters`."""
+    return _coalesced_gathers([(g, None if g.shard_params else g.own(g.full)) for g in groups], comm)
+
+
+def _coalesced_gathers(sources: list, comm: Collectives) -> list:
+    """All-gather each group's ``full`` from its own slice (pairs ``(group, own)``; own None: nothing to
+    gather), neighbours together up to :data:`COALESCE_STEP_ELEMENTS` per collective."""
+    handles, batch, size = [], [], 0
+
+    def issue() -> None:
+        if batch:
+            label = batch[0][0].name if len(batch) == 1 else f"{batch[0][0].name} +{len(batch) - 1} groups"
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for g, _ in batch:
+                    stack.enter_context(_preserve_version(g.full))
+                handles.append(comm.all_gather_coalesced([g.full for g, _ in batch], [o for _, o in batch],
+                                                         label=label))
+            batch.clear()
+
+    for g, own in sources:
+        if own is None:
+            continue
+        if size + g.padded_numel > COALESCE_STEP_ELEMENTS:
+            issue()
+            size = 0
+        batch.append((g, own))
+        size += g.padded_numel
+    issue()
+    return handles
+
+
 def _preserve_version(t: torch.Tensor):
     """Writes into ``full`` must not bump the version autograd checks for saved views."""
     return torch.autograd._unsafe_preserve_version_counter(t)
@@ -314,21 +381,25 @@ class FlatGroup:
 
     def begin_gather(self, comm: Collectives) -> Handle | None:
         """Start materializing ``full`` from the shards; ``finish_gather`` after the handle."""
+        return begin_gather_groups([self], comm, self.name)
+
+    def open_for_gather(self) -> bool:
+        """Make room for ``full`` and start reading the shard (NVMe: the read runs under the
+        previous unit's compute). False when gathered already."""
         if self.state is ShardState.GATHERED:
-            return None
+            return False
         storage = self.full.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.padded_numel * self.full.element_size())
             self.transfers.working_set.add("gathered", storage.nbytes())  # See [Note: the working set]
         if self.params.needs_deferred_gather:
-            self.params.prefetch()  # a prefetch runs the read under the previous unit's compute
-            return _DeferredHandle(lambda: self._gather_from_shard(comm))
-        return self._gather_from_shard(comm)
+            self.params.prefetch()
+        return True
 
-    def _gather_from_shard(self, comm: Collectives) -> Handle:
+    def gather_source(self) -> torch.Tensor:
+        """This rank's shard, next to the device, to all-gather from (after ``open_for_gather``)."""
         with _preserve_version(self.full):
-            source = self.params.gather_source(self.own(self.full), self.transfers)
-            return comm.all_gather(self.full, source, async_op=True, label=self.name)
+            return self.params.gather_source(self.own(self.full), self.transfers)
 
     def finish_gather(self) -> None:
         if self.state is ShardState.SHARDED:
@@ -368,6 +439,16 @@ class FlatGroup:
         of ``full`` takes the shard and is all-gathered. Frozen groups (no master) just
         re-gather from their shard.
         """
+        own = self.publish_local()
+        if own is None:
+            return None
+        with torch.no_grad(), _preserve_version(self.full):
+            return comm.all_gather(self.full, own, async_op=True, label=self.name)
+
+    def publish_local(self) -> torch.Tensor | None:
+        """:meth:`publish_master` without its all-gather: the master into the resting shard,
+        and where ``full`` is materialized, the shard into this rank's slice of it, which is
+        returned (the one to all-gather); None where nothing is to be gathered."""
         with torch.no_grad():
             if self.masters is not None and not self.masters.aliases_params:
                 uploaded = self.params.take_master(self.master.detach(), self.transfers)
@@ -379,7 +460,7 @@ class FlatGroup:
             with _preserve_version(self.full):
                 if own.data_ptr() != self.param_shard.data_ptr():  # the shard rests elsewhere (offload)
                     own.copy_(self.param_shard)
-                return comm.all_gather(self.full, own, async_op=True, label=self.name)
+            return own
 
     def stage_master_upload(self):
         """Offloaded step, on the CPU worker: master -> compute-dtype parameter shard.
@@ -390,13 +471,6 @@ class FlatGroup:
             if self.masters.aliases_params:
                 return None
             return self.params.take_master(self.master.detach(), self.transfers)
-
-    def gather_replicated(self, comm: Collectives) -> Handle | None:
-        """Stages 1-2 (and persistent stage-3 groups): all-gather ``full`` from the own slice."""
-        if self.shard_params:
-            return None
-        with _preserve_version(self.full):
-            return comm.all_gather(self.full, self.own(self.full), async_op=True, label=self.name)
 
     def write_back_gathered(self, loaded: Mapping[int, torch.Tensor] | None = None) -> None:
         """The gathered ``full`` was changed (a load, a modification inside ``gathered_parameters``):

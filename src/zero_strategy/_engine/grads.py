@@ -231,6 +231,17 @@ class GradBuffer:
         ``in_place``: the slice is reduced into ``full_grad`` itself (stage 1, whose full
         buffer persists anyway), so stepping needs no extra gradient memory.
         """
+        full = self.prepare_reduce(comm)
+        out = self.layout.own(full) if in_place else torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
+                                                                 device=self.device)
+        handle = comm.reduce_scatter(out, full, async_op=True, label=self.layout.name)
+        self.now_reducing()
+        return handle, out
+
+    def prepare_reduce(self, comm: Collectives) -> torch.Tensor:
+        """``full_grad`` [padded] ready to be reduce-scattered: zeros where no gradient arrived
+        (a rank that did not use a parameter contributes zeros), pre-divided in fp16. The
+        caller issues the collective and then calls :meth:`now_reducing`."""
         layout = self.layout
         if self._reduced_in_place:  # reduced again (another rank has new gradients): keep ours
             self._set_reduced_aside()
@@ -245,12 +256,15 @@ class GradBuffer:
         full = self.full_grad
         if comm.data_parallel_size > 1 and full.dtype == torch.float16:
             full.div_(comm.data_parallel_size)  # fp16: divide before summing so the sum cannot overflow
-        out = layout.own(full) if in_place else torch.empty(layout.shard_numel, dtype=self.grad_dtype,
-                                                            device=self.device)
-        handle = comm.reduce_scatter(out, full, async_op=True, label=layout.name)
+        return full
+
+    def now_reducing(self, drop_full: bool = False) -> None:
+        """The reduce-scatter of what :meth:`prepare_reduce` returned is issued. ``drop_full``: it
+        read ``full_grad`` already (a coalesced one copies it in), so its memory goes now."""
+        if drop_full:
+            self.full_grad = None
         self.reduced_this_backward = True
         self._enter(GradState.REDUCING)
-        return handle, out
 
     def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
         """Average the reduced slice into ``grad_shard``; free ``full_grad`` unless it persists."""

@@ -22,9 +22,19 @@ backward of reentrant checkpointing, see [Note: reentrant checkpointing and unit
 called twice] in _engine/engine.py) are a second round: launched at once, as every rank
 does the same there.
 
+The order is one of *buckets*, not of groups: a bucket is the trainable groups of one
+unit, reduced as one coalesced reduce-scatter (See [Note: coalesced collectives] in
+_comm/collectives.py), so a unit costs one collective however many flat groups it
+has (members of an expert list, the root's parts, a persistent group beside the
+sharded one). A bucket is launched once all of its groups are complete on this rank,
+or at the end of backward; a group with no gradient on this rank (an expert its
+batch skipped) holds its bucket to the end of backward, as it held every group after
+it in the order before buckets, and contributes zeros. Stage 1 reduces in place, at
+the step, one group at a time (its buckets are single groups).
+
 The queue keeps at most :data:`MAX_IN_FLIGHT` reduce-scatters in flight (one with
 ``overlap_step``, whose step starts as each one finishes) and calls ``on_reduced``
-for each one finished during backward.
+for each group of each one finished during backward.
 """
 
 from __future__ import annotations
@@ -45,41 +55,46 @@ MAX_IN_FLIGHT = 4
 class ReduceQueue:
     """Launches, limits and finishes the gradient reduce-scatters of one engine's groups."""
 
-    def __init__(self, comm: Collectives, groups: list[FlatGroup], in_place: bool,
+    def __init__(self, comm: Collectives, buckets: list[tuple[str, list[FlatGroup]]], in_place: bool,
                  in_flight_limit: Callable[[], int], on_reduced: Callable[[FlatGroup], None]):
-        """``groups``: the trainable groups in registration order. ``in_place``: stage 1 reduces into
-        its persistent full buffer. ``on_reduced(group)``: a reduce finished during backward."""
+        """``buckets``: (unit name, its trainable groups) in registration order. ``in_place``: stage 1
+        reduces into its persistent full buffer, one group at a time. ``on_reduced(group)``: a
+        reduce finished during backward."""
         self.comm = comm
         self.in_place = in_place
-        self.order: list[FlatGroup] = list(reversed(groups))  # See [Note: reduce order]
-        self._position = {id(g): i for i, g in enumerate(self.order)}
+        if in_place:
+            buckets = [(g.name, [g]) for _, groups in buckets for g in groups]
+        #: See [Note: reduce order]
+        self.order: list[tuple[str, list[FlatGroup]]] = [(n, gs) for n, gs in reversed(buckets) if gs]
+        self._position = {id(g): i for i, (_, gs) in enumerate(self.order) for g in gs}
         self._in_flight_limit = in_flight_limit
         self._on_reduced = on_reduced
-        self.pending: collections.deque[tuple[FlatGroup, Handle, torch.Tensor]] = collections.deque()
+        self.pending: collections.deque[tuple[list[FlatGroup], Handle, list[torch.Tensor], str]] = (
+            collections.deque())
         # per backward (reset by end_backward)
-        self._next = 0            # position in ``order`` of the next group to launch
-        self._complete: set[int] = set()  # positions complete on this rank, not launched yet
+        self._next = 0            # position in ``order`` of the next bucket to launch
+        self._complete: dict[int, set[int]] = {}  # position -> ids of its groups complete on this rank
 
     # ------------------------------------------------------------ in backward
     def complete(self, group: FlatGroup) -> None:
-        """This rank holds all of ``group``'s gradients: launch it and whatever it unblocks, in order."""
+        """This rank holds all of ``group``'s gradients: launch its bucket once the bucket is complete,
+        and whatever that unblocks, in order."""
         position = self._position[id(group)]
         if position < self._next:  # a second round in this backward: See [Note: reduce order]
-            self.launch(group)
+            self.launch([group])
             return
-        self._complete.add(position)
-        while self._next in self._complete:
-            self._complete.discard(self._next)
-            self.launch(self.order[self._next])
+        self._complete.setdefault(position, set()).add(id(group))
+        while self._next < len(self.order) and len(self._complete.get(self._next, ())) == len(
+                self.order[self._next][1]):
+            del self._complete[self._next]
+            self._launch_bucket(self._next)
             self._next += 1
 
     def flush(self) -> None:
-        """End of backward: launch every group not launched yet, in order (zeros where unused)."""
+        """End of backward: launch every bucket not launched yet, in order (zeros where unused)."""
         while self._next < len(self.order):
-            group = self.order[self._next]
+            self._launch_bucket(self._next)
             self._next += 1
-            if not group.grads.reduced_this_backward:
-                self.launch(group)
         self._complete.clear()
 
     def end_backward(self) -> None:
@@ -87,26 +102,43 @@ class ReduceQueue:
         self._complete.clear()
 
     # --------------------------------------------------------------- launches
-    def launch(self, group: FlatGroup) -> None:
-        """Start ``group``'s reduce-scatter now (the caller keeps the order; see the Note)."""
-        with torch.profiler.record_function(f"zero::reduce::{group.name}"):
-            handle, out = group.grads.begin_reduce(self.comm, in_place=self.in_place)
-        self.pending.append((group, handle, out))
+    def _launch_bucket(self, position: int) -> None:
+        name, groups = self.order[position]
+        groups = [g for g in groups if not g.grads.reduced_this_backward]
+        if groups:
+            self.launch(groups, name)
+
+    def launch(self, groups: list[FlatGroup], name: str | None = None) -> None:
+        """Start one reduce-scatter of ``groups`` now (the caller keeps the order; see the Note)."""
+        label = groups[0].name if len(groups) == 1 else f"{name} ({len(groups)} groups)"
+        with torch.profiler.record_function(f"zero::reduce::{label}"):
+            if self.in_place:
+                assert len(groups) == 1, [g.name for g in groups]
+                handle, out = groups[0].grads.begin_reduce(self.comm, in_place=True)
+                outs = [out]
+            else:
+                fulls = [g.grads.prepare_reduce(self.comm) for g in groups]
+                handle, outs = self.comm.reduce_scatter_coalesced(fulls, label=label)
+                for g in groups:
+                    g.grads.now_reducing(drop_full=True)
+        self.pending.append((groups, handle, outs, label))
         limit = self._in_flight_limit()
         while len(self.pending) > limit:
             self.finish_one()
 
     def finish_one(self, notify: bool = True) -> None:
-        group, handle, out = self.pending.popleft()
-        with torch.profiler.record_function(f"zero::reduce_wait::{group.name}"):
+        groups, handle, outs, label = self.pending.popleft()
+        with torch.profiler.record_function(f"zero::reduce_wait::{label}"):
             try:
                 handle.wait()
             except CollectiveError as e:
                 raise missing_ranks_message(
-                    self.comm, f"the gradient reduce-scatter of {group.name!r}", e, gather=False) from e
-        group.finish_reduce(out, self.comm, in_place=self.in_place)
+                    self.comm, f"the gradient reduce-scatter of {label!r}", e, gather=False) from e
+        for group, out in zip(groups, outs):
+            group.finish_reduce(out, self.comm, in_place=self.in_place)
         if notify:
-            self._on_reduced(group)
+            for group in groups:
+                self._on_reduced(group)
 
     def wait_all(self, notify: bool = True) -> None:
         while self.pending:

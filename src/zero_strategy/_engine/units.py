@@ -1,8 +1,8 @@
 """Units: which module subtrees are sharded together, and their flat groups.
 
 [Note: choosing units]
-A unit is gathered and reduced together (one all-gather and one reduce-scatter per
-flat group: usually one group, plus one per member, see below), so it should be one
+A unit is gathered and reduced together (one all-gather and one reduce-scatter of
+all its flat groups: usually one group, plus one per member, see below), so it should be one
 repeated block of the model. Auto-detection walks the model from the
 root, outermost first, and descends into every module until it finds blocks:
 
@@ -53,10 +53,12 @@ are used or skipped together:
 
 A group no rank has a gradient for is then not stepped, as DDP's parameters (See
 [Note: no gradient on any rank] in _engine/untouched.py, which also covers what is left
-inside a group). The cost is more, smaller collectives: one per member and part and
-collective kind (a list of 64 experts in each of 27 layers issues about 1,700 of each
-kind per step where one per layer did; gathering a unit's groups as one coalesced
-call is the way to win that back, not done yet); Hugging Face models that fuse their experts into one tensor (Mixtral,
+inside a group). The cost would be more, smaller collectives, one per member and part and collective
+kind (a list of 64 experts in each of 27 layers: about 1,700 of each kind per step);
+instead a unit's groups are gathered as one coalesced all-gather and reduced as one
+coalesced reduce-scatter (See [Note: coalesced collectives] in _comm/collectives.py and
+[Note: reduce order] in _engine/reduce.py), so a unit costs one collective of each kind
+however many groups it has. Hugging Face models that fuse their experts into one tensor (Mixtral,
 Qwen2-MoE in transformers 5) have no members, and DDP gives every expert a (zero)
 gradient there too.
 """
@@ -73,7 +75,7 @@ from torch import nn
 from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, CollectiveTimeout, Handle
 from .._config.policies import OffloadPolicy
 from .._mechanisms.transfers import Transfers
-from .flat import FlatGroup, ShardState
+from .flat import FlatGroup, ShardState, begin_gather_groups
 from .materialize import materialize_unit
 from .materialize import unit_modules as unit_scope
 from .plan import ShardingPlan
@@ -251,7 +253,10 @@ class Unit:
         self.groups = groups
         self.is_root = is_root
         self.sharded_groups = [g for g in groups if g.shard_params]
-        self._gather_handles: list[tuple[FlatGroup, Handle | None]] | None = None
+        #: a gather is in flight: one all-gather of every sharded group (See [Note: coalesced
+        #: collectives] in _comm/collectives.py), whose handle is None when all were gathered already
+        self._gathering = False
+        self._gather_handle: Handle | None = None
         self._comm: Collectives | None = None  # of the gather in flight, for its error message
         #: kept gathered by release() while True: See [Note: gathered for generation] in _engine/generation.py
         self.held = False
@@ -267,28 +272,29 @@ class Unit:
 
     @property
     def gather_in_flight(self) -> bool:
-        return self._gather_handles is not None
+        return self._gathering
 
     def begin_gather(self, comm: Collectives) -> None:
-        """Start all-gathers of this unit's sharded groups (prefetch); no-op if gathered or started."""
-        if self._gather_handles is not None or self.state is ShardState.GATHERED:
+        """Start the all-gather of this unit's sharded groups (prefetch); no-op if gathered or started."""
+        if self._gathering or self.state is ShardState.GATHERED:
             return
         self._comm = comm
         with torch.profiler.record_function(f"zero::gather::{self.name}"):
-            self._gather_handles = [(g, g.begin_gather(comm)) for g in self.sharded_groups]
+            label = f"{self.name} ({len(self.sharded_groups)} groups)"
+            self._gather_handle = begin_gather_groups(self.sharded_groups, comm, label)
+            self._gathering = True
 
     def wait_gather(self) -> None:
-        if self._gather_handles is None:
+        if not self._gathering:
             return
-        for group, handle in self._gather_handles:
-            if handle is not None:
-                try:
-                    handle.wait()
-                except CollectiveError as e:
-                    self._gather_handles = None
-                    raise missing_ranks_message(self._comm, f"the all-gather of unit {self.name!r}", e) from e
+        handle, self._gather_handle, self._gathering = self._gather_handle, None, False
+        if handle is not None:
+            try:
+                handle.wait()
+            except CollectiveError as e:
+                raise missing_ranks_message(self._comm, f"the all-gather of unit {self.name!r}", e) from e
+        for group in self.sharded_groups:
             group.finish_gather()
-        self._gather_handles = None
 
     def gather(self, comm: Collectives) -> None:
         self.begin_gather(comm)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .._engine.flat import gather_replicated_groups
 from .._mechanisms.transfers import step_batches
 from .chunked_step import step_in_chunks
 
@@ -131,10 +132,10 @@ class OffloadedStep:
         handles = []
         try:
             for batch, fut in jobs:
-                for g, uploaded in zip(batch, fut.result()):
+                for uploaded in fut.result():
                     if uploaded is not None:
                         uploaded.wait()  # the compute stream waits for the H2D copy
-                    handles.append(g.gather_replicated(self.engine.comm))
+                handles += gather_replicated_groups(batch, self.engine.comm)  # coalesced where small
         finally:
             for _, fut in jobs:  # never leave the worker running past an error
                 concurrent.futures.wait([fut])

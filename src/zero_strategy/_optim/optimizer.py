@@ -54,6 +54,7 @@ import torch
 
 from .._config.policies import NVMeOffload
 from .._engine.engine import ZeroEngine
+from .._engine.flat import publish_masters
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
 from .loss_scale import LossScaler
@@ -325,10 +326,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 mg.mul_(factor)
             self._set_grad(g, mg)
         self._step_masters(groups)
-        handles = [g.publish_master(self.engine.comm) for g in groups]
-        for g, h in zip(groups, handles):
-            if h is not None:
-                h.wait()
+        for h in publish_masters(groups, self.engine.comm):  # coalesced where small
+            h.wait()
+        for g in groups:
             if g.master.grad is not g.grads.grad_shard:
                 g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
             if g.owned:
