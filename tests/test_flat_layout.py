@@ -8,6 +8,7 @@ from torch import nn
 
 from zero_strategy._comm.collectives import Collectives
 from zero_strategy._engine.flat import FlatGroup, ShardState
+from zero_strategy._engine.group_gathers import begin_gather_groups
 
 
 def make_group(shapes, world_size, rank, shard_params=False, dtype=torch.float32):
@@ -64,7 +65,7 @@ def test_stage3_release_frees_parameters_and_gather_restores_them():
         assert p.untyped_storage().nbytes() <= p.element_size()
         assert torch.isnan(p).all()
     assert g.full.untyped_storage().nbytes() == 0
-    handle = g.begin_gather(Collectives())
+    handle = begin_gather_groups([g], Collectives(), g.name)
     assert handle is not None
     handle.wait()
     g.finish_gather()

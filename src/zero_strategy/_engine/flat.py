@@ -119,88 +119,7 @@ def _gaps(slots: list[ParamSlot], padded_numel: int) -> list[tuple[int, int]]:
     return out
 
 
-class _DeferredHandle:
-    """A gather whose collective is issued at ``wait()`` (its disk read is already running)."""
-
-    __slots__ = ("_start",)
-
-    def __init__(self, start):
-        self._start = start
-
-    def wait(self) -> None:
-        if self._start is not None:
-            start, self._start = self._start, None
-            start().wait()
-
-
-def begin_gather_groups(groups: list["FlatGroup"], comm: Collectives, label: str):
-    """Start one all-gather of the ``groups`` not gathered yet (several: coalesced, See [Note:
-    coalesced collectives] in _comm/collectives.py); None when all are gathered. Where a shard
-    rests on NVMe, the reads start now and the collective is issued at ``wait()``, in the
-    same order on every rank (``_DeferredHandle``)."""
-    opened = [g for g in groups if g.open_for_gather()]
-    if not opened:
-        return None
-    name = opened[0].name if len(opened) == 1 else label
-
-    def start():
-        with contextlib.ExitStack() as stack:
-            for g in opened:
-                stack.enter_context(_preserve_version(g.full))
-            sources = [g.gather_source() for g in opened]
-            return comm.all_gather_coalesced([g.full for g in opened], sources, label=name)
-    if any(g.params.needs_deferred_gather for g in opened):
-        return _DeferredHandle(start)
-    return start()
-
-
-#: the step's all-gathers of groups kept whole are coalesced up to this many elements per call (4 MiB
-#: in fp32): small groups (stage 3's persistent ones, biases and norms) cost a collective's fixed
-#: cost each, while above it one group's own bytes outweigh it and the copies in and out would only
-#: add to them. See [Note: coalesced collectives] in _comm/collectives.py.
-COALESCE_STEP_ELEMENTS = 1 << 20
-
-
-def publish_masters(groups: list["FlatGroup"], comm: Collectives) -> list:
-    """:meth:`FlatGroup.publish_master` for each of ``groups``, with the all-gathers of neighbours that
-    fit :data:`COALESCE_STEP_ELEMENTS` together issued as one. Returns the handles to wait for."""
-    return _coalesced_gathers([(g, g.publish_local()) for g in groups], comm)
-
-
-def gather_replicated_groups(groups: list["FlatGroup"], comm: Collectives) -> list:
-    """Stages 1-2 and persistent stage-3 groups (the offloaded step): all-gather each ``full`` from its
-    own slice, coalesced as :func:`publish_masters`."""
-    return _coalesced_gathers([(g, None if g.shard_params else g.own(g.full)) for g in groups], comm)
-
-
-def _coalesced_gathers(sources: list, comm: Collectives) -> list:
-    """All-gather each group's ``full`` from its own slice (pairs ``(group, own)``; own None: nothing to
-    gather), neighbours together up to :data:`COALESCE_STEP_ELEMENTS` per collective."""
-    handles, batch, size = [], [], 0
-
-    def issue() -> None:
-        if batch:
-            label = batch[0][0].name if len(batch) == 1 else f"{batch[0][0].name} +{len(batch) - 1} groups"
-            with torch.no_grad(), contextlib.ExitStack() as stack:
-                for g, _ in batch:
-                    stack.enter_context(_preserve_version(g.full))
-                handles.append(comm.all_gather_coalesced([g.full for g, _ in batch], [o for _, o in batch],
-                                                         label=label))
-            batch.clear()
-
-    for g, own in sources:
-        if own is None:
-            continue
-        if size + g.padded_numel > COALESCE_STEP_ELEMENTS:
-            issue()
-            size = 0
-        batch.append((g, own))
-        size += g.padded_numel
-    issue()
-    return handles
-
-
-def _preserve_version(t: torch.Tensor):
+def preserve_version(t: torch.Tensor):
     """Writes into ``full`` must not bump the version autograd checks for saved views."""
     return torch.autograd._unsafe_preserve_version_counter(t)
 
@@ -379,10 +298,6 @@ class FlatGroup:
                 v.copy_(data)
                 s.param.data = v
 
-    def begin_gather(self, comm: Collectives) -> Handle | None:
-        """Start materializing ``full`` from the shards; ``finish_gather`` after the handle."""
-        return begin_gather_groups([self], comm, self.name)
-
     def open_for_gather(self) -> bool:
         """Make room for ``full`` and start reading the shard (NVMe: the read runs under the
         previous unit's compute). False when gathered already."""
@@ -398,7 +313,7 @@ class FlatGroup:
 
     def gather_source(self) -> torch.Tensor:
         """This rank's shard, next to the device, to all-gather from (after ``open_for_gather``)."""
-        with _preserve_version(self.full):
+        with preserve_version(self.full):
             return self.params.gather_source(self.own(self.full), self.transfers)
 
     def finish_gather(self) -> None:
@@ -413,7 +328,7 @@ class FlatGroup:
         for s, placeholder in zip(self.slots, self._placeholders):
             s.param.data = placeholder
         self.transfers.working_set.remove("gathered", self.full.untyped_storage().nbytes())
-        self.full.untyped_storage().resize_(0)  # counted when begin_gather (or __init__) allocated it
+        self.full.untyped_storage().resize_(0)  # counted when open_for_gather (or __init__) allocated it
         self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------------ step
@@ -442,7 +357,7 @@ class FlatGroup:
         own = self.publish_local()
         if own is None:
             return None
-        with torch.no_grad(), _preserve_version(self.full):
+        with torch.no_grad(), preserve_version(self.full):
             return comm.all_gather(self.full, own, async_op=True, label=self.name)
 
     def publish_local(self) -> torch.Tensor | None:
@@ -457,7 +372,7 @@ class FlatGroup:
             if self.shard_params and self.state is ShardState.SHARDED:
                 return None
             own = self.own(self.full)
-            with _preserve_version(self.full):
+            with preserve_version(self.full):
                 if own.data_ptr() != self.param_shard.data_ptr():  # the shard rests elsewhere (offload)
                     own.copy_(self.param_shard)
             return own

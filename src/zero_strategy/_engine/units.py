@@ -75,7 +75,8 @@ from torch import nn
 from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, CollectiveTimeout, Handle
 from .._config.policies import OffloadPolicy
 from .._mechanisms.transfers import Transfers
-from .flat import FlatGroup, ShardState, begin_gather_groups
+from .flat import FlatGroup, ShardState
+from .group_gathers import begin_gather_groups
 from .materialize import materialize_unit
 from .materialize import unit_modules as unit_scope
 from .plan import ShardingPlan

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .._engine.flat import gather_replicated_groups
+from .._engine.group_gathers import gather_replicated_groups
 from .._mechanisms.transfers import step_batches
 from .chunked_step import step_in_chunks
 

@@ -54,7 +54,7 @@ import torch
 
 from .._config.policies import NVMeOffload
 from .._engine.engine import ZeroEngine
-from .._engine.flat import publish_masters
+from .._engine.group_gathers import publish_masters
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
 from .loss_scale import LossScaler
