@@ -79,7 +79,7 @@ class Zero(System):
 
         cfg = AutoConfig.from_pretrained(self.args.model_dir)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         kw = {}
         if "nvme" in self.name:
@@ -147,7 +147,7 @@ class DeepSpeed(System):
 
         conf = self._config()
         self._hf_ds = HfDeepSpeedConfig(conf)  # must stay alive: from_pretrained then loads under zero.Init
-        model = AutoModelForCausalLM.from_pretrained(self.args.model_dir, torch_dtype=_dtype(self.args))
+        model = AutoModelForCausalLM.from_pretrained(self.args.model_dir, dtype=_dtype(self.args))
         self.model, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                                 config=conf)
 
@@ -189,7 +189,7 @@ class FSDP2(System):
 
         cfg = AutoConfig.from_pretrained(self.args.model_dir)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         kw = {}
         if self.args.precision == "bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
