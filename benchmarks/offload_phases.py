@@ -73,7 +73,10 @@ def _phases(name, system, ids):
     else:
         loss = system.model(input_ids=ids, labels=ids).loss
         t1 = time.perf_counter()
-        system.opt.backward(loss)
+        if hasattr(system.opt, "backward"):  # ours; DDP's plain torch optimizer has none
+            system.opt.backward(loss)
+        else:
+            loss.backward()
         t2 = time.perf_counter()
         system.opt.step()
         system.opt.zero_grad()
