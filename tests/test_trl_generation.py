@@ -47,7 +47,8 @@ def test_grpo_at_stage_3_gathers_each_unit_once_per_generate_and_equals_ddp(repo
         case = r["zero3"]
         _equal_to_ddp(case, r["ref"])
         assert case["stage"] == 3 and case["sharded_groups"] == 7  # embeddings, norm, head, 2 blocks: all sharded
-        assert case["gathers_per_generate"] == [case["sharded_groups"]] * 3
+        assert case["sharded_units"] == 3  # the root (its parts) and 2 blocks: one coalesced all-gather each
+        assert case["gathers_per_generate"] == [case["sharded_units"]] * 3
 
 
 @pytest.mark.multiprocess
@@ -57,7 +58,7 @@ def test_grpo_with_the_reference_model_sharded_equals_ddp(reports):
         case = r["zero3_beta"]
         _equal_to_ddp(case, r["ref_beta"])
         assert case["ref_sharded"] and case["kl"][-1] > 0  # the KL term is live
-        assert case["gathers_per_generate"] == [case["sharded_groups"]] * 3
+        assert case["gathers_per_generate"] == [case["sharded_units"]] * 3
 
 
 @pytest.mark.multiprocess
@@ -75,7 +76,7 @@ def test_ds3_gather_for_generation_false_means_per_unit_gathers(reports):
     for r in reports:
         case = r["zero3_per_unit"]
         _equal_to_ddp(case, r["ref"])
-        assert case["gathers_per_generate"] == [NEW_TOKENS * case["sharded_groups"]] * 3
+        assert case["gathers_per_generate"] == [NEW_TOKENS * case["sharded_units"]] * 3
         assert case["log"] == []  # TRL's switch, not a budget: nothing to say
 
 
@@ -86,7 +87,7 @@ def test_a_budget_the_model_exceeds_falls_back_to_per_unit_gathers_with_one_log_
     for r in reports:
         case = r["zero3_tiny_budget"]
         _equal_to_ddp(case, r["ref"])
-        assert case["gathers_per_generate"] == [NEW_TOKENS * case["sharded_groups"]] * 3
+        assert case["gathers_per_generate"] == [NEW_TOKENS * case["sharded_units"]] * 3
     (line,) = rank0["zero3_tiny_budget"]["log"]  # once for the run, not once per generate()
     assert "per unit" in line and "budget" in line
     assert rank1["zero3_tiny_budget"]["log"] == []

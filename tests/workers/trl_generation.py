@@ -109,6 +109,7 @@ def run(case: str, out: Path) -> dict:
         engine = zs.engine_of(trainer.model)
         report["stage"] = engine.plan.stage
         report["sharded_groups"] = sum(len(u.sharded_groups) for u in engine.units)
+        report["sharded_units"] = sum(1 for u in engine.units if u.sharded_groups)  # one coalesced gather each
         report["ref_sharded"] = getattr(trainer, "ref_model", None) is not None and zs.is_set_up(trainer.ref_model)
     return report
 
