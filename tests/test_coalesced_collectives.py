@@ -23,6 +23,9 @@ pytestmark = pytest.mark.multiprocess
 
 CASES = [dict(model=m, stage=s, offload=o, threshold=17)
          for m in ("moe_blocks", "moe", "vlm") for s in (2, 3) for o in (None, "cpu")]
+# a limit between the persistent groups (biases, norms) and the sharded matrices: each large group is
+# reduce-scattered alone, in place, and the small ones of its unit together
+CASES += [dict(model="moe_blocks", stage=s, offload=None, threshold=17, reduce_limit=64) for s in (2, 3)]
 TOL = 1e-5  # fp32: both sides add the same two ranks' gradients
 
 
@@ -45,13 +48,20 @@ def per_rank(case: dict) -> list[dict]:
     return out
 
 
-def expected_calls(stage: int, units: list[dict]) -> dict:
-    """{(phase, kind): calls} per step, from the units: one per unit that has something of that kind."""
+def reduce_calls(unit: dict, limit: int | None) -> int:
+    """A unit's reduce-scatters: one per trainable group above ``limit``, one for all the others."""
+    sizes = [n for n, trainable, _ in unit["elements"] if trainable]
+    large = 0 if limit is None else sum(n > limit for n in sizes)
+    return large + (1 if len(sizes) > large else 0)
+
+
+def expected_calls(stage: int, units: list[dict], limit: int | None = None) -> dict:
+    """{(phase, kind): calls} per step, from the units: one per unit that has something of that kind
+    (and each group above ``limit`` reduce-scattered on its own)."""
     sharded = [u for u in units if u["sharded"]]
-    trainable = [u for u in units if u["trainable"]]
     whole = sum(u["whole_trainable"] for u in units)
     out = {("forward", "reduce_scatter"): 0, ("step", "reduce_scatter"): 0,
-           ("backward", "reduce_scatter"): len(trainable)}
+           ("backward", "reduce_scatter"): sum(reduce_calls(u, limit) for u in units)}
     if stage == 3:
         out["forward", "all_gather"] = len(sharded)  # every unit, the ones a rank skips passed too
         out["backward", "all_gather"] = sum(1 for u in sharded if u["trainable"] and u["name"] != "<root>")
@@ -68,7 +78,9 @@ def test_one_collective_per_unit_and_kind(case):
         units = res["units"]
         groups = sum(u["trainable"] for u in units)
         assert groups > sum(1 for u in units if u["trainable"]), units  # several groups per unit: can fail
-        expect = expected_calls(case["stage"], units)
+        expect = expected_calls(case["stage"], units, case.get("reduce_limit"))
+        if "reduce_limit" in case:  # the limit splits some unit: can fail against one call per unit
+            assert expect["backward", "reduce_scatter"] > sum(1 for u in units if u["trainable"]), units
         for step, phases in enumerate(res["phases"]):
             got = {(phase, kind): calls for phase, kinds in phases.items() for kind, (calls, _) in kinds.items()}
             assert got == expect, (rank, step, got, expect, units)

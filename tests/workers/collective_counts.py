@@ -3,7 +3,8 @@
 args["cases"]: dicts with model ("moe_blocks" | "moe" | "vlm", tests/_routed_models.py), stage
 (2 | 3), offload (None | "cpu"), threshold (``param_persistence_threshold``: 17 keeps the
 16-element biases and norms whole beside the sharded matrices, so a unit has a sharded and a
-persistent group per member), steps. Trains with the rank-disjoint routing of tests/workers/routed.py
+persistent group per member), steps, reduce_limit (optional: ``COALESCE_REDUCE_ELEMENTS`` for the
+run, so that small test models have groups above it). Trains with the rank-disjoint routing of tests/workers/routed.py
 beside its plain reference on the global batch, and reports per step the calls and elements of
 each collective kind in forward, backward and the step, the units' group counts, and the largest
 relative difference of the final weights from the reference.
@@ -19,8 +20,10 @@ from _worker import finish, run_cases, start, worst_rel_diff
 from routed import batches, build, loss_of, make_optimizer
 
 import zero_strategy as zs
+from zero_strategy._engine import reduce
 
 KINDS = ("all_gather", "reduce_scatter")
+DEFAULT_REDUCE_LIMIT = reduce.COALESCE_REDUCE_ELEMENTS
 
 
 def _delta(now: dict, before: dict | None) -> dict:
@@ -30,6 +33,7 @@ def _delta(now: dict, before: dict | None) -> dict:
 
 def run(case: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    reduce.COALESCE_REDUCE_ELEMENTS = case.get("reduce_limit", DEFAULT_REDUCE_LIMIT)
     base = build(case["model"])
     ref = copy.deepcopy(base)
     ref_opt = make_optimizer(case, ref)

@@ -23,10 +23,10 @@ called twice] in _engine/engine.py) are a second round: launched at once, as eve
 does the same there.
 
 The order is one of *buckets*, not of groups: a bucket is the trainable groups of one
-unit, reduced as one coalesced reduce-scatter (See [Note: coalesced collectives] in
-_comm/collectives.py), so a unit costs one collective however many flat groups it
-has (members of an expert list, the root's parts, a persistent group beside the
-sharded one). A bucket is launched once all of its groups are complete on this rank,
+unit, its small groups reduced as one coalesced reduce-scatter (See [Note: coalesced
+collectives] in _comm/collectives.py) and each large one on its own, right before them
+(:data:`COALESCE_REDUCE_ELEMENTS`), so many small flat groups (members of an expert list,
+the root's parts, a persistent group beside the sharded one) cost one collective. A bucket is launched once all of its groups are complete on this rank,
 or at the end of backward; a group with no gradient on this rank (an expert its
 batch skipped) holds its bucket to the end of backward, as it held every group after
 it in the order before buckets, and contributes zeros. Stage 1 reduces in place, at
@@ -50,6 +50,15 @@ from .units import missing_ranks_message
 
 #: reduce-scatters allowed in flight during backward before the oldest is waited on
 MAX_IN_FLIGHT = 4
+
+#: a unit's trainable groups up to this many elements (1 MiB of fp32 gradients) share one coalesced
+#: reduce-scatter; a larger group has its own. Coalescing copies each gradient into a packed buffer
+#: in the backward hook, on the compute path, while a collective's own cost runs beside backward:
+#: on the 4-block GPT-2 of benchmarks/cpu_bench.py (2 gloo ranks, stage 3), coalescing each block's
+#: 720,896-element group with its 68,864-element one made backward 15-20 ms slower per step, though
+#: alone the coalesced pair is faster. Small groups (an expert list's members, the root's parts, a
+#: block's biases and norms) gain: each saves a call and costs little to copy.
+COALESCE_REDUCE_ELEMENTS = 1 << 18
 
 
 class ReduceQueue:
@@ -109,7 +118,19 @@ class ReduceQueue:
             self.launch(groups, name)
 
     def launch(self, groups: list[FlatGroup], name: str | None = None) -> None:
-        """Start one reduce-scatter of ``groups`` now (the caller keeps the order; see the Note)."""
+        """Start the reduce-scatters of ``groups`` now (the caller keeps the order; see the Note): each
+        group above :data:`COALESCE_REDUCE_ELEMENTS` on its own, in place, and the others as one."""
+        if self.in_place or len(groups) == 1:
+            self._launch_one(groups, name)
+            return
+        small = [g for g in groups if g.padded_numel <= COALESCE_REDUCE_ELEMENTS]
+        for g in groups:
+            if g.padded_numel > COALESCE_REDUCE_ELEMENTS:
+                self._launch_one([g], name)
+        if small:
+            self._launch_one(small, name)
+
+    def _launch_one(self, groups: list[FlatGroup], name: str | None) -> None:
         label = groups[0].name if len(groups) == 1 else f"{name} ({len(groups)} groups)"
         with torch.profiler.record_function(f"zero::reduce::{label}"):
             if self.in_place:
