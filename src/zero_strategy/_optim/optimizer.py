@@ -437,6 +437,7 @@ def layout_of(optimizer: torch.optim.Optimizer, config) -> str:
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError("zero_strategy.setup was given a ZeroOptimizer: the model and optimizer are "
                          "already set up; call setup once")
+    _refuse_bitsandbytes_overrides(optimizer)
     name = type(optimizer).__name__
     for cls in type(optimizer).__mro__:
         if cls.__module__.startswith("torch.optim") and cls.__name__ in UNSHARDABLE_OPTIMIZERS:
@@ -457,6 +458,21 @@ def layout_of(optimizer: torch.optim.Optimizer, config) -> str:
         f"buffers; per-tensor ones (torch.optim.{{{whole}}}) step whole parameters, each owned by one rank. "
         f"If {name} reads only its own parameter's gradient and state, set "
         "ZeroConfig(optimizer_layout='owned'); if it reads other parameters, it cannot be sharded.")
+
+
+def _refuse_bitsandbytes_overrides(optimizer: torch.optim.Optimizer) -> None:
+    """bitsandbytes' ``GlobalOptimManager`` finds per-parameter overrides by the parameter's id or its
+    (group, index) position, and both change when setup re-homes the optimizer onto views: an override
+    would silently reach another parameter or none."""
+    mng = getattr(optimizer, "mng", None) if type(optimizer).__module__.startswith(PER_TENSOR_LIBRARIES) else None
+    if mng is not None and (getattr(mng, "index2config", None) or getattr(mng, "pid2config", None)
+                            or getattr(mng, "module_weight_config_triple", None)):
+        raise ValueError(
+            f"zero_strategy: {type(optimizer).__name__} has per-parameter overrides in bitsandbytes' "
+            "GlobalOptimManager (override_config, register_module_override, or a bnb.nn.StableEmbedding "
+            "that registers one); they are found by the "
+            "parameters' ids and positions, which setup changes. Give those parameters a param group of "
+            "their own with the settings instead (e.g. optim_bits via a separate optimizer)")
 
 
 def _unhooked_step_of(optimizer: torch.optim.Optimizer):
