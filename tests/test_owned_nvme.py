@@ -49,6 +49,8 @@ CASES = [
     *(_case(recipe, stage, "fp32", SMALL) for recipe in ("muon", "adafactor") for stage in (1, 2)),
     *(_case(recipe, 3, "fp32", SMALL, params=True) for recipe in ("muon", "adafactor")),
     _case("muon", 3, "bf16", SMALL, params=True),
+    # overlap_step: the groups' runs are stepped on the worker thread while backward goes on
+    dict(_case("adafactor", 2, "fp32", SMALL), name="adafactor-z2-fp32-nvme-runs-overlap", overlap_step=True),
 ]
 VS_DDP = {"fp32": 1e-5, "bf16": 5e-2}
 VS_SINGLE = {"muon": 3e-2, "adafactor": 1e-4}
