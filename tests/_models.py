@@ -81,7 +81,9 @@ def whole_tensor_recipe(model, recipe: str) -> list[torch.optim.Optimizer]:
     """Optimizers that need whole tensors, in the users' idiom. ``"muon"``: torch's Muon docs (2-D hidden
     matrices to Muon, the rest to AdamW, two optimizers); ``"sgd_in_muons_place"``: the same with
     SGD-momentum for Muon (what a ZeRO that skipped Muon's orthogonalization would compute);
-    ``"adafactor"``: one Adafactor over :func:`param_groups`."""
+    ``"adafactor"``: one Adafactor over :func:`param_groups`; ``"adamw8bit"``: bitsandbytes' 8-bit
+    AdamW over them, quantizing every state of 256 elements or more (its default leaves tensors under
+    4096 elements in 32 bits, which would be all of this model's)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if recipe in ("muon", "sgd_in_muons_place"):
         hidden = [p for n, p in named if p.ndim == 2 and n.startswith("layers.")]
@@ -91,4 +93,8 @@ def whole_tensor_recipe(model, recipe: str) -> list[torch.optim.Optimizer]:
         return [first, torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.0)]
     if recipe == "adafactor":
         return [torch.optim.Adafactor(param_groups(model, lr=1e-2))]
+    if recipe == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return [bnb.optim.AdamW8bit(param_groups(model, lr=1e-2), min_8bit_size=256)]
     raise ValueError(recipe)

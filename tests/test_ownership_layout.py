@@ -199,11 +199,15 @@ def test_a_hugging_face_llama_with_muon_on_its_hidden_matrices():
     assert rel_diff(zs.full_state_dict(model), ref.state_dict()) <= 1e-6
 
 
-def test_nvme_optimizer_offload_is_refused_until_supported(tmp_path):
+def test_nvme_optimizer_offload_keeps_the_ownership_layout(tmp_path):
+    """Muon with its state on NVMe is set up, not refused: its groups are owned and their masters rest
+    in the swap file (training with it: tests/test_owned_nvme.py)."""
     model = TinyLM(layers=2)
     cfg = zs.ZeroConfig(stage=2, offload_optimizer={"device": "nvme", "path": str(tmp_path)})
-    with pytest.raises(ValueError, match="Muon steps whole parameters.*NVMeOffload yet.*offload_optimizer='cpu'"):
-        zs.setup(model, _muon_recipe(model), cfg)
+    model, _ = zs.setup(model, _muon_recipe(model), cfg)
+    owned = [g for g in zs.api.engine_of(model).groups if g.owned]
+    assert owned and all(g.swap is not None and g.master.numel() == 0 for g in owned)  # evicted: on disk
+    zs.teardown(model)
 
 
 def test_a_checkpoint_resumed_with_another_optimizer_layout_is_refused(tmp_path):

@@ -27,14 +27,16 @@ def start() -> tuple[dict, Path]:
 
 
 def run_cases(cases: list, run: Callable[[object], dict], key: str = "case") -> list[dict]:
-    """``run(case)`` for each case; the first failure is reported as ``{key: case, "error": traceback}``
+    """``run(case)`` for each case; the first failure is reported as ``{key: case[key], "error": traceback}``
     and ends the loop, so the ranks stay in lock-step and the test shows the traceback."""
     results = []
     for case in cases:
         try:
             results.append(run(case))
         except Exception:  # noqa: BLE001 - reported to the test
-            results.append({key: case, "error": traceback.format_exc()})
+            # a case dict that has ``key`` is named by it, so the test's lookup finds the traceback
+            name = case[key] if isinstance(case, dict) and key in case else case
+            results.append({key: name, "error": traceback.format_exc()})
             print(traceback.format_exc(), file=sys.stderr)
             break
     return results

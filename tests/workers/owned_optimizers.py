@@ -2,11 +2,12 @@
 
 args["cases"]: dicts with ``name``, ``recipe`` ("muon": torch's docs recipe, Muon for the 2-D
 hidden matrices and AdamW for the rest as two optimizers; "adafactor": one Adafactor over
-everything in two param groups), ``stage``, ``precision`` (fp32 | bf16), optionally ``clip``
-(global-norm clipping in the config), ``offload_optimizer`` / ``offload_params`` ("cpu", "nvme"
-under ``nvme_path``), ``overlap_step`` and ``steps``; checkpoints: ``save_at`` (after that many
-steps, into ``ckpt``), ``final`` (rank 0 saves the final full state dict there), ``load_from`` and
-``start`` (resume that checkpoint, then train from step ``start``).
+everything in two param groups; "adamw8bit": bitsandbytes' AdamW8bit over them), ``stage``,
+``precision`` (fp32 | bf16), optionally ``clip`` (global-norm clipping in the config),
+``offload_optimizer`` / ``offload_params`` ("cpu", "nvme" under ``nvme_path`` with staging slots
+of ``buffer_size`` bytes), ``overlap_step`` and ``steps``; checkpoints: ``save_at`` (after that
+many steps, into ``ckpt``), ``final`` (rank 0 saves the final full state dict there),
+``load_from`` and ``start`` (resume that checkpoint, then train from step ``start``).
 
 Three runs of the same optimizers from the same weights, per case:
 
@@ -84,16 +85,18 @@ def ddp_run(base, recipe, steps, rank, precision, clip):
 
 
 def _offload(value, case):
-    """"nvme": NVMe offload under the case's nvme_path (a per-test temporary directory)."""
+    """"nvme": NVMe offload under the case's nvme_path (a per-test temporary directory), staging
+    slots of the case's ``buffer_size`` (default 16 KiB: a block's owned matrices fit one; 4096:
+    none does, so an owned group steps in runs of whole parameters)."""
     if value == "nvme":
-        return {"device": "nvme", "path": case["nvme_path"], "buffer_size": 4096 * 4}
+        return {"device": "nvme", "path": case["nvme_path"], "buffer_size": case.get("buffer_size", 4096 * 4)}
     return value
 
 
 def zero_run(base, case, rank, steps):
     model = copy.deepcopy(base)
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
-                        gradient_clipping=case.get("clip"), offload_optimizer=case.get("offload_optimizer"),
+                        gradient_clipping=case.get("clip"), offload_optimizer=_offload(case.get("offload_optimizer"), case),
                         offload_params=_offload(case.get("offload_params"), case),
                         overlap_step=case.get("overlap_step", False))
     model, zopts = zs.setup(model, optimizers(model, case["recipe"]), cfg)
@@ -117,6 +120,10 @@ def zero_run(base, case, rank, steps):
         if step + 1 == case.get("save_at"):
             zs.save_checkpoint(case["ckpt"], model, zopts)
     owned_state = sum(len(z.group_states(g)) for z in zopts for g in z.groups if g.owned)
+    nvme = [g for g in engine.groups if g.owned and hasattr(g.masters, "swapped_state")]  # optimizer on NVMe
+    # NVMe: how many per-parameter state tensors rest in the swap file, and whether a group stepped in runs
+    nvme_state = dict(swapped=sum(len([k for k in g.masters.swapped_state() if k.startswith("p")]) for g in nvme),
+                      in_runs=any(g.masters.streams for g in nvme))
     comm = zs.comm_stats(model)  # the last step's, before full_state_dict gathers more
     trainable = [g for g in engine.groups if g.trainable]
     volume = dict(reduce_scatter=comm.get("reduce_scatter", {}).get("volume_elements", 0),
@@ -128,6 +135,7 @@ def zero_run(base, case, rank, steps):
     if case.get("final") and rank == 0:
         torch.save(final, case["final"])
     volume["state_dict_vs_full"] = module_view
+    volume["nvme"] = nvme_state
     return final, losses, owned, owned_state, on_host, volume
 
 

@@ -182,6 +182,11 @@ class DeviceMaster:
         """The optimizer built (``replace``: rebuilt, e.g. by a checkpoint load) its state for
         this master; it rests where the master does."""
 
+    def attach_views(self, views: list[tuple[torch.Tensor, slice, torch.Size]]) -> None:
+        """Ownership layout: ``views`` (tensor, where, shape) view the master per parameter."""
+        for t, where, shape in views:
+            t.data = self.master.data[where].view(shape)
+
     def held_tensors(self) -> list[tuple[str, bool, torch.Tensor]]:
         return [] if self.aliases_params else [("master", self.steps_on_host, self.master.data)]
 
@@ -298,11 +303,25 @@ class NVMeMaster(HostMaster):
         self.swap.swap_out(self.owner, "opt", write=True, wait=False)  # write-back overlaps the next step
 
     def track_optimizer_state(self, optimizer_state: dict, replace: bool = False) -> None:
-        elementwise = {f"state.{k}": v for k, v in optimizer_state.items()
+        """Flat layout: the elementwise state (tensors of the master's size) is swapped. Ownership
+        layout (``optimizer_state`` keyed ``p{slot}.{key}``): every state tensor of at least one
+        dimension, of any shape (Muon's momentum, Adafactor's row and column statistics); 0-d
+        counts stay in memory as Adam's ``step`` does. See [Note: the ownership layout on NVMe]
+        in _optim/owned_runs.py."""
+        if self.owner.owned:
+            swapped = {f"state.{k}": v for k, v in optimizer_state.items()
+                       if isinstance(v, torch.Tensor) and v.dim() >= 1}
+        else:
+            swapped = {f"state.{k}": v for k, v in optimizer_state.items()
                        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == self.numel}
-        new = elementwise if replace else self.swap.needs_adopt(self.owner, "opt", elementwise)
+        new = swapped if replace else self.swap.needs_adopt(self.owner, "opt", swapped)
         if new:
-            self.swap.adopt(self.owner, "opt", new, replace=replace)
+            self.swap.adopt(self.owner, "opt", new, replace=True)  # a key held with another object: this one
+
+    def attach_views(self, views: list[tuple[torch.Tensor, slice, torch.Size]]) -> None:
+        """Ownership layout: the per-parameter views the optimizer steps follow the master in and
+        out of the swap file (empty while it is evicted)."""
+        self.swap.alias(self.owner, "opt", "master", views)
 
 
 # -------------------------------------------------------------------------- factory

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import enum
 import threading
 import time
 
@@ -50,8 +49,9 @@ import torch
 from .aligned import aligned_empty, round_up
 from .nvme_files import NVMeError, check_room, prepare_base, resolve_nvme_path
 from .swap_file import SwapFile, wait_all
+from .swap_set import Residency, SwapSet
 
-__all__ = ["NVMeError", "NVMeStore", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
+__all__ = ["NVMeError", "NVMeStore", "Residency", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
 
 #: seconds a thread waits for a free staging slot before giving up (a failure wakes it at once)
 SLOT_TIMEOUT_S = 300.0
@@ -155,30 +155,6 @@ class SlotPool:
         return [b for b in self._free if b is not None]
 
 
-class Residency(enum.Enum):
-    """Where a swap set's values are. See [Note: residency]."""
-
-    OWN_MEMORY = "own memory"  # just registered: adopt() writes it out, then evicts it
-    EVICTED = "evicted"        # only in the swap file; the tensors' .data are empty
-    READING = "reading"        # a slot is taken and its read is in flight (prefetch)
-    IN_SLOT = "in slot"        # the tensors view the slot (from swap_in to swap_out)
-
-
-class _SwapSet:
-    """Tensors of one group swapped together ("opt": master + optimizer state; "param")."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.slot: torch.Tensor | None = None
-        self.reads: list = []
-        self.residency = Residency.OWN_MEMORY
-        #: keys whose .data currently views the slot (tensors adopted while resident do not)
-        self.in_slot: set[str] = set()
-        self.lock = threading.Lock()
-
-
-
 class NVMeStore:
     """The swap file, the slot pool and the residency of every swapped group of one rank."""
 
@@ -194,17 +170,17 @@ class NVMeStore:
         # of buffer_size bytes each: a larger set streams through them (See [Note: bounded staging])
         self.pool = SlotPool(max(policy.buffer_count, policy.read_ahead + 4), pin,
                              slot_bytes=policy.buffer_size, working_set=working_set)
-        self._sets: dict[tuple[int, str], _SwapSet] = {}
+        self._sets: dict[tuple[int, str], SwapSet] = {}
         self._meta: dict[tuple[int, str], dict[str, tuple[torch.dtype, int]]] = {}
         self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-nvme-evict")
         self._pending_out: list[concurrent.futures.Future] = []
         self._failed: BaseException | None = None
 
     # ---------------------------------------------------------------- registry
-    def _set(self, group, kind: str) -> _SwapSet:
+    def _set(self, group, kind: str) -> SwapSet:
         key = (id(group), kind)
         if key not in self._sets:
-            self._sets[key] = _SwapSet(f"{group.name}:{kind}")
+            self._sets[key] = SwapSet(f"{group.name}:{kind}")
             self._meta[key] = {}
         return self._sets[key]
 
@@ -223,7 +199,7 @@ class NVMeStore:
             self._fail(e, s)
             raise
 
-    def _adopt(self, s: _SwapSet, meta: dict, tensors: dict[str, torch.Tensor], replace: bool) -> None:
+    def _adopt(self, s: SwapSet, meta: dict, tensors: dict[str, torch.Tensor], replace: bool) -> None:
         staged = []
         for key, t in tensors.items():
             if key in s.tensors:
@@ -232,13 +208,15 @@ class NVMeStore:
                 old = s.tensors[key]
                 if key in s.in_slot:  # resident: take the slot view over, written back on swap-out
                     view = old.data
-                    view.copy_(t.detach().reshape(-1))
+                    view.copy_(t.detach().reshape(view.shape))
                     t.data = view
                     s.tensors[key] = t
                     continue
                 del s.tensors[key]
             s.tensors[key] = t
             meta[key] = (t.dtype, t.numel())
+            if t.dim() != 1:
+                s.shapes[key] = t.shape
             fkey = f"{s.name}:{key}"
             self.file.region(fkey, t.numel() * t.element_size())
             staged.append((fkey, t))
@@ -274,8 +252,15 @@ class NVMeStore:
         return key in self._meta and not self.pool.fits(max(self._slot_bytes(key), planned_bytes))
 
     def needs_adopt(self, group, kind: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors the set does not hold yet: new keys, or another object under a key it has
+        (state the optimizer built afresh, e.g. after a load left a parameter without any)."""
         s = self._sets.get((id(group), kind))
-        return {k: t for k, t in tensors.items() if s is None or k not in s.tensors}
+        return {k: t for k, t in tensors.items() if s is None or s.tensors.get(k) is not t}
+
+    def holds(self, group, kind: str, key: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the object the set swaps under ``key``."""
+        s = self._sets.get((id(group), kind))
+        return s is not None and s.tensors.get(key) is tensor
 
     def in_slot(self, group, kind: str) -> bool:
         """Whether the set is resident now (its tensors view its slot)."""
@@ -289,11 +274,26 @@ class NVMeStore:
     def has(self, group, kind: str) -> bool:
         return (id(group), kind) in self._sets
 
+    def shape_of(self, group, kind: str, key: str) -> torch.Size:
+        """The shape the swapped tensor ``key`` has when resident."""
+        s = self._sets[(id(group), kind)]
+        return s.shapes.get(key, torch.Size([self._meta[(id(group), kind)][key][1]]))
+
+    def alias(self, group, kind: str, key: str, views: list[tuple[torch.Tensor, slice, torch.Size]]) -> None:
+        """``views`` (tensor, where, shape) view elements ``where`` of the swapped tensor ``key``,
+        shaped ``shape``, whenever it is resident, and are empty while it is evicted (an owned
+        group's per-parameter views of its master: See [Note: the ownership layout on NVMe] in
+        _optim/owned_runs.py)."""
+        s = self._set(group, kind)
+        with s.lock:
+            s.aliases.extend((t, key, where, shape) for t, where, shape in views)
+            s.point_aliases()
+
     # --------------------------------------------------------------- residency
     def _slot_bytes(self, key) -> int:
         return sum(round_up(dt.itemsize * n) for dt, n in self._meta[key].values())
 
-    def _check_healthy(self, s: _SwapSet | None = None) -> None:
+    def _check_healthy(self, s: SwapSet | None = None) -> None:
         if self._failed is not None:
             if s is not None:
                 self._evict(s)  # hand its slot back: nothing may wait on a failed store
@@ -305,7 +305,7 @@ class NVMeStore:
         """Mark the store failed from outside (a streamed step that stopped part way)."""
         self._fail(err)
 
-    def _fail(self, err: BaseException, s: _SwapSet | None = None) -> None:
+    def _fail(self, err: BaseException, s: SwapSet | None = None) -> None:
         """Mark the store failed, return ``s``'s slot and wake every slot waiter. See [Note: failures]."""
         if self._failed is None:
             self._failed = err
@@ -360,7 +360,7 @@ class NVMeStore:
         if s is not None:
             self._cancel_prefetch(s)
 
-    def _cancel_prefetch(self, s: _SwapSet) -> None:
+    def _cancel_prefetch(self, s: SwapSet) -> None:
         """Drop a read started but not yet made resident (its slot goes back)."""
         with s.lock:
             reads, pending = s.reads, s.residency is Residency.READING
@@ -391,10 +391,12 @@ class NVMeStore:
                 offset = 0
                 for key, (dt, n) in self._meta[(id(group), kind)].items():
                     nbytes = dt.itemsize * n
-                    s.tensors[key].data = s.slot[offset:offset + nbytes].view(dt)
+                    view = s.slot[offset:offset + nbytes].view(dt)
+                    s.tensors[key].data = view.view(s.shapes[key]) if key in s.shapes else view
                     s.in_slot.add(key)
                     offset += round_up(nbytes)
                 s.residency = Residency.IN_SLOT
+                s.point_aliases()
         if error is not None:
             self._fail(error, s)  # returns the slot; see [Note: failures]
             raise error
@@ -427,7 +429,7 @@ class NVMeStore:
         else:
             self._pending_out.append(self._finisher.submit(finish))
 
-    def _evict(self, s: _SwapSet, only_if_idle: bool = False) -> None:
+    def _evict(self, s: SwapSet, only_if_idle: bool = False) -> None:
         with s.lock:
             if only_if_idle and s.residency is Residency.IN_SLOT:  # made resident meanwhile: its user releases it
                 return
@@ -438,6 +440,7 @@ class NVMeStore:
                 self.pool.release(s.slot)
                 s.slot = None
             s.residency = Residency.EVICTED
+            s.point_aliases()
 
     def wait_writes(self) -> None:
         """Wait for every pending write-back, then raise the first failure (so none is still running)."""

@@ -169,6 +169,50 @@ def write_from(store, group, kind: str, key: str, src: torch.Tensor, start: int 
         raise
 
 
+def read_parts(store, group, kind: str, parts: list[tuple[str, int, int]]
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Read elements [a, b) of each tensor ``key`` of the set, ``parts`` (key, a, b) with ``a`` a
+    multiple of ``ALIGN_ELEMS`` (or 0), into one buffer: a slot where they fit, else one of their
+    size (``SlotPool.acquire_private``). Returns the buffer (``store.pool.release`` it) and the
+    1-D views of each part in it; waits for the reads. A run of an owned group's step
+    (See [Note: the ownership layout on NVMe] in _optim/owned_runs.py)."""
+    s, meta = store._sets[(id(group), kind)], store._meta[(id(group), kind)]
+    store._check_healthy()
+    layout, total = [], 0
+    for key, a, b in parts:
+        dt = meta[key][0]
+        assert a % ALIGN_ELEMS == 0 and b <= meta[key][1], (key, a, b)
+        layout.append((key, dt, a, total, (b - a) * dt.itemsize))
+        total += round_up((b - a) * dt.itemsize)
+    buf = store.pool.acquire(total) if store.pool.fits(total) else store.pool.acquire_private(total)
+    try:
+        futures = [f for key, dt, a, off, n in layout
+                   for f in store.file.submit(False, f"{s.name}:{key}", buf[off:off + round_up(n)],
+                                              start=a * dt.itemsize)]
+        wait_all(futures, store.file.path)
+    except BaseException as e:
+        store.pool.release(buf)
+        store._fail(e)
+        raise
+    return buf, {key: buf[off:off + n].view(dt) for key, dt, a, off, n in layout}
+
+
+def write_parts(store, group, kind: str, buf: torch.Tensor, parts: list[tuple[str, int, int]]) -> None:
+    """Write back what ``read_parts`` read into ``buf`` for the same ``parts``; waits for the writes."""
+    s, meta = store._sets[(id(group), kind)], store._meta[(id(group), kind)]
+    futures, off = [], 0
+    for key, a, b in parts:
+        dt = meta[key][0]
+        size = round_up((b - a) * dt.itemsize)
+        futures.extend(store.file.submit(True, f"{s.name}:{key}", buf[off:off + size], start=a * dt.itemsize))
+        off += size
+    try:
+        wait_all(futures, store.file.path)
+    except BaseException as e:
+        store._fail(e)  # the file no longer holds this state: refuse to read it back
+        raise
+
+
 def register(store, group, kind: str, key: str, tensor: torch.Tensor, numel: int) -> None:
     """A tensor of ``numel`` elements joins the set, evicted, its values to be written by
     chunks (``write_from`` or a stream's views): the optimizer state a streamed first step

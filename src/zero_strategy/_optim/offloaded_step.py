@@ -25,6 +25,7 @@ import torch
 from .._engine.group_gathers import gather_replicated_groups
 from .._mechanisms.transfers import step_batches
 from .chunked_step import step_in_chunks
+from .owned_runs import step_owned_runs
 
 if TYPE_CHECKING:
     from .._engine.engine import ZeroEngine
@@ -40,15 +41,22 @@ class OffloadedStep:
 
     def __init__(self, engine: "ZeroEngine", groups: list, step_masters: Callable[..., None],
                  states: Callable[[], dict],
-                 set_grad: Callable[[Any, torch.Tensor | None], None] | None = None):
+                 set_grad: Callable[[Any, torch.Tensor | None], None] | None = None,
+                 group_state: Callable[[Any], dict] | None = None,
+                 owned_views: Callable[[Any], list] | None = None,
+                 optimizer: Callable[[], torch.optim.Optimizer] | None = None):
         """``set_grad(group, grad)``: hand the optimizer a group's fp32 gradient (None: take it back):
         the master's ``.grad``, or views of it per parameter (See [Note: optimizers that need whole
-        tensors] in optimizer.py)."""
+        tensors] in optimizer.py). ``group_state(group)``: the group's optimizer state its master's
+        store swaps; ``owned_views(group)``: an owned group's (slot, where, view) per parameter;
+        ``optimizer()``: the user's optimizer (an owned group's step in runs reads its state)."""
         self.engine = engine
         self.groups = groups
         self._step_masters = step_masters
         self._set_grad = set_grad or (lambda g, grad: setattr(g.master, "grad", grad))
         self._states = states
+        self._group_state = group_state or (lambda g: self._states().get(g.master, {}))
+        self._owned_views, self._optimizer = owned_views, optimizer
         self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
         self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
         if engine.swap is not None:  # slots of its own for the reads backward starts
@@ -156,6 +164,9 @@ class OffloadedStep:
                 grad = batch[0].master_grad()
                 if factor != 1.0:
                     grad.mul_(factor)
+                if batch[0].owned:  # See [Note: the ownership layout on NVMe] in owned_runs.py
+                    return [step_owned_runs(batch[0], grad, self._owned_views(batch[0]), self._step_masters,
+                                            self._optimizer())]
                 return [step_in_chunks(batch[0], grad, self._step_masters, self._states())]
             begun = []
             try:
@@ -178,5 +189,5 @@ class OffloadedStep:
                     g.masters.abort_step()  # hand the slot back unwritten, or the next step waits forever
                 raise
             for g in batch:
-                g.masters.end_step(self._states().get(g.master, {}))
+                g.masters.end_step(self._group_state(g))
             return uploads

@@ -19,8 +19,9 @@ like the parameters it owns (none on a rank that owns none), so the user's optim
 class runs unchanged on whole tensors with the user's hyperparameters and its state is
 keyed by those views. The gradient each view gets is the reduced gradient, a view of the
 gradient shard; a parameter no rank has a gradient for gets none and is skipped, as with
-DDP. Which optimizers need this is a table (``PER_TENSOR_OPTIMIZERS``, and ``PER_TENSOR_BY_NAME`` for
-other libraries' such as transformers' Adafactor), and
+DDP. Which optimizers need this is a table (``PER_TENSOR_OPTIMIZERS``, ``PER_TENSOR_BY_NAME`` for
+other libraries' such as transformers' Adafactor, ``PER_TENSOR_LIBRARIES`` for all of
+bitsandbytes': its 8-bit state is quantized in blocks of each flattened parameter), and
 ``ZeroConfig(optimizer_layout="owned")`` asks for it for any other. An optimizer that
 reads other parameters or re-evaluates the loss (``LBFGS``'s closure and line search over
 all parameters as one vector) cannot be sharded either way and is refused by name.
@@ -52,13 +53,13 @@ from typing import Any
 
 import torch
 
-from .._config.policies import NVMeOffload
 from .._engine.engine import ZeroEngine
 from .._engine.group_gathers import publish_masters
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
 from .loss_scale import LossScaler
 from .offloaded_step import OffloadedStep
+from .owned_runs import owned_state, shared_tensors
 
 #: optimizers whose update of each element depends only on that element's history
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -76,6 +77,11 @@ PER_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
 PER_TENSOR_BY_NAME: frozenset[tuple[str, str]] = frozenset({
     ("transformers.optimization", "Adafactor"),  # HF Trainer's optim="adafactor"
 })
+
+#: libraries whose every optimizer steps whole tensors, by module prefix (imported by none of ours):
+#: bitsandbytes quantizes state block-wise over each flattened parameter (AdamW8bit's 256-element
+#: blocks share one absmax), and its LAMB and LARS read the whole parameter's norm
+PER_TENSOR_LIBRARIES: tuple[str, ...] = ("bitsandbytes.optim",)
 
 #: optimizers no layout can shard, and why
 UNSHARDABLE_OPTIMIZERS: dict[str, str] = {
@@ -111,9 +117,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         #: that need whole tensors]
         self._views: dict[int, list[tuple[Any, slice, torch.nn.Parameter]]] = {}
         for g in self.groups:
-            if g.owned:
-                views = [(s, where, torch.nn.Parameter(g.master.data[where].view(s.shape)))
-                         for s, where in g.owned_slots()]
+            if g.owned:  # views of the master, which follow it in and out of an NVMe swap file
+                empty = torch.empty(0, dtype=g.master.dtype, device=g.master.device)
+                views = [(s, where, torch.nn.Parameter(empty.clone())) for s, where in g.owned_slots()]
+                g.masters.attach_views([(v, where, s.shape) for s, where, v in views])
                 self._views[id(g)] = views
                 by_group[g.optimizer_group].extend(v for _, _, v in views)
             else:
@@ -137,7 +144,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
         self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
         self.offloaded = OffloadedStep(engine, self.groups, self._step_masters, lambda: self.optimizer.state,
-                                       self._set_grad)
+                                       self._set_grad, self.swappable_state, self.owned_views,
+                                       lambda: self.optimizer)
         self.scaler = LossScaler(self.config.loss_scale, enabled=self.config.precision == "fp16")
         self._prepared = False
         self._found_inf = False
@@ -354,6 +362,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         keys = [v for _, _, v in self._views[id(g)]] if g.owned else [g.master]
         return [self.optimizer.state[k] for k in keys if k in self.optimizer.state]
 
+    def swappable_state(self, g) -> dict:
+        """Group ``g``'s optimizer state as its master's store tracks it: the master's (flat layout),
+        or every owned parameter's keyed ``p{slot}.{key}`` (See [Note: the ownership layout on NVMe]
+        in owned_runs.py)."""
+        if g.owned:
+            return owned_state(self.optimizer.state, self._views[id(g)], shared_tensors(self.optimizer))
+        return self.optimizer.state.get(g.master, {})
+
     def owned_views(self, g) -> list[tuple[Any, slice, torch.nn.Parameter]]:
         """Ownership layout: (slot, where in the shard, the view stepped) per parameter this rank owns."""
         return list(self._views.get(id(g), ()))
@@ -383,11 +399,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inner = self.optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(p for pg in self.optimizer.param_groups for p in pg["params"])}
         for g in self.groups:  # state swapped out to NVMe is evicted here: copy it while resident
-            if g.swap is not None and g.master in self.optimizer.state:
+            keys = [v for _, _, v in self._views[id(g)]] if g.owned else [g.master]
+            keys = [k for k in keys if k in self.optimizer.state]
+            if g.swap is not None and keys:
                 with g.resident(write_back=False):
-                    inner["state"][index[id(g.master)]] = {
-                        k: v.clone() if isinstance(v, torch.Tensor) else v
-                        for k, v in self.optimizer.state[g.master].items()}
+                    for key in keys:
+                        inner["state"][index[id(key)]] = {
+                            k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in self.optimizer.state[key].items()}
         return {
             "format": "zero_strategy.local_shard",
             "rank": self.engine.comm.rank,
@@ -408,7 +427,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             refuse_while_offloaded(self.engine, "optimizer.load_state_dict()", ("optim_states", "hp_params"))
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
-            g.masters.track_optimizer_state(self.optimizer.state.get(g.master, {}), replace=True)
+            g.masters.track_optimizer_state(self.swappable_state(g), replace=True)
         self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
@@ -418,19 +437,16 @@ def layout_of(optimizer: torch.optim.Optimizer, config) -> str:
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError("zero_strategy.setup was given a ZeroOptimizer: the model and optimizer are "
                          "already set up; call setup once")
+    _refuse_bitsandbytes_overrides(optimizer)
     name = type(optimizer).__name__
     for cls in type(optimizer).__mro__:
         if cls.__module__.startswith("torch.optim") and cls.__name__ in UNSHARDABLE_OPTIMIZERS:
             raise TypeError(f"zero_strategy cannot shard {name}: {UNSHARDABLE_OPTIMIZERS[cls.__name__]}. "
                             "Use a first-order optimizer (AdamW, SGD, Muon, Adafactor), or train without ZeRO.")
     per_tensor = isinstance(optimizer, PER_TENSOR_OPTIMIZERS) or any(
-        (cls.__module__, cls.__name__) in PER_TENSOR_BY_NAME for cls in type(optimizer).__mro__)
+        (cls.__module__, cls.__name__) in PER_TENSOR_BY_NAME or cls.__module__.startswith(PER_TENSOR_LIBRARIES)
+        for cls in type(optimizer).__mro__)
     if config.optimizer_layout == "owned" or (per_tensor and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)):
-        if isinstance(config.offload_optimizer, NVMeOffload):
-            raise ValueError(
-                f"zero_strategy: {name} steps whole parameters (the ownership layout), which does not "
-                "support offload_optimizer=NVMeOffload yet (its per-parameter state is not swapped). Use "
-                "offload_optimizer='cpu', or an elementwise optimizer such as AdamW with NVMe offload.")
         return "owned"
     if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
         return "flat"
@@ -442,6 +458,21 @@ def layout_of(optimizer: torch.optim.Optimizer, config) -> str:
         f"buffers; per-tensor ones (torch.optim.{{{whole}}}) step whole parameters, each owned by one rank. "
         f"If {name} reads only its own parameter's gradient and state, set "
         "ZeroConfig(optimizer_layout='owned'); if it reads other parameters, it cannot be sharded.")
+
+
+def _refuse_bitsandbytes_overrides(optimizer: torch.optim.Optimizer) -> None:
+    """bitsandbytes' ``GlobalOptimManager`` finds per-parameter overrides by the parameter's id or its
+    (group, index) position, and both change when setup re-homes the optimizer onto views: an override
+    would silently reach another parameter or none."""
+    mng = getattr(optimizer, "mng", None) if type(optimizer).__module__.startswith(PER_TENSOR_LIBRARIES) else None
+    if mng is not None and (getattr(mng, "index2config", None) or getattr(mng, "pid2config", None)
+                            or getattr(mng, "module_weight_config_triple", None)):
+        raise ValueError(
+            f"zero_strategy: {type(optimizer).__name__} has per-parameter overrides in bitsandbytes' "
+            "GlobalOptimManager (override_config, register_module_override, or a bnb.nn.StableEmbedding "
+            "that registers one); they are found by the "
+            "parameters' ids and positions, which setup changes. Give those parameters a param group of "
+            "their own with the settings instead (e.g. optim_bits via a separate optimizer)")
 
 
 def _unhooked_step_of(optimizer: torch.optim.Optimizer):

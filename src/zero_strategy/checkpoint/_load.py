@@ -222,6 +222,9 @@ def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
         reader.fill(dst, fqn, lo, hi, lambda grp: grp.weight_tensor)
     if zopts and g.trainable and g.owned:
         _load_param_state(reader, g, zopts[g.optimizer_index], names, alias)
+        # the rebuilt per-parameter state rests where the master does (NVMe: See [Note: the
+        # ownership layout on NVMe] in _optim/owned_runs.py)
+        g.masters.track_optimizer_state(zopts[g.optimizer_index].swappable_state(g), replace=True)
     elif zopts and g.trainable:
         zopt = zopts[g.optimizer_index]
         _load_optimizer_state(reader, g, zopt, names, alias)
