@@ -33,7 +33,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     report: dict = {}
-    acc = ZeroAccelerator("zero3")
+    acc = ZeroAccelerator({"stage": 3, "param_persistence_threshold": 0})  # every parameter sharded
     report["default_precision"] = acc.zero_config.precision
     model = TinyLM()
     opt = torch.optim.AdamW(param_groups(model))
