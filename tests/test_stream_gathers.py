@@ -10,8 +10,13 @@ model's block and root sizes; the values are judged against the DDP model, the s
 files by ``from_pretrained`` against the DDP model's own ``save_pretrained``.
 
 Before the change, ``save_pretrained`` built ``model.state_dict()`` whole on every rank
-(peak resident memory near the model's 44 MB on both ranks) and ``full_state_dict``'s
-gathered buffers were not counted in the working set at all.
+and ``full_state_dict``'s gathered buffers were not counted in the working set at all.
+Measured (torch 2.13 CPU, transformers 5.25, 42 MiB model): ``save_pretrained`` peak RSS
++47.6 MiB on both ranks before, +10.5 MiB after; "gathered" peaks 5.25 MiB (one block's
+fp32 group) for ``full_state_dict`` and ``save_pretrained``, 5.50 MiB (root and a block) for
+``state_dict()``; the adapter save 55 KB before (a whole block and the root), 1.8 KB after.
+The first ``save_pretrained`` of a process imports parts of transformers (~20 MB resident),
+so the worker saves once before it measures.
 """
 
 from __future__ import annotations
