@@ -181,12 +181,22 @@ def test_a_model_prepared_before_its_optimizer_is_sharded_when_the_optimizer_com
 
 
 @pytest.mark.multiprocess
-def test_free_memory_gives_back_the_unsharded_model():
+def test_free_memory_releases_a_stage3_model_without_gathering_it():
+    """Gathering the whole model on every rank is what stage 3 avoids: its parameters stay
+    released (NaN placeholders of the full shape) unless ``keep_weights=True`` asks."""
     from _models import TinyLM
 
     r = _report()
     assert not r["after_free_is_zero"]
     assert r["after_free_param_shape"] == list(TinyLM().layers[0].fc1.weight.shape)
+    assert r["after_free_all_nan"]
+
+
+@pytest.mark.multiprocess
+def test_free_memory_keep_weights_gives_back_the_unsharded_model():
+    r = _report()
+    assert not r["kept_is_zero"]
+    assert r["kept_max_diff"] == 0.0  # never trained: the weights it was prepared with
 
 
 @pytest.mark.multiprocess

@@ -33,7 +33,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     report: dict = {}
-    acc = ZeroAccelerator("zero3")
+    acc = ZeroAccelerator({"stage": 3, "param_persistence_threshold": 0})  # every parameter sharded
     report["default_precision"] = acc.zero_config.precision
     model = TinyLM()
     opt = torch.optim.AdamW(param_groups(model))
@@ -65,7 +65,15 @@ def main() -> None:
     acc.free_memory()
     report["after_free_is_zero"] = acc.is_zero_model(model)
     report["after_free_param_shape"] = list(model.layers[0].fc1.weight.shape)
+    report["after_free_all_nan"] = all(bool(p.isnan().all()) for p in model.parameters())  # released, not gathered
     report["stale_optimizer"] = attempt(lambda: acc.prepare(model, opt))
+
+    kept = TinyLM()
+    want = {k: v.clone() for k, v in kept.state_dict().items()}  # the weights before prepare
+    kept = acc.prepare(kept)
+    acc.free_memory(keep_weights=True)  # asked for: gathered back whole
+    report["kept_is_zero"] = acc.is_zero_model(kept)
+    report["kept_max_diff"] = max((kept.state_dict()[k] - v).abs().max().item() for k, v in want.items())
     (out / "rank0.json").write_text(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)

@@ -29,27 +29,19 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
     """``zero_strategy.full_state_dict`` for this engine (what it returns: see there).
 
     Group by group: each gathered group goes to the host before the next is gathered, so
-    the device holds one group beyond its shards.
+    the device holds one group beyond its shards. The gathered buffer is counted in the
+    working set ("gathered") while it lives, as a unit gathered for forward is, so
+    ``memory_report`` shows what a consolidation costs. With ``rank0_only`` the other
+    ranks take part in each all-gather and drop its result at once.
     """
     refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
     comm = engine.comm
     comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _comm/faults.py
+    keep = not (rank0_only and comm.rank != 0)
     values: dict[int, torch.Tensor] = {}
     for g in engine.groups:
-        with g.resident(write_back=False):
-            if g.master is None and not g.shard_params:
-                full = g.full
-            else:
-                source = g.weight_shard
-                if source.device != engine.device and comm.backend == "nccl":
-                    source = source.to(engine.device)  # offloaded: NCCL gathers device tensors
-                full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
-                comm.all_gather(full, source, async_op=False, label=g.name)
-        if rank0_only and comm.rank != 0:
-            continue
-        for s in g.slots:
-            values[id(s.param)] = _to_host(full[s.offset:s.offset + s.numel].view(s.shape), dtype)
-    if rank0_only and comm.rank != 0:
+        values.update(group_values(engine, g, keep, dtype))
+    if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
     for name, t in engine.model.state_dict(keep_vars=True).items():
@@ -58,6 +50,38 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
         else:
             out[name] = _to_host(t.detach(), dtype if t.is_floating_point() else None)
     return out
+
+
+@torch.no_grad()
+def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
+    """id(param) -> a host copy of each whole parameter of group ``g`` (in ``dtype``; None:
+    the stored one), from the fp32 master where the group trains. ``keep=False``: take part in
+    the all-gather (every rank must) and return ``{}``.
+
+    The gathered buffer is counted in the working set ("gathered") while it lives, as a unit
+    gathered for forward is (See [Note: the working set]), and freed before this returns, so
+    a caller going group by group holds one group beyond its shards on the device.
+    """
+    comm = engine.comm
+    counted = 0
+    try:
+        with g.resident(write_back=False):
+            if g.master is None and not g.shard_params:
+                full = g.full  # whole at rest: nothing to gather
+            else:
+                source = g.weight_shard
+                if source.device != engine.device and comm.backend == "nccl":
+                    source = source.to(engine.device)  # offloaded: NCCL gathers device tensors
+                full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
+                counted = full.untyped_storage().nbytes()
+                engine.transfers.working_set.add("gathered", counted)
+                comm.all_gather(full, source, async_op=False, label=g.name)
+        if not keep:
+            return {}
+        return {id(s.param): _to_host(full[s.offset:s.offset + s.numel].view(s.shape), dtype) for s in g.slots}
+    finally:
+        full = None  # freed here, before the next group is gathered
+        engine.transfers.working_set.remove("gathered", counted)
 
 
 def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -29,7 +29,8 @@ placeholder that refuses writes, so they are run with the units they touch gathe
 and every rank writes its own slice back (the merge is deterministic, so every rank
 computed the same values: nothing is broadcast). ``safe_merge=True`` replaces
 ``weight.data`` instead of writing into it; that is taken back into the flat buffer.
-The merged model stays set up: save it with ``save_pretrained`` on every rank.
+The merged model stays set up: save it with ``save_pretrained`` on every rank (at stage 3
+it streams unit by unit: See [Note: streamed save_pretrained] in _engine/streamed_saves.py).
 
 [Note: resize_token_embeddings after setup]
 Resizing replaces the embedding's data by a tensor of another shape, while its flat
@@ -51,6 +52,7 @@ from torch import nn
 
 from .gather import modified_on_every_rank
 from .generation import around_generate
+from .streamed_saves import install_saves
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -64,6 +66,7 @@ def install(model: nn.Module, engine: "ZeroEngine") -> list[Callable[[], None]]:
     peft_tuners = sys.modules.get("peft.tuners.tuners_utils")
     if transformers is None and peft_tuners is None:
         return []
+    peft_model = getattr(sys.modules.get("peft.peft_model"), "PeftModel", None)
     generation_mixin = getattr(transformers, "GenerationMixin", None) if transformers else None
     pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
     base_tuner = getattr(peft_tuners, "BaseTuner", None) if peft_tuners else None
@@ -74,6 +77,8 @@ def install(model: nn.Module, engine: "ZeroEngine") -> list[Callable[[], None]]:
             undo.append(shadow(module, "generate", functools.partial(_engine_generate, engine)))
         if pretrained is not None and isinstance(module, pretrained):
             undo.append(shadow(module, "resize_token_embeddings", _refuse_resize))
+        if engine.plan.shards_parameters:  # See [Note: streamed save_pretrained] in _engine/streamed_saves.py
+            undo.extend(install_saves(module, engine, pretrained, peft_model, shadow))
         if base_tuner is not None and isinstance(module, base_tuner):
             for name in _PEFT_MERGES:
                 if hasattr(module, name):

@@ -34,9 +34,15 @@ first need and released when the call ends. A unit that was already gathered (fo
 On a plain model an entry is ``param.detach()``, a view of the live parameter. A
 sharded parameter's storage is freed at release, so entries that view it are replaced
 by copies before any release (and at the end of the call, for units gathered by
-someone else). One copy per viewed tensor: tied parameters (one object under two
-names, HF's ``lm_head``/``embed_tokens``) come out as one tensor under both names, as on
-a plain model, which ``save_pretrained`` relies on to drop the duplicate.
+someone else). The copies are made in host memory, unit by unit, right before the
+unit is released: the compute device never holds more than the units being visited
+(the root unit and one block) beyond its shards, however big the model, as
+``full_state_dict`` does. At the end of the call every other entry under the call's
+module (persistent parameters, buffers) is copied to the host too, so a stage-3
+``state_dict()`` is on the host as a whole, not split over two devices. One copy per
+viewed tensor: tied parameters (one object under two names, HF's
+``lm_head``/``embed_tokens``) come out as one tensor under both names, as on a plain
+model, which ``save_pretrained`` relies on to drop the duplicate.
 
 [Note: load_state_dict keeps the fp32 masters exact]
 torch's copy writes each value into the compute-dtype parameter (a view of the gathered
@@ -74,6 +80,10 @@ class _Call:
         self.ours: dict[int, tuple[Unit, nn.Module | None]] = {}
         #: load_state_dict: id(param) -> (its group, torch's dict for its module, its key)
         self.loaded: dict[int, tuple[FlatGroup, Mapping[str, Any], str]] = {}
+        #: state_dict: the keys already replaced by host copies, and the copies by the view they copy
+        #: (See [Note: state_dict entries are copies])
+        self.copied: set[str] = set()
+        self.copies: dict[tuple, torch.Tensor] = {}
 
     def releasing_at(self, module: nn.Module) -> list[Unit]:
         if module is self.owner:
@@ -153,36 +163,36 @@ class ModuleStateHooks:
         units = call.releasing_at(module)
         if module is call.owner:
             self._save = None
-            # see [Note: state_dict entries are copies]: also units gathered by someone else
-            viewed = [u for u in self.engine.units if u.sharded_groups and u.state is ShardState.GATHERED]
-            self._copy_entries_viewing(destination, prefix, viewed)
+            # see [Note: state_dict entries are copies]: also units gathered by someone else, then the rest
+            self._copy_to_host(call, destination, prefix, None)
         elif units:
-            self._copy_entries_viewing(destination, prefix, units)
+            self._copy_to_host(call, destination, prefix, units)
         self._release(call, units)
 
     @staticmethod
-    def _copy_entries_viewing(destination: dict, prefix: str, units: list[Unit]) -> None:
-        """Replace the entries under ``prefix`` that view these (gathered) units' storage by copies.
+    def _copy_to_host(call: _Call, destination: dict, prefix: str, units: list[Unit] | None) -> None:
+        """Replace the entries under ``prefix`` that view these (gathered) units' storage by host
+        copies (``units=None``: every entry not copied yet). See [Note: state_dict entries are copies].
 
-        Views are told apart by address, so the table lives only while those storages do: a
-        unit gathered later may get a freed unit's addresses.
+        Views are told apart by address, so the table of copies is emptied once those storages
+        may be freed: a unit gathered later may get a freed unit's addresses.
         """
-        storages = {s.param.untyped_storage().data_ptr()
-                    for u in units for g in u.sharded_groups for s in g.slots[:1]}
-        storages.discard(0)
-        copies: dict[tuple, torch.Tensor] = {}  # (storage, offset, shape, stride, dtype) -> copy
+        storages = None if units is None else {
+            s.param.untyped_storage().data_ptr() for u in units for g in u.sharded_groups for s in g.slots[:1]}
         for key, t in list(destination.items()):
-            if not (key.startswith(prefix) and isinstance(t, torch.Tensor)) or t.is_meta:
+            if key in call.copied or not (key.startswith(prefix) and isinstance(t, torch.Tensor)) or t.is_meta:
                 continue
             try:
                 ptr = t.untyped_storage().data_ptr()
             except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
                 continue
-            if ptr in storages:
+            if storages is None or (ptr and ptr in storages):
                 view = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-                if view not in copies:
-                    copies[view] = t.clone()
-                destination[key] = copies[view]
+                if view not in call.copies:
+                    call.copies[view] = t.detach().to("cpu", copy=True)
+                destination[key] = call.copies[view]
+                call.copied.add(key)
+        call.copies.clear()
 
     # ------------------------------------------------------- load_state_dict
     def before_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,

@@ -453,32 +453,38 @@ class ZeroAccelerator(Accelerator):
         return _checkpointing.load_state(self, super().load_state, input_dir, load_kwargs, load_model_func_kwargs)
 
     # ------------------------------------------------------------------ lifetime
-    def _teardown_all(self, keep_frozen: bool = False) -> None:
+    def _teardown_all(self, keep_frozen: bool = False, keep_weights: bool | None = None) -> None:
+        """``keep_weights=None``: gather the weights back only where they are not sharded (stages 1-2);
+        a stage-3 model is released without gathering, as DeepSpeed leaves a ZeRO-3 model partitioned."""
         kept = [r for r in self._zero_records if keep_frozen and r.frozen and api.is_set_up(r.model)]
         for record in self._zero_records:
             if record not in kept and api.is_set_up(record.model):  # else torn down by the user already
-                api.teardown(record.model)
+                sharded = api.engine_of(record.model).plan.shards_parameters
+                api.teardown(record.model, keep_weights=not sharded if keep_weights is None else keep_weights)
         self._zero_records[:] = kept
         for model in self._pending:
             self._unguard(model)
         self._pending.clear()
 
-    def free_memory(self, *objects):
+    def free_memory(self, *objects, keep_weights: bool | None = None):
         """Tear down the ZeRO engines (hooks, shards, optimizer state) and drop Accelerate's references.
 
-        Every process must call it: the full weights are gathered back into each model.
+        Every process must call it. At stages 1-2 each model keeps its (whole) weights; a stage-3
+        model's parameters are released, not gathered (they stay empty), since gathering the whole
+        model on every rank is what sharding it avoids: save it before (``save_model``,
+        ``save_pretrained``), or pass ``keep_weights=True`` to gather it back whole on every rank.
         Models from :meth:`prepare_frozen_model` stay sharded: the HF Trainer calls
         ``free_memory`` as ``train()`` starts, after a DPO trainer prepared its reference
-        model, and gathering that model whole on every rank is what sharding it avoids
-        (DeepSpeed's reference engine survives ``free_memory`` too). ``end_training`` or
+        model (DeepSpeed's reference engine survives ``free_memory`` too). ``end_training`` or
         ``zero_strategy.teardown(model)`` releases them.
         """
-        self._teardown_all(keep_frozen=True)
+        self._teardown_all(keep_frozen=True, keep_weights=keep_weights)
         return super().free_memory(*objects)
 
-    def end_training(self):
-        """Tear down the ZeRO engines, finish trackers, destroy the process group."""
-        self._teardown_all()
+    def end_training(self, keep_weights: bool | None = None):
+        """Tear down the ZeRO engines (``keep_weights``: as :meth:`free_memory`), finish trackers,
+        destroy the process group."""
+        self._teardown_all(keep_weights=keep_weights)
         super().end_training()
 
 

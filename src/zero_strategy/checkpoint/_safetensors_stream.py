@@ -1,9 +1,9 @@
 """Streaming safetensors: write a file tensor after tensor, read element ranges, hash files.
 
-``safetensors.torch.save_file`` needs every tensor in memory at once. Here the
-header is built from the shapes and dtypes known up front, then tensor bytes are
-appended one piece after another (a piece can be part of a tensor), hashed on the
-way, so a writer holds at most the piece it is given. The reader reads a range of
+``safetensors.torch.save_file`` needs every tensor in memory at once. The writer
+(_mechanisms/safetensors_writer.py, raising ``CheckpointError`` here) builds the header
+from the shapes and dtypes known up front and appends tensor bytes one piece after
+another, so it holds at most the piece it is given. The reader reads a range of
 one tensor's elements with ``readinto`` into a fresh buffer, without a memory map
 (whose touched pages would stay resident for as long as the file is open).
 
@@ -33,105 +33,21 @@ from typing import BinaryIO
 
 import torch
 
+from .._mechanisms.safetensors_writer import ST_DTYPES as _ST_DTYPES
+from .._mechanisms.safetensors_writer import StreamWriter as _Writer
+from .._mechanisms.safetensors_writer import element_size as _element_size
+from .._mechanisms.safetensors_writer import numel_of as _numel
 from ._layout import CheckpointError
 from ._validate import header as library_header
 
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 HASH_CHUNK = 1 << 20  # bytes read at a time when hashing
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+class StreamWriter(_Writer):
+    """The safetensors stream writer (_mechanisms/safetensors_writer.py), raising ``CheckpointError``."""
 
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a tensor (host copy if needed), without another copy on the host."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-class StreamWriter:
-    """Write one safetensors file: ``write(name, piece)`` in header order, then ``close()``.
-
-    ``specs``: (name, dtype, shape) of every tensor, in the order they will be written.
-    ``close`` flushes and fsyncs and returns (sha256 hex digest, size in bytes).
-    """
-
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]],
-                 metadata: dict[str, str] | None = None):
-        header: dict = {}
-        if metadata:
-            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-        self._sizes: list[tuple[str, int]] = []
-        offset = 0
-        for name, dtype, shape in specs:
-            if dtype not in _ST_DTYPES:
-                raise CheckpointError(f"cannot store tensor {name!r} of dtype {dtype} in safetensors")
-            nbytes = _element_size(dtype) * _numel(shape)
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": [int(x) for x in shape],
-                            "data_offsets": [offset, offset + nbytes]}
-            self._sizes.append((name, nbytes))
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.path = Path(path)
-        self._hash = hashlib.sha256()
-        self._file: BinaryIO = open(self.path, "wb")
-        self._size = 0
-        self._index = 0        # tensor being written
-        self._written = 0      # bytes of it written so far
-        self._emit(struct.pack("<Q", len(raw)) + raw)
-
-    def _emit(self, data) -> None:
-        self._file.write(data)
-        self._hash.update(data)
-        self._size += len(data)
-
-    def write(self, name: str, piece: torch.Tensor) -> None:
-        """Append ``piece`` (all or the next part of tensor ``name``, any shape, its dtype)."""
-        while self._index < len(self._sizes) and self._written == self._sizes[self._index][1]:
-            self._index, self._written = self._index + 1, 0
-        if self._index >= len(self._sizes) or self._sizes[self._index][0] != name:
-            expected = self._sizes[self._index][0] if self._index < len(self._sizes) else "nothing"
-            raise CheckpointError(f"{self.path}: wrote {name!r} where {expected!r} was expected")
-        data = tensor_bytes(piece)
-        if self._written + len(data) > self._sizes[self._index][1]:
-            raise CheckpointError(f"{self.path}: more bytes for {name!r} than its shape holds")
-        self._emit(data)
-        self._written += len(data)
-
-    def close(self) -> tuple[str, int]:
-        done = sum(n for _, n in self._sizes[:self._index]) + self._written
-        if done != sum(n for _, n in self._sizes):
-            self.abort()
-            raise CheckpointError(f"{self.path}: closed before all tensors were written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        return self._hash.hexdigest(), self._size
-
-    def abort(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-
-    def __enter__(self) -> "StreamWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for x in shape:
-        n *= int(x)
-    return n
+    error = CheckpointError
 
 
 # ------------------------------------------------------------------- reading

@@ -46,9 +46,12 @@ calls reach the floor, it stops them on a ZeRO model, because the stock implemen
 would save or load rank 0's shard as ``optimizer.pt``. A class written by hand as
 ``(ZeroTrainerMixin, Name)`` without the floor keeps the old behaviour: its overrides
 of these two methods are not called on a ZeRO model.
-* ``save_model``: every rank takes part in consolidating the fp32 weights
-  (``full_state_dict(rank0_only=True)``); the main process writes them with
-  ``save_pretrained``, so ``from_pretrained(checkpoint-N)`` works, also under stage 3.
+* ``save_model``: every rank takes part in consolidating the fp32 weights; the main
+  process writes them with ``save_pretrained``, so ``from_pretrained(checkpoint-N)`` works,
+  also under stage 3. There a transformers model's weights are streamed unit by unit
+  (``save_pretrained(..., dtype=torch.float32)``, See [Note: streamed save_pretrained] in
+  _engine/streamed_saves.py), so no rank holds the whole model; other models go through
+  ``full_state_dict(rank0_only=True)``.
 * ``_load_best_model`` (``load_best_model_at_end``): from the best checkpoint's shards.
 * Gradients: the Trainer clears them with ``model.zero_grad()``, which cannot reach
   gradient shards; a callback calls the optimizer's ``zero_grad()`` after each step.
@@ -209,11 +212,25 @@ class ZeroTrainerMixin:
         if self._zero_record() is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = api.full_state_dict(self.model, rank0_only=True)
-        self._save(output_dir, state_dict=state_dict)
+        if self._streams_save():
+            # See [Note: streamed save_pretrained] in _engine/streamed_saves.py: the Trainer's own files
+            # (configuration, tokenizer, arguments) from the main process, then the fp32 weights unit by unit
+            self._save(output_dir, state_dict={})
+            self.model.save_pretrained(output_dir, is_main_process=self.args.should_save, dtype=torch.float32)
+        else:
+            state_dict = api.full_state_dict(self.model, rank0_only=True)
+            self._save(output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _streams_save(self) -> bool:
+        """Whether ``save_model`` streams: a transformers model at stage 3 (``setup`` shadowed its
+        ``save_pretrained``), not an adapter model (PEFT's own save keeps the adapter only)."""
+        from transformers import PreTrainedModel
+
+        return (isinstance(self.model, PreTrainedModel) and "save_pretrained" in vars(self.model)
+                and not getattr(self.model, "_hf_peft_config_loaded", False))
 
     def _load_best_model(self) -> None:
         record = self._zero_record()
