@@ -60,6 +60,15 @@ class CaseResults:
         return got
 
 
+def launch_named_cases_with_nvme(worker: str, cases: list[dict], prefix: str, timeout: float) -> CaseResults:
+    """:func:`launch_cases` on 2 ranks, each case given one fresh swap directory (``nvme_path``, removed
+    after the run) and its results keyed by ``name``."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix=prefix) as nvme:
+        return launch_cases(worker, 2, [dict(c, nvme_path=nvme) for c in cases], key=lambda r: r["name"],
+                            timeout=timeout)
+
+
 def launch_cases(worker: str, world_size: int, cases: list, key, timeout: float = 240.0) -> CaseResults:
     """:func:`launch` with ``{"cases": cases}``; ``key(result)`` names each result's case."""
     try:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import tempfile
 
 import pytest
 import torch
 
 import zero_strategy as zs
 from _compare import rel_diff
-from _launch import launch_cases
+from _launch import launch_cases, launch_named_cases_with_nvme
 from _models import TinyLM, batch, loss_fn
 from _models import whole_tensor_recipe as optimizers
 
@@ -96,9 +95,7 @@ def test_bitsandbytes_parameter_overrides_are_refused():
 
 @functools.lru_cache(maxsize=None)
 def _results():
-    with tempfile.TemporaryDirectory(prefix="zs_bnb_nvme_") as nvme:
-        cases = [dict(c, nvme_path=nvme) for c in CASES]
-        return launch_cases("owned_optimizers.py", 2, cases, key=lambda r: r["name"], timeout=400)
+    return launch_named_cases_with_nvme("owned_optimizers.py", CASES, "zs_bnb_nvme_", timeout=400)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
