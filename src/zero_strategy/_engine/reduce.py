@@ -26,8 +26,9 @@ The order is one of *buckets*, not of groups: a bucket is the trainable groups o
 unit, its small groups reduced as one coalesced reduce-scatter (See [Note: coalesced
 collectives] in _comm/collectives.py) and each large one on its own, right before them
 (:data:`COALESCE_REDUCE_ELEMENTS`), so many small flat groups (members of an expert list,
-the root's parts, a persistent group beside the sharded one) cost one collective. A bucket is launched once all of its groups are complete on this rank,
-or at the end of backward; a group with no gradient on this rank (an expert its
+the root's parts, a persistent group beside the sharded one) cost one collective. A
+bucket is launched once all of its groups are complete on this rank, or at the end of
+backward; a group with no gradient on this rank (an expert its
 batch skipped) holds its bucket to the end of backward, as it held every group after
 it in the order before buckets, and contributes zeros. Stage 1 reduces in place, at
 the step, one group at a time (its buckets are single groups).
@@ -133,14 +134,13 @@ class ReduceQueue:
     def _launch_one(self, groups: list[FlatGroup], name: str | None) -> None:
         label = groups[0].name if len(groups) == 1 else f"{name} ({len(groups)} groups)"
         with torch.profiler.record_function(f"zero::reduce::{label}"):
-            if self.in_place:
-                assert len(groups) == 1, [g.name for g in groups]
-                handle, out = groups[0].grads.begin_reduce(self.comm, in_place=True)
+            if len(groups) == 1:  # full_grad stays (and is counted) until finish_reduce frees it
+                handle, out = groups[0].grads.begin_reduce(self.comm, in_place=self.in_place)
                 outs = [out]
             else:
                 fulls = [g.grads.prepare_reduce(self.comm) for g in groups]
                 handle, outs = self.comm.reduce_scatter_coalesced(fulls, label=label)
-                for g in groups:
+                for g in groups:  # copied into the packed input: their buffers can go now
                     g.grads.now_reducing(drop_full=True)
         self.pending.append((groups, handle, outs, label))
         limit = self._in_flight_limit()

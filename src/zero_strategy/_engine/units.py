@@ -1,8 +1,8 @@
 """Units: which module subtrees are sharded together, and their flat groups.
 
 [Note: choosing units]
-A unit is gathered and reduced together (one all-gather and one reduce-scatter of
-all its flat groups: usually one group, plus one per member, see below), so it should be one
+A unit is gathered and reduced together (one all-gather of all its flat groups, one
+reduce-scatter of its small ones: usually one group, plus one per member, see below), so it should be one
 repeated block of the model. Auto-detection walks the model from the
 root, outermost first, and descends into every module until it finds blocks:
 
@@ -55,10 +55,10 @@ A group no rank has a gradient for is then not stepped, as DDP's parameters (See
 [Note: no gradient on any rank] in _engine/untouched.py, which also covers what is left
 inside a group). The cost would be more, smaller collectives, one per member and part and collective
 kind (a list of 64 experts in each of 27 layers: about 1,700 of each kind per step);
-instead a unit's groups are gathered as one coalesced all-gather and reduced as one
-coalesced reduce-scatter (See [Note: coalesced collectives] in _comm/collectives.py and
-[Note: reduce order] in _engine/reduce.py), so a unit costs one collective of each kind
-however many groups it has. Hugging Face models that fuse their experts into one tensor (Mixtral,
+instead a unit's groups are gathered as one coalesced all-gather and its small groups
+reduced as one coalesced reduce-scatter (a large group has its own: See [Note: coalesced
+collectives] in _comm/collectives.py and [Note: reduce order] in _engine/reduce.py), so a
+unit costs a collective per large group at most, however many small groups it has. Hugging Face models that fuse their experts into one tensor (Mixtral,
 Qwen2-MoE in transformers 5) have no members, and DDP gives every expert a (zero)
 gradient there too.
 """
