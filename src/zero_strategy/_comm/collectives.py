@@ -78,8 +78,12 @@ buffers, as FSDP2 does for its parameter groups: the shards are packed rank-majo
 into one buffer ``[N, sum(S_i)]`` (a copy in), one all-gather or reduce-scatter runs
 on it, and the all-gather copies each rank's slice back out into every output at its
 wait (the reduce-scatter's outputs are views into its one output: no copy out). The
-copies cost one pass over the bytes, which on a GPU is far below a collective's launch
-latency and on gloo below the per-call cost saved. The flight recorder sees one
+copies cost one pass over the bytes, which for small buffers is below the per-call cost
+saved. For a large one it is not: the reduce-scatter's copy in runs in the gradient hook, on
+backward's path, where an uncoalesced collective would have run beside backward (a block's
+720,896-element group packed with its 68,864-element one made a GPT-2 stage-3 backward
+15-20 ms slower per step), so the reduce queue coalesces only groups up to
+``COALESCE_REDUCE_ELEMENTS`` (_engine/reduce.py) and reduces larger ones on their own. The flight recorder sees one
 collective of the summed size under the caller's label, and the byte counters count
 one call of the summed (already padded) sizes, so communication volume is unchanged.
 Writes into the outputs keep their autograd version counters, as the uncoalesced
@@ -361,8 +365,6 @@ class Collectives:
         n = self.world_size
         sizes = [f.numel() // n for f in fulls]
         out = torch.empty(sum(sizes), dtype=fulls[0].dtype, device=fulls[0].device)
-        if len(fulls) == 1:
-            return self.reduce_scatter(out, fulls[0], async_op=True, label=label), [out]
         packed = torch.empty(n, sum(sizes), dtype=fulls[0].dtype, device=fulls[0].device)
         lo = 0
         for full, size in zip(fulls, sizes):
