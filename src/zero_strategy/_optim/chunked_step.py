@@ -32,6 +32,17 @@ import torch
 from .._mechanisms.nvme import NVMeError
 
 
+def stopped_part_way(masters, what: str, e: BaseException) -> NVMeError:
+    """The error of a streamed step that failed after writing part of its state back: ``masters``
+    (the group's NVMe masters) is marked failed with it, so the next step refuses instead of
+    training on from half-updated state. ``what``: the group and how it was streamed."""
+    err = NVMeError(f"the optimizer step of {what} from the NVMe swap file, stopped part way "
+                    f"({type(e).__name__}: {e}); the swap file holds part of a step, so it is not read "
+                    "again. Restart from the last checkpoint")
+    masters.fail(err)
+    return err
+
+
 class _Events:
     """The upload events of one group's chunks, waited for together."""
 
@@ -79,11 +90,7 @@ def step_in_chunks(group, grad: torch.Tensor, step_masters: Callable[..., None],
                             masters.keep_state_chunk(k, v, a, views)
                 events.append(group.params.take_master(views["master"], group.transfers, start=a))
     except BaseException as e:
-        err = NVMeError(f"the optimizer step of flat group {group.name!r}, streamed in chunks from the "
-                        f"NVMe swap file, stopped part way ({type(e).__name__}: {e}); the swap file holds "
-                        "part of a step, so it is not read again. Restart from the last checkpoint")
-        masters.fail(err)
-        raise err from e
+        raise stopped_part_way(masters, f"flat group {group.name!r}, streamed in chunks", e) from e
     finally:
         master.grad = None
         master.data = torch.empty(0, dtype=master.dtype)

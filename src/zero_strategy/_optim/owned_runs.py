@@ -31,8 +31,7 @@ from __future__ import annotations
 import torch
 
 from .._mechanisms import nvme_stream
-from .._mechanisms.nvme import NVMeError
-from .chunked_step import _Events
+from .chunked_step import _Events, stopped_part_way
 
 #: bytes per element a run is planned with before its state exists (master and two moments)
 PLANNED_BYTES = 12
@@ -88,20 +87,18 @@ def step_owned_runs(group, grad: torch.Tensor, views, step_masters, optimizer: t
     masters.cancel_prefetch()
     untouched, group.grads.untouched = group.grads.untouched, frozenset()  # used once, as _set_grad does
     try:
+        shared = shared_tensors(optimizer)
         for run in plan_runs(views, store.pool.slot_bytes):
-            _step_run(group, run, grad, untouched, step_masters, optimizer)
+            _step_run(group, run, grad, untouched, step_masters, optimizer, shared)
             store.wait_writes()  # the next run may share this run's last aligned block
     except BaseException as e:
-        err = NVMeError(f"the optimizer step of owned group {group.name!r}, stepped a run of whole parameters "
-                        f"at a time from the NVMe swap file, stopped part way ({type(e).__name__}: {e}); the "
-                        "swap file holds part of a step, so it is not read again. Restart from the last checkpoint")
-        masters.fail(err)
-        raise err from e
+        raise stopped_part_way(masters, f"owned group {group.name!r}, stepped a run of whole parameters at "
+                               "a time", e) from e
     return _Events([])  # each run's parameter elements are written before the next run is read
 
 
 def _step_run(group, run, grad: torch.Tensor, untouched: frozenset, step_masters,
-              optimizer: torch.optim.Optimizer) -> None:
+              optimizer: torch.optim.Optimizer, shared: frozenset[int]) -> None:
     """Read one run, step its views, write master, state and parameter elements back."""
     store, masters, states = group.swap, group.masters, optimizer.state
     align, numel = nvme_stream.ALIGN_ELEMS, group.shard_numel
@@ -128,7 +125,7 @@ def _step_run(group, run, grad: torch.Tensor, untouched: frozenset, step_masters
         if uploaded is not None:
             uploaded.synchronize()  # the buffer is given back below
         # a first step: its new state joins the swap file
-        masters.track_optimizer_state(owned_state(states, run, shared_tensors(optimizer)))
+        masters.track_optimizer_state(owned_state(states, run, shared))
     finally:
         for _, _, view in run:
             view.data = torch.empty(0, dtype=view.dtype)
