@@ -80,10 +80,8 @@ class _Call:
         self.ours: dict[int, tuple[Unit, nn.Module | None]] = {}
         #: load_state_dict: id(param) -> (its group, torch's dict for its module, its key)
         self.loaded: dict[int, tuple[FlatGroup, Mapping[str, Any], str]] = {}
-        #: state_dict: the keys already replaced by host copies, and the copies by the view they copy
-        #: (See [Note: state_dict entries are copies])
+        #: state_dict: the keys already replaced by host copies (See [Note: state_dict entries are copies])
         self.copied: set[str] = set()
-        self.copies: dict[tuple, torch.Tensor] = {}
 
     def releasing_at(self, module: nn.Module) -> list[Unit]:
         if module is self.owner:
@@ -174,11 +172,12 @@ class ModuleStateHooks:
         """Replace the entries under ``prefix`` that view these (gathered) units' storage by host
         copies (``units=None``: every entry not copied yet). See [Note: state_dict entries are copies].
 
-        Views are told apart by address, so the table of copies is emptied once those storages
-        may be freed: a unit gathered later may get a freed unit's addresses.
+        Views are told apart by address, so the table of copies lives only while those storages
+        do: a unit gathered later may get a freed unit's addresses.
         """
         storages = None if units is None else {
             s.param.untyped_storage().data_ptr() for u in units for g in u.sharded_groups for s in g.slots[:1]}
+        copies: dict[tuple, torch.Tensor] = {}  # (storage, offset, shape, stride, dtype) -> copy
         for key, t in list(destination.items()):
             if key in call.copied or not (key.startswith(prefix) and isinstance(t, torch.Tensor)) or t.is_meta:
                 continue
@@ -188,11 +187,10 @@ class ModuleStateHooks:
                 continue
             if storages is None or (ptr and ptr in storages):
                 view = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-                if view not in call.copies:
-                    call.copies[view] = t.detach().to("cpu", copy=True)
-                destination[key] = call.copies[view]
+                if view not in copies:
+                    copies[view] = t.detach().to("cpu", copy=True)
+                destination[key] = copies[view]
                 call.copied.add(key)
-        call.copies.clear()
 
     # ------------------------------------------------------- load_state_dict
     def before_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
