@@ -50,6 +50,7 @@ from .aligned import aligned_empty, round_up
 from .nvme_files import NVMeError, check_room, prepare_base, resolve_nvme_path
 from .swap_file import SwapFile, wait_all
 from .swap_set import Residency, SwapSet
+from .worker_threads import WorkerThreads
 
 __all__ = ["NVMeError", "NVMeStore", "Residency", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
 
@@ -172,7 +173,7 @@ class NVMeStore:
                              slot_bytes=policy.buffer_size, working_set=working_set)
         self._sets: dict[tuple[int, str], SwapSet] = {}
         self._meta: dict[tuple[int, str], dict[str, tuple[torch.dtype, int]]] = {}
-        self._finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-nvme-evict")
+        self._finisher = WorkerThreads(1, "zero-nvme-evict")  # started at setup, not in a hook
         self._pending_out: list[concurrent.futures.Future] = []
         self._failed: BaseException | None = None
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .aligned import round_up
+from .worker_threads import WorkerThreads
 from .nvme_files import JobDir, NVMeError, free_space, remove_stale_job_dirs, reserve
 
 __all__ = ["IO_TIMEOUT_S", "SwapFile", "wait_all"]
@@ -49,7 +50,7 @@ class SwapFile:
         self.chunk = chunk_bytes
         self.regions: dict[str, tuple[int, int]] = {}
         self._end = 0
-        self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="zero-nvme-io")
+        self._io = WorkerThreads(io_threads, "zero-nvme-io")  # started now, at setup: see its module
         self.bytes_read = self.bytes_written = 0
         self._lock = threading.Lock()
         # removed when this object is collected or at interpreter exit, whichever is first
@@ -110,7 +111,7 @@ class SwapFile:
         self._finalizer()
 
 
-def _remove_swap_file(fd: int, directory: JobDir, io: concurrent.futures.ThreadPoolExecutor) -> None:
+def _remove_swap_file(fd: int, directory: JobDir, io: WorkerThreads) -> None:
     io.shutdown(wait=True, cancel_futures=True)
     with contextlib.suppress(OSError):
         os.close(fd)

@@ -31,13 +31,13 @@ are synchronous, and "events" are already complete; the CPU tests exercise it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import queue
 from dataclasses import dataclass
 
 import torch
 
+from .worker_threads import WorkerThreads
 from .working_set import WorkingSet
 
 HOST = torch.device("cpu")
@@ -73,7 +73,7 @@ class Transfers:
         self.pin = pin_memory and self.cuda
         self.d2h_stream = torch.cuda.Stream(device) if self.cuda else None
         self.h2d_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: WorkerThreads | None = None
         #: what the engine holds beyond its resting state, now and at its peak (See [Note: the working set])
         self.working_set = WorkingSet()
         self._staging = _StagingRing(2, self.host_empty, self.working_set)
@@ -130,10 +130,11 @@ class Transfers:
         return self._staging.buffers()
 
     @property
-    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """One worker: CPU optimizer steps run there, in order, while the main thread uploads."""
+    def pool(self) -> WorkerThreads:
+        """One worker: CPU optimizer steps run there, in order, while the main thread uploads.
+        Made (its thread started) by the first caller: the offloaded step, at setup."""
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-cpu-step")
+            self._pool = WorkerThreads(1, "zero-cpu-step")
         return self._pool
 
     def close(self) -> None:
