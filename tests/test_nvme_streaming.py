@@ -187,7 +187,14 @@ def test_staging_never_exceeds_its_slots(tmp_path):
     # for the optimizer's state dict is counted too, and is gone once it is written back)
     assert report.by_category["staging"] <= slots * per_slot
     assert report.working_set["staging"] <= slots * per_slot
-    assert report.peak_working_set["staging"] <= slots * per_slot + largest
+    # a checkpoint brings one group in whole: its optimizer set and (stage 3) its parameter
+    # shard, each tensor 4096-aligned as the store lays them out
+    store, whole_group = zs.engine_of(model).swap, {}
+    for key in store._meta:
+        whole_group[key[0]] = whole_group.get(key[0], 0) + store._slot_bytes(key)
+    largest_group = max(whole_group.values())
+    assert largest < largest_group < 2 * largest
+    assert report.peak_working_set["staging"] <= slots * per_slot + largest_group
     zs.memory_report(model, reset_peak=True)
     train(model, opt, range(3, 4))
     report = zs.memory_report(model)
