@@ -71,6 +71,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     materialized unit by unit on ``device`` (default: the current CUDA device, else
     the CPU), so no rank ever holds it whole; ``param_init_fn(module)`` initializes
     each module (default ``module.reset_parameters()``; see _engine/materialize.py).
+    A model from ``zero_strategy.transformers.from_pretrained`` gets its pretrained
+    weights here, each rank reading its own slices (See [Note: weights that arrive at setup]).
 
     Returns ``(model, zero_optimizer)``; ``zero_optimizer`` is ``None`` when no
     optimizer is given (inference / frozen models).
@@ -83,6 +85,10 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
                          "(call zero_strategy.teardown(model) first to start over)")
     for opt in optimizers:
         layout_of(opt, cfg)  # refuse what no layout shards before anything is set up
+    from .checkpoint import _sharded_weights  # (it imports this module)
+    pending = _sharded_weights.pending_weights(model)  # See [Note: weights that arrive at setup]
+    if pending and param_init_fn is None:
+        param_init_fn = _sharded_weights.init_for_pending(model, pending)
     shard_group, replicate_group = hybrid_groups(cfg.shard_group_size, process_group)
     comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
@@ -96,6 +102,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
+    _sharded_weights.load_deferred_weights(model)
     if several:
         return model, zero_opts
     return model, (zero_opts[0] if zero_opts else None)

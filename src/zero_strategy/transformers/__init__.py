@@ -10,6 +10,8 @@
 
     trainer = zero_trainer(SFTTrainer)(model=model, args=SFTConfig(...), train_dataset=ds, zero_config="zero3")
 
+    model = from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16)  # weights read sharded at setup
+
 [Note: importing first]
 ``TrainingArguments(...)`` sets up Accelerate's process state as it is built. Under
 ``accelerate launch`` with several processes on a machine without GPUs that state
@@ -27,6 +29,7 @@ _adopt_deepspeed_launch()
 _use_cpu_if_no_device(False)
 
 from ._mixin import ZeroTrainerMixin, zero_trainer  # noqa: E402
+from ._pretrained import from_pretrained  # noqa: E402
 from ._trainer import ZERO_CHECKPOINT_DIR, ZeroTrainer  # noqa: E402
 
-__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "zero_trainer", "ZERO_CHECKPOINT_DIR"]
+__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "zero_trainer", "ZERO_CHECKPOINT_DIR", "from_pretrained"]

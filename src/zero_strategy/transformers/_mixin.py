@@ -129,6 +129,14 @@ class ZeroTrainerMixin:
         self._prepare_frozen_models()
         adopt_vllm_weight_sync(self)  # See [Note: weight sync to vLLM at stage 3] in _vllm_sync.py
 
+    def _move_model_to_device(self, model, device) -> None:
+        """A model whose parameters are on the meta device (``from_pretrained`` of this package,
+        or built under ``torch.device("meta")``) is materialized on the device, sharded, when
+        it is prepared: moving it now would fail ("Cannot copy out of meta tensor")."""
+        if any(p.is_meta for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
+
     # ------------------------------------------------------------------ accelerator
     def create_accelerator_and_postprocess(self) -> None:
         spec = self._zero_config_spec

@@ -1,0 +1,216 @@
+"""One call to load a Hugging Face model sharded: no rank ever holds it whole.
+
+::
+
+    from zero_strategy.transformers import from_pretrained
+
+    model = from_pretrained(AutoModelForCausalLM, "path/or/hub-name", dtype=torch.bfloat16)
+    model, optimizer = zero_strategy.setup(model, torch.optim.AdamW(model.parameters()), "zero3")
+    # or: ZeroTrainer(model=model, ...), accelerator.prepare(model, optimizer), Lightning, Fabric
+
+``transformers``' own ``from_pretrained`` reads every tensor on every rank, and the
+documented way around it took three calls and a ``param_init_fn`` the user had to know
+about (a meta build, ``setup(..., param_init_fn=model._init_weights)``,
+``load_sharded_weights``). Here the model is built with its parameters on the meta device
+(buffers real: rotary frequencies and the like are computed by their constructors as
+usual), and its checkpoint is recorded for ``setup`` to read, each rank only the slices
+of its own shards (See [Note: weights that arrive at setup]). Everything else follows
+``from_pretrained``: the config with its keyword overrides, ``dtype`` ("auto" by
+default: the config's, else the checkpoint's), transformers' own key renamings (its
+conversion mapping and the base-model prefix, added or stripped), new modules (a
+classification head) initialized by the model's ``_init_weights`` and named in a
+warning, unused checkpoint keys named too, the generation config, eval mode.
+
+Not handled, and refused by name rather than loaded wrong: checkpoints that only
+``pytorch_model.bin`` holds (safetensors only), and parameters that transformers builds
+by merging several checkpoint tensors (its ``WeightConverter``s, e.g. per-expert MoE
+weights fused into one tensor): those go through ``from_pretrained`` + ``setup``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from .._logging import RankZeroFilter
+from ..checkpoint._layout import CheckpointError
+from ..checkpoint._sharded_weights import DeferredWeights, defer_weights, safetensors_reader
+
+__all__ = ["from_pretrained"]
+
+log = logging.getLogger(__name__)
+log.addFilter(RankZeroFilter())
+
+
+def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_dtype=None,
+                    revision: str | None = None, trust_remote_code: bool = False,
+                    attn_implementation: str | None = None, **config_overrides):
+    """An empty ``model_class`` (an Auto class or a model class) whose weights ``setup`` reads sharded.
+
+    ``name_or_path``: a local model directory, or a hub name already in the local cache
+    (or reachable). ``dtype`` (``torch_dtype`` is accepted too): the parameters' dtype,
+    ``"auto"`` by default as in ``from_pretrained``. Other keywords override config
+    attributes (``num_labels=3``), as they do there.
+    """
+    from transformers import AutoConfig
+
+    directory = _model_directory(name_or_path, revision)
+    weight_map = _weight_map(directory)
+    config, unknown = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code,
+                                                 return_unused_kwargs=True, **config_overrides)
+    if unknown:
+        raise TypeError(f"zero_strategy.transformers.from_pretrained: {sorted(unknown)} are neither arguments nor "
+                        f"attributes of {type(config).__name__}")
+    config._name_or_path = str(name_or_path)
+    dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, directory, weight_map)
+    model = _build_empty(model_class, config, dtype, trust_remote_code, attn_implementation)
+    to_checkpoint, unused = _key_map(model, weight_map)
+    _load_buffers(model, directory, weight_map, to_checkpoint)
+    read = safetensors_reader(directory)
+
+    def read_renamed(names, start, end):
+        return read([to_checkpoint[n] for n in names if n in to_checkpoint], start, end)
+
+    def loaded(missing: list[str]) -> None:
+        if missing:
+            log.warning("Some weights of %s were not initialized from the model checkpoint at %s and are "
+                        "newly initialized: %s", type(model).__name__, name_or_path, missing)
+        if unused:
+            log.warning("Some weights of the model checkpoint at %s were not used when initializing %s: %s",
+                        name_or_path, type(model).__name__, unused)
+
+    defer_weights(model, DeferredWeights(read=read_renamed, source=str(directory), init=_init_module,
+                                         loaded=loaded))
+    _load_generation_config(model, directory)
+    model.eval()  # as from_pretrained returns it
+    return model
+
+
+def _init_module(model, module) -> None:
+    """The model's own initialization, module by module (what the checkpoint lacks keeps it)."""
+    model._init_weights(module)
+
+
+def _model_directory(name_or_path, revision) -> Path:
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(name_or_path), revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:
+        raise CheckpointError(f"zero_strategy.transformers.from_pretrained: {name_or_path!r} is not a local "
+                              f"directory and the hub could not provide it ({type(e).__name__}: {e})") from None
+
+
+def _weight_map(directory: Path) -> dict[str, str]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    if (directory / "model.safetensors").exists():
+        from safetensors import safe_open
+
+        with safe_open(directory / "model.safetensors", framework="pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    if any(directory.glob("pytorch_model*.bin")):
+        raise CheckpointError(f"{directory} holds only pytorch_model*.bin weights, which cannot be read in "
+                              "slices; convert them once with model.save_pretrained(dir) (safetensors), or load "
+                              "with transformers' from_pretrained and then zero_strategy.setup")
+    raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
+def _resolve_dtype(dtype, config, directory: Path, weight_map: dict[str, str]) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        if getattr(config, "dtype", None) is not None:
+            dtype = config.dtype
+        else:
+            from safetensors import safe_open
+
+            first = sorted(set(weight_map.values()))[0]
+            with safe_open(directory / first, framework="pt") as f:
+                floats = [f.get_slice(k).get_dtype() for k in f.keys()]
+            names = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+            found = next((names[d] for d in floats if d in names), "float32")
+            dtype = found
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype={dtype!r}: give a torch.dtype, its name, or 'auto'")
+        dtype = getattr(torch, dtype)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r}: zero_strategy.transformers.from_pretrained takes one dtype for the "
+                         "whole model (a torch.dtype, its name, or 'auto'), not a per-module dict")
+    return dtype
+
+
+def _build_empty(model_class, config, dtype: torch.dtype, trust_remote_code: bool, attn_implementation):
+    from accelerate import init_empty_weights
+
+    kwargs = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    # parameters on meta, buffers real (on the CPU, whatever device context the caller is in)
+    with torch.device("cpu"), init_empty_weights(include_buffers=False):
+        if hasattr(model_class, "_from_config"):
+            model = model_class._from_config(config, **kwargs)
+        else:  # an Auto class
+            model = model_class.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    # as from_pretrained does after loading: one Parameter for tied names. Outside the empty-weights
+    # context, whose register_parameter would re-wrap the shared Parameter as a new one
+    model.tie_weights()
+    return model
+
+
+def _key_map(model, weight_map: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """model key -> checkpoint key through transformers' renamings, and the checkpoint keys unused.
+
+    A parameter that only a merging converter would produce is refused by name."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict(keep_vars=True)
+    to_checkpoint: dict[str, str] = {}
+    converted: dict[str, list[str]] = {}
+    unused: list[str] = []
+    for key in weight_map:
+        target, converter = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
+                                              meta_state)
+        if target not in meta_state:
+            unused.append(key)
+        elif converter is not None:
+            converted.setdefault(target, []).append(key)
+        else:
+            to_checkpoint.setdefault(target, key)
+    if converted:
+        target, keys = next(iter(converted.items()))
+        raise CheckpointError(
+            f"{type(model).__name__}: {len(converted)} parameter(s) are built by transformers from several "
+            f"checkpoint tensors (e.g. {target} from {keys[:3]}{' ...' if len(keys) > 3 else ''}), which this "
+            "loader does not read in slices; use transformers' from_pretrained and then zero_strategy.setup")
+    return to_checkpoint, sorted(unused)
+
+
+def _load_buffers(model, directory: Path, weight_map: dict[str, str], to_checkpoint: dict[str, str]) -> None:
+    """Persistent buffers the checkpoint holds, whole (they are small, and every rank keeps them)."""
+    from safetensors import safe_open
+
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            key = to_checkpoint.get(name)
+            if key is not None:
+                with safe_open(directory / weight_map[key], framework="pt") as f:
+                    buf.copy_(f.get_tensor(key))
+
+
+def _load_generation_config(model, directory: Path) -> None:
+    if (directory / "generation_config.json").exists() and getattr(model, "can_generate", lambda: False)():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(directory)
