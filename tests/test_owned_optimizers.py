@@ -162,7 +162,15 @@ def test_four_ranks_some_owning_nothing_in_a_group():
     results = launch_cases("owned_optimizers.py", 4, FOUR_RANKS, key=lambda r: r["name"], timeout=400)
     for case in FOUR_RANKS:
         for rank, res in enumerate(results.of(case["name"])):
-            assert res["vs_ddp"] <= 1e-5 and res["loss_vs_ddp"] <= 1e-5, (rank, res)
+            tol = 1e-5
+            if case["recipe"] == "muon" and case["stage"] >= 2:
+                # A reduce-scatter sums 4 ranks' gradients in another order than DDP's all-reduce
+                # (2 ranks: a + b either way); the fp32 gradients then differ by ~1e-7, and Muon's
+                # bf16 Newton-Schulz turns some of those into bf16 roundings the other way (seen:
+                # 1.7e-3 on an AVX512-BF16 CPU, within 1e-5 on the machine of an earlier run). The
+                # bound is the same noise measured independently: DDP against one process (3.1e-3).
+                tol = max(tol, res["ddp_vs_single"])
+            assert res["vs_ddp"] <= tol and res["loss_vs_ddp"] <= 1e-5, (rank, res)
             assert res["vs_single"] <= VS_SINGLE[case["recipe"]], (rank, res)
         if case["recipe"] == "muon":  # 6 matrices, 2 per group: the groups' owners rotate over the ranks
             assert sorted(r["owned_state_entries"] for r in results.of(case["name"])) == [1, 1, 2, 2]
