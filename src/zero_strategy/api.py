@@ -27,9 +27,10 @@ from . import _zero_auto as _auto
 from ._comm.collectives import Collectives
 from ._comm.faults import failing_exception
 from ._comm.hybrid import hybrid_groups
-from ._engine import conversions, gather, generation
+from ._engine import conversions, deferred_weights, gather, generation
 from ._engine import integrations as model_integrations
 from ._engine import offload_states as offload_states_impl
+from ._engine.deferred_weights import DeferredWeights, defer_weights  # noqa: F401  (for the loaders above)
 from ._engine.engine import ZeroEngine
 from ._engine.memory import MemoryReport, measure
 from ._engine.placement import single_device
@@ -85,10 +86,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
                          "(call zero_strategy.teardown(model) first to start over)")
     for opt in optimizers:
         layout_of(opt, cfg)  # refuse what no layout shards before anything is set up
-    from .checkpoint import _sharded_weights  # (it imports this module)
-    pending = _sharded_weights.pending_weights(model)  # See [Note: weights that arrive at setup]
+    pending = deferred_weights.pending_weights(model)  # See [Note: weights that arrive at setup]
     if pending and param_init_fn is None:
-        param_init_fn = _sharded_weights.init_for_pending(model, pending)
+        param_init_fn = deferred_weights.init_for_pending(model, pending)
     shard_group, replicate_group = hybrid_groups(cfg.shard_group_size, process_group)
     comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
@@ -102,7 +102,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
-    _sharded_weights.load_deferred_weights(model)
+    deferred_weights.load_deferred_weights(model)
     if several:
         return model, zero_opts
     return model, (zero_opts[0] if zero_opts else None)

@@ -17,7 +17,7 @@ from _worker import finish, start
 
 import zero_strategy as zs
 from zero_strategy.checkpoint import load_sharded_weights, safetensors_reader
-from zero_strategy.checkpoint._sharded_weights import pending_weights
+from zero_strategy._engine.deferred_weights import pending_weights
 
 
 def _counting(reader, counts):

@@ -10,8 +10,6 @@ and then rebuilds the compute-dtype parameters as after an optimizer step.
 from __future__ import annotations
 
 import json
-import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -50,90 +48,6 @@ def load_sharded_weights(model: torch.nn.Module, read: SliceReader, strict: bool
                               f"{' ...' if len(missing) > 10 else ''} (strict=False keeps their initial values)")
     _publish(engine)
     return missing
-
-
-@dataclass
-class DeferredWeights:
-    """Weights a meta-built model is to get from ``read`` when it is set up (``defer_weights``).
-
-    ``init(model, module)`` initializes the modules first (what no source entry covers keeps
-    that value, as ``from_pretrained`` leaves a new head initialized); ``loaded(missing)``
-    hears which parameters the source lacked. ``init`` takes the model as an argument so this
-    record, held beside the model in a weak table, never keeps it alive.
-    """
-    read: SliceReader
-    source: str
-    init: Callable[[torch.nn.Module, torch.nn.Module], object] | None = None
-    loaded: Callable[[list[str]], None] | None = None
-
-
-_DEFERRED: "weakref.WeakKeyDictionary[torch.nn.Module, DeferredWeights]" = weakref.WeakKeyDictionary()
-
-
-def defer_weights(model: torch.nn.Module, weights: DeferredWeights) -> None:
-    """Have ``setup(model, ...)`` (any front end's) fill ``model``'s shards from ``weights``.
-
-    [Note: weights that arrive at setup]
-    A model built on the meta device cannot hold its pretrained weights before it is
-    sharded: only the engine knows which slice of each parameter this rank keeps. So a
-    loader (``zero_strategy.transformers.from_pretrained``) builds the model empty and
-    records its source here; ``setup`` materializes it unit by unit with ``weights.init``
-    and then reads this rank's slices from the source (``load_sharded_weights``). The
-    front ends all set up through ``setup``, so ZeroTrainer, Accelerate's ``prepare``,
-    Lightning and Fabric load such a model sharded with no call of their own.
-    """
-    _DEFERRED[model] = weights
-
-
-def pending_weights(model: torch.nn.Module) -> list[tuple[str, DeferredWeights]]:
-    """(module name, its deferred weights) for ``model`` and every submodule that has some: a
-    LightningModule whose ``configure_model`` assigned ``self.model = from_pretrained(...)``
-    is set up as the root, its Hugging Face model one level down."""
-    return [(name, w) for name, m in model.named_modules() if (w := _DEFERRED.get(m)) is not None]
-
-
-def init_for_pending(model: torch.nn.Module, pending: list[tuple[str, DeferredWeights]]):
-    """A ``param_init_fn`` for ``setup``: each module by the loader that built it (its model's
-    own initialization), any other module by its ``reset_parameters()``."""
-    if not any(w.init is not None for _, w in pending):
-        return None
-    from .._engine.materialize import default_init
-
-    owner = {}
-    for name, w in pending:
-        sub = model.get_submodule(name)
-        owner.update({id(m): (sub, w) for m in sub.modules()})
-
-    def init(module: torch.nn.Module) -> None:
-        sub, w = owner.get(id(module), (None, None))
-        if w is not None and w.init is not None:
-            w.init(sub, module)
-        elif not default_init(module) and any(p.is_meta for p in module.parameters(recurse=False)):
-            raise ValueError(f"zero_strategy.setup: {type(module).__name__} has meta-device parameters, no "
-                             "reset_parameters() and no pretrained loader; pass param_init_fn=fn to setup")
-    return init
-
-
-def load_deferred_weights(model: torch.nn.Module) -> None:
-    """Fill a set-up model from the sources ``defer_weights`` recorded on it or its submodules (once)."""
-    pending = pending_weights(model)
-    if not pending:
-        return
-    for name, _ in pending:
-        _DEFERRED.pop(model.get_submodule(name), None)
-    by_prefix = sorted(((f"{name}." if name else "", w) for name, w in pending), key=lambda pw: -len(pw[0]))
-
-    def read(names, start, end):
-        for prefix, w in by_prefix:
-            own = [n[len(prefix):] for n in names if n.startswith(prefix)]
-            if own:
-                return w.read(own, start, end)
-        return None
-
-    missing = load_sharded_weights(model, read, strict=False)
-    for prefix, w in by_prefix:
-        if w.loaded is not None:
-            w.loaded([m[len(prefix):] for m in missing if m.startswith(prefix)])
 
 
 def safetensors_reader(directory: str | Path) -> SliceReader:

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
 
 from .._logging import RankZeroFilter
 from ..checkpoint._layout import CheckpointError
-from ..checkpoint._sharded_weights import DeferredWeights, defer_weights, safetensors_reader
+from ..api import DeferredWeights, defer_weights
+from ..checkpoint._sharded_weights import load_sharded_weights, safetensors_reader
 
 __all__ = ["from_pretrained"]
 
@@ -83,10 +85,14 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
                         name_or_path, type(model).__name__, unused)
 
     defer_weights(model, DeferredWeights(read=read_renamed, source=str(directory), init=_init_module,
-                                         loaded=loaded))
+                                         loaded=loaded, fill=_fill))
     _load_generation_config(model, directory)
     model.eval()  # as from_pretrained returns it
     return model
+
+
+def _fill(model, read) -> list[str]:
+    return load_sharded_weights(model, read, strict=False)  # what the checkpoint lacks keeps its init
 
 
 def _init_module(model, module) -> None:
@@ -176,6 +182,10 @@ def _key_map(model, weight_map: dict[str, str]) -> tuple[dict[str, str], list[st
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta_state = model.state_dict(keep_vars=True)
+    transient = {name for name, _ in model.named_buffers()} - set(meta_state)  # non-persistent: computed, not read
+    base = getattr(model, "base_model_prefix", "") or ""
+    transient |= {name[len(base) + 1:] for name in transient if base and name.startswith(base + ".")}
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     to_checkpoint: dict[str, str] = {}
     converted: dict[str, list[str]] = {}
     unused: list[str] = []
@@ -183,7 +193,8 @@ def _key_map(model, weight_map: dict[str, str]) -> tuple[dict[str, str], list[st
         target, converter = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
                                               meta_state)
         if target not in meta_state:
-            unused.append(key)
+            if target not in transient and not any(p.search(key) for p in ignored):
+                unused.append(key)
         elif converter is not None:
             converted.setdefault(target, []).append(key)
         else:
