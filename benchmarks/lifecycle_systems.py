@@ -3,9 +3,8 @@
 A system is one class with one method per phase; the driver times nothing and only
 samples memory around each call, so what a method does is exactly what is measured:
 
-* ``Zero``: our presets. Load is the documented three calls for a model bigger than a
-  rank (meta build, ``zs.setup(..., param_init_fn=...)``, ``load_sharded_weights`` from the
-  safetensors directory); save is ``zs.save_checkpoint``; the Hugging Face save is
+* ``Zero``: our presets. Load is ``zero_strategy.transformers.from_pretrained`` (the model
+  built empty) and ``zs.setup``, which reads each rank's slices of the safetensors; save is ``zs.save_checkpoint``; the Hugging Face save is
   ``model.save_pretrained(d, is_main_process=rank == 0)`` on every rank (what a user of
   ``PreTrainedModel`` writes); the export is ``zero-strategy consolidate`` in one process.
 * ``DeepSpeed``: ZeRO-3 the way its Hugging Face users do it: ``HfDeepSpeedConfig`` kept
@@ -60,6 +59,7 @@ class System:
         return self.model(input_ids=ids.to(self.device), labels=ids.to(self.device)).loss
 
     def train(self) -> None:
+        self.model.train()  # (from_pretrained returns a model in eval mode)
         for step in range(self.args.steps):
             loss = self.forward_loss(_batch(self.args, step, self.rank))
             self.backward_step(loss)
@@ -74,21 +74,17 @@ class System:
 class Zero(System):
     def load(self) -> None:
         import zero_strategy as zs
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from zero_strategy.checkpoint import load_sharded_weights, safetensors_reader
+        from transformers import AutoModelForCausalLM
+        from zero_strategy.transformers import from_pretrained
 
-        cfg = AutoConfig.from_pretrained(self.args.model_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = from_pretrained(AutoModelForCausalLM, self.args.model_dir, dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         kw = {}
         if "nvme" in self.name:
             nvme = zs.NVMeOffload(path=os.path.join(self.workdir, "swap"))
             kw = dict(offload_optimizer=nvme, offload_params=nvme)
         config = zs.ZeroConfig.preset(self.name, precision=self.args.precision, **kw)
-        self.model, self.optimizer = zs.setup(model, optimizer, config, device=self.device,
-                                              param_init_fn=model._init_weights)
-        load_sharded_weights(self.model, safetensors_reader(self.args.model_dir))
+        self.model, self.optimizer = zs.setup(model, optimizer, config, device=self.device)
 
     def backward_step(self, loss) -> None:
         loss.backward()

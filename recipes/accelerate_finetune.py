@@ -26,9 +26,9 @@ Precision comes from the launch config's ``mixed_precision`` unless ``--precisio
 given. Resume: ``--resume OUTPUT_DIR/checkpoint`` continues to ``--max-steps`` in total
 (``accelerator.load_state`` re-shards onto any number of processes and any preset).
 
-Stage 3 builds the model on the meta device, ``prepare`` materializes it one unit at a
-time (``param_init_fn`` = the model's ``_init_weights``), then every rank reads only its
-slices of the pretrained safetensors (``load_sharded_weights``).
+The model comes from ``zero_strategy.transformers.from_pretrained``: built empty (meta
+parameters), then ``prepare`` materializes it one unit at a time and every rank reads only
+its slices of the pretrained safetensors, at every preset.
 
 While it runs: a tqdm bar on the main process (in a terminal) with loss and samples/s,
 and a line every ``--log-every`` steps with loss, samples/s and, per rank, model-state
@@ -49,7 +49,6 @@ import time
 START = time.perf_counter()
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -106,10 +105,7 @@ def main(argv=None) -> None:
     tokenizer = data.prepare_tokenizer(data.load_tokenizer(path))
     train_ds, held_ds = data.datasets(args.task, tokenizer)
     chance = data.majority_rate(data.load_splits()[1])
-    stage3 = accelerator.zero_config.stage == 3
-    with torch.device("meta") if stage3 else contextlib.nullcontext():
-        model = data.model_from_config(config, args.task)
-    accelerator.param_init_fn = model._init_weights  # materializes meta modules (also rotary buffers)
+    model = data.pretrained_model(path, args.task)  # empty: prepare reads each rank's slices
 
     loader = torch.utils.data.DataLoader(train_ds, batch_size=args.batch_size, shuffle=True,
                                          collate_fn=train_ds.collate)
@@ -120,15 +116,13 @@ def main(argv=None) -> None:
     warm = max(1, total_steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warm, max(0.0, (total_steps - s) / max(1, total_steps - warm))))
+    t = time.perf_counter()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     # The scheduler is stepped here once per optimizer step (a prepared one would step per process).
-    t = time.perf_counter()
-    missing = data.load_pretrained_sharded(model, model, path)
     cfg = accelerator.zero_config
     say(f"model {path} ({args.task}), {world} process(es) on {device.type}, preset {args.preset} (stage {cfg.stage}, "
-        f"{cfg.precision}); loaded sharded in {time.perf_counter() - t:.1f} s"
-        + (f" (new, initialized: {', '.join(missing)})" if missing else "")
-        + f"; data: VADER lexicon, {len(train_ds)} train / {len(held_ds)} held-out; {total_steps} optimizer "
+        f"{cfg.precision}); set up and loaded sharded in {time.perf_counter() - t:.1f} s"
+        f"; data: VADER lexicon, {len(train_ds)} train / {len(held_ds)} held-out; {total_steps} optimizer "
         f"steps of {global_batch} samples")
     progress = Progress()
     accelerator.register_for_checkpointing(progress, schedule)

@@ -111,6 +111,20 @@ def load_model(path: str | os.PathLike | None = None, num_labels: int = len(LABE
     return model
 
 
+def pretrained_model(path: str | os.PathLike | None = None, task: str = "classification"):
+    """The task's model from ``path``, empty until it is set up: then every rank reads only its
+    own slices (``zero_strategy.transformers.from_pretrained``; a classification head is new and
+    initialized by the model's ``_init_weights``, as ``from_pretrained`` does)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from zero_strategy.transformers import from_pretrained
+    path = Path(path) if path is not None else default_model_path()
+    if task == "classification":
+        return from_pretrained(AutoModelForSequenceClassification, path, num_labels=len(LABELS),
+                               id2label=dict(enumerate(LABELS)), label2id={l: i for i, l in enumerate(LABELS)})
+    return from_pretrained(AutoModelForCausalLM, path)
+
+
 def load_model_and_tokenizer(path: str | os.PathLike | None = None, num_labels: int = len(LABELS)):
     path = Path(path) if path is not None else default_model_path()
     return load_model(path, num_labels), load_tokenizer(path)
@@ -265,38 +279,6 @@ def model_from_config(config, task: str):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     cls = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
     return cls.from_config(config)
-
-
-def pretrained_reader(path, model, prefix: str = ""):
-    """A SliceReader over ``path``'s safetensors for ``model`` registered under ``prefix``.
-
-    Maps the names the set-up module sees (``model.bert.encoder...`` inside a
-    LightningModule) to the checkpoint's: without ``prefix``, and with or without the
-    base-model prefix (the MiniLM file stores a bare ``BertModel``: ``encoder...``).
-    """
-    from zero_strategy.checkpoint import safetensors_reader
-    read = safetensors_reader(path)
-    base = getattr(model, "base_model_prefix", "") or ""
-
-    def candidates(names):
-        out = []
-        for n in names:
-            n = n[len(prefix):] if prefix and n.startswith(prefix) else n
-            out.append(n)
-            if base and n.startswith(base + "."):
-                out.append(n[len(base) + 1:])
-            elif base:
-                out.append(f"{base}.{n}")
-        return out
-
-    return lambda names, a, b: read(candidates(names), a, b)
-
-
-def load_pretrained_sharded(module, hf_model, path, prefix: str = "") -> list[str]:
-    """Every rank reads only its slices of ``path`` into the set-up ``module``; returns the
-    parameters the checkpoint lacks (a classification head is new: it keeps its init)."""
-    from zero_strategy.checkpoint import load_sharded_weights
-    return load_sharded_weights(module, pretrained_reader(path, hf_model, prefix), strict=False)
 
 
 def lm_texts(examples: list[Example]) -> list[str]:

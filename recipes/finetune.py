@@ -150,8 +150,8 @@ def main(argv=None) -> int:
 
     model_path = Path(args.model) if args.model else data.default_model_path()
     train_ex, held_ex = data.load_splits()
-    model, tokenizer = data.load_model_and_tokenizer(model_path)
-    model.to(device)
+    # empty until setup, which reads each rank's slices of the checkpoint: no rank loads it whole
+    model, tokenizer = data.pretrained_model(model_path), data.load_tokenizer(model_path)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model {model_path} ({n_params / 1e6:.1f}M parameters), {world} rank(s) on {device.type}, "
         f"preset {args.preset}, {args.precision}; data: VADER lexicon, {len(train_ex)} train / "
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     try:
         model, zopt = zs.setup(model, optimizer, zs.ZeroConfig.preset(
-            args.preset, precision=args.precision, gradient_clipping=args.clip or None))
+            args.preset, precision=args.precision, gradient_clipping=args.clip or None), device=device)
     except NotImplementedError as e:
         say(f"error: preset {args.preset!r} cannot run in this version: {e}")
         finish(2)

@@ -25,9 +25,9 @@ Your own causal LM (Llama/GPT-style local Hugging Face directory) on all GPUs::
 own texts in ``data.datasets``). Resume: ``--resume OUTPUT_DIR/checkpoint`` continues to
 ``--max-steps`` in total, on any number of devices and any preset.
 
-Stage 3 builds the model on the meta device (``configure_model``), the engine
-materializes it one unit at a time, and ``on_fit_start`` reads each rank's slices of the
-pretrained safetensors (``load_sharded_weights``), so no rank holds the whole model.
+``configure_model`` builds the model with ``zero_strategy.transformers.from_pretrained``
+(empty: meta parameters); the strategy's setup materializes it one unit at a time and
+reads each rank's slices of the pretrained safetensors, so no rank loads the whole model.
 
 While it runs: Lightning's progress bar (in a terminal) with loss and samples/s, and
 ``self.log`` metrics per optimizer step (CSV in OUTPUT_DIR/lightning_logs): ``loss``,
@@ -108,14 +108,10 @@ def main(argv=None) -> None:
             self.result: dict = {}
             self._loss_sum, self._micro, self._t = 0.0, 0, None
 
-        # -- model: meta under stage 3 (the strategy's context), pretrained slices per rank
+        # -- model: empty (meta parameters); the strategy's setup reads each rank's slices
         def configure_model(self):
             if self.model is None:
-                self.model = data.model_from_config(config, args.task)
-
-        def init_weights(self, module):  # the strategy's param_init_fn while materializing
-            if self.model is not None and module is not self:
-                self.model._init_weights(module)
+                self.model = data.pretrained_model(path, args.task)
 
         def forward(self, **batch):
             return self.model(**batch)
@@ -128,11 +124,8 @@ def main(argv=None) -> None:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
         def on_fit_start(self):
-            t = time.perf_counter()
-            missing = data.load_pretrained_sharded(self, self.model, path, prefix="model.")
             if self.trainer.is_global_zero:
-                print(f"loaded {path} sharded in {time.perf_counter() - t:.1f} s"
-                      + (f" (new, initialized: {', '.join(missing)})" if missing else ""), flush=True)
+                print(f"loaded {path} sharded (each rank read its own slices at setup)", flush=True)
             self._t = time.perf_counter()
 
         # -- training
@@ -191,7 +184,7 @@ def main(argv=None) -> None:
                                        pad_token_id=tokenizer.pad_token_id)
 
     module = FineTune()
-    strategy = zs.ZeroStrategy(config=args.preset, param_init_fn=module.init_weights)
+    strategy = zs.ZeroStrategy(config=args.preset)
     trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=devices, strategy=strategy,
                          precision=PRECISION[args.precision], max_steps=total_steps, max_epochs=-1,
                          accumulate_grad_batches=args.accum, gradient_clip_val=args.clip or None,
