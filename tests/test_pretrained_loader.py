@@ -170,3 +170,14 @@ def test_lightning_configure_model_loads_it_one_level_down(tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(saved)
     for key, want in ref.state_dict().items():
         assert torch.equal(full[f"model.{key}"], want), key
+
+
+def test_a_loaded_model_nobody_sets_up_is_collected(tmp_path):
+    """The record of its checkpoint sits in a weak table: it must not keep the model alive."""
+    import gc
+    import weakref
+
+    saved = _save(tmp_path, _untied())
+    ref = weakref.ref(from_pretrained(AutoModelForCausalLM, saved))
+    gc.collect()
+    assert ref() is None

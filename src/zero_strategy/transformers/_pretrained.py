@@ -76,13 +76,15 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
     def read_renamed(names, start, end):
         return read([to_checkpoint[n] for n in names if n in to_checkpoint], start, end)
 
+    model_name = type(model).__name__  # (the record must not refer to the model: See DeferredWeights)
+
     def loaded(missing: list[str]) -> None:
         if missing:
             log.warning("Some weights of %s were not initialized from the model checkpoint at %s and are "
-                        "newly initialized: %s", type(model).__name__, name_or_path, missing)
+                        "newly initialized: %s", model_name, name_or_path, missing)
         if unused:
             log.warning("Some weights of the model checkpoint at %s were not used when initializing %s: %s",
-                        name_or_path, type(model).__name__, unused)
+                        name_or_path, model_name, unused)
 
     defer_weights(model, DeferredWeights(read=read_renamed, source=str(directory), init=_init_module,
                                          loaded=loaded, fill=_fill))
