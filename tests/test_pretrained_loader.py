@@ -15,6 +15,7 @@ per-module dtype dict. Two ranks, and Accelerate's ``prepare``: tests/test_shard
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -28,6 +29,19 @@ from _models import tiny_llama_config  # noqa: E402
 
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig,  # noqa: E402
                           LlamaModel)
+
+
+@pytest.fixture
+def front_end_process_state():
+    """Lightning's Trainer and Accelerate start a world of one in this process and export
+    MASTER_PORT, RANK and the like; later tests (and the ranks they launch, which inherit the
+    environment) must not find them: put both back as they were."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _untied():
@@ -118,7 +132,7 @@ def test_what_cannot_be_read_in_slices_is_refused_by_name(tmp_path):
         from_pretrained(AutoModelForCausalLM, tmp_path / "nowhere")
 
 
-def test_zero_trainer_trains_it_as_the_transformers_loaded_model(tmp_path):
+def test_zero_trainer_trains_it_as_the_transformers_loaded_model(tmp_path, front_end_process_state):
     """The HF Trainer moves its model to the device in ``__init__``; a meta model is left to
     the engine, which materializes it sharded when the trainer prepares it."""
     from transformers import TrainingArguments
@@ -142,7 +156,7 @@ def test_zero_trainer_trains_it_as_the_transformers_loaded_model(tmp_path):
     assert len(ours) == 3 and ours == theirs
 
 
-def test_lightning_configure_model_loads_it_one_level_down(tmp_path):
+def test_lightning_configure_model_loads_it_one_level_down(tmp_path, front_end_process_state):
     """Lightning's idiom: the LightningModule is what the strategy sets up; its Hugging Face
     model, built in ``configure_model``, is a submodule whose names carry ``model.``."""
     lightning = pytest.importorskip("lightning")
@@ -170,6 +184,7 @@ def test_lightning_configure_model_loads_it_one_level_down(tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(saved)
     for key, want in ref.state_dict().items():
         assert torch.equal(full[f"model.{key}"], want), key
+    zs.teardown(module, keep_weights=False)
 
 
 def test_a_loaded_model_nobody_sets_up_is_collected(tmp_path):
