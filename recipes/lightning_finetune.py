@@ -111,7 +111,9 @@ def main(argv=None) -> None:
         # -- model: empty (meta parameters); the strategy's setup reads each rank's slices
         def configure_model(self):
             if self.model is None:
-                self.model = data.pretrained_model(path, args.task)
+                # train mode: from_pretrained returns eval mode (as transformers' does), and Lightning
+                # keeps each module's mode, so dropout would stay off for the whole fit
+                self.model = data.pretrained_model(path, args.task).train()
 
         def forward(self, **batch):
             return self.model(**batch)
