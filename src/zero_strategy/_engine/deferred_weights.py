@@ -28,7 +28,6 @@ class DeferredWeights:
     record, held beside the model in a weak table, never keeps it alive.
     """
     read: Callable[[list[str], int, int], "torch.Tensor | None"]
-    source: str
     #: fill(model, read) -> missing names: writes this rank's shards (checkpoint.load_sharded_weights,
     #: given by the loader: this layer sits below the checkpoint code it runs)
     fill: Callable[[torch.nn.Module, Callable], list[str]]

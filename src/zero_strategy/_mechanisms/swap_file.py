@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from .aligned import round_up
-from .worker_threads import WorkerThreads
 from .nvme_files import JobDir, NVMeError, free_space, remove_stale_job_dirs, reserve
+from .worker_threads import WorkerThreads
 
 __all__ = ["IO_TIMEOUT_S", "SwapFile", "wait_all"]
 

@@ -50,19 +50,30 @@ def load_sharded_weights(model: torch.nn.Module, read: SliceReader, strict: bool
     return missing
 
 
+def safetensors_weight_map(directory: str | Path) -> dict[str, str]:
+    """Tensor name -> file of a Hugging Face model directory (model.safetensors or an index)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    if (directory / "model.safetensors").exists():
+        from safetensors import safe_open
+
+        with safe_open(directory / "model.safetensors", framework="pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    if any(directory.glob("pytorch_model*.bin")):
+        raise CheckpointError(f"{directory} holds only pytorch_model*.bin weights, which cannot be read in "
+                              "slices; convert them once with model.save_pretrained(dir) (safetensors), or load "
+                              "with transformers' from_pretrained and then zero_strategy.setup")
+    raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
 def safetensors_reader(directory: str | Path) -> SliceReader:
     """A SliceReader over a Hugging Face model directory (model.safetensors or an index)."""
     from safetensors import safe_open
 
     directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (directory / "model.safetensors").exists():
-        with safe_open(directory / "model.safetensors", framework="pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+    weight_map = safetensors_weight_map(directory)
     handles: dict[str, object] = {}
 
     def read(candidates: list[str], start: int, end: int):

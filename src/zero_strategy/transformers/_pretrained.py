@@ -29,7 +29,6 @@ weights fused into one tensor): those go through ``from_pretrained`` + ``setup``
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 from .._logging import RankZeroFilter
 from ..checkpoint._layout import CheckpointError
 from ..api import DeferredWeights, defer_weights
-from ..checkpoint._sharded_weights import load_sharded_weights, safetensors_reader
+from ..checkpoint._sharded_weights import load_sharded_weights, safetensors_reader, safetensors_weight_map
 
 __all__ = ["from_pretrained"]
 
@@ -60,7 +59,7 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
     from transformers import AutoConfig
 
     directory = _model_directory(name_or_path, revision)
-    weight_map = _weight_map(directory)
+    weight_map = safetensors_weight_map(directory)
     config, unknown = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code,
                                                  return_unused_kwargs=True, **config_overrides)
     if unknown:
@@ -86,7 +85,7 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
             log.warning("Some weights of the model checkpoint at %s were not used when initializing %s: %s",
                         name_or_path, model_name, unused)
 
-    defer_weights(model, DeferredWeights(read=read_renamed, source=str(directory), init=_init_module,
+    defer_weights(model, DeferredWeights(read=read_renamed, init=_init_module,
                                          loaded=loaded, fill=_fill))
     _load_generation_config(model, directory)
     model.eval()  # as from_pretrained returns it
@@ -114,22 +113,6 @@ def _model_directory(name_or_path, revision) -> Path:
     except Exception as e:
         raise CheckpointError(f"zero_strategy.transformers.from_pretrained: {name_or_path!r} is not a local "
                               f"directory and the hub could not provide it ({type(e).__name__}: {e})") from None
-
-
-def _weight_map(directory: Path) -> dict[str, str]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    if (directory / "model.safetensors").exists():
-        from safetensors import safe_open
-
-        with safe_open(directory / "model.safetensors", framework="pt") as f:
-            return {k: "model.safetensors" for k in f.keys()}
-    if any(directory.glob("pytorch_model*.bin")):
-        raise CheckpointError(f"{directory} holds only pytorch_model*.bin weights, which cannot be read in "
-                              "slices; convert them once with model.save_pretrained(dir) (safetensors), or load "
-                              "with transformers' from_pretrained and then zero_strategy.setup")
-    raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
 
 
 def _resolve_dtype(dtype, config, directory: Path, weight_map: dict[str, str]) -> torch.dtype:
