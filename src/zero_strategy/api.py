@@ -34,6 +34,7 @@ from ._engine.deferred_weights import DeferredWeights, defer_weights  # noqa: F4
 from ._engine.engine import ZeroEngine
 from ._engine.memory import MemoryReport, measure
 from ._engine.placement import single_device
+from ._mechanisms.host_memory import release_freed_host_memory, whole_model_pass
 from ._optim.optimizer import ZeroOptimizer, layout_of
 from .config import ZeroConfig
 
@@ -103,6 +104,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
     deferred_weights.load_deferred_weights(model)
+    if cfg.release_host_memory:  # what materializing and reading the weights freed: See [Note: freed host memory]
+        release_freed_host_memory()
     if several:
         return model, zero_opts
     return model, (zero_opts[0] if zero_opts else None)
@@ -331,7 +334,9 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     one GPU). With ``rank0_only`` the other ranks keep nothing and return ``{}``.
     ``dtype=None`` keeps each tensor's stored dtype.
     """
-    return gather.full_state_dict(engine_of(model), rank0_only, dtype)
+    engine = engine_of(model)
+    with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
+        return gather.full_state_dict(engine, rank0_only, dtype)
 
 
 @contextlib.contextmanager

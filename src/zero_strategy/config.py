@@ -123,6 +123,11 @@ class ZeroConfig:
             (the *ownership layout*, See [Note: the ownership layout] in _engine/flat.py).
             ``"owned"``: every optimizer steps whole parameters, for an optimizer of your
             own that reads only its own parameter's gradient and state.
+        release_host_memory: give the host memory freed by a pass back to the operating
+            system at the end of each optimizer step and around each save, load and full
+            state dict (glibc's ``malloc_trim``; a no-op without glibc), so the process holds
+            what it uses rather than what it once freed. See [Note: freed host memory] in
+            _mechanisms/host_memory.py for the figures and the cost (tens of ms per step).
     """
 
     stage: int = 3
@@ -142,6 +147,7 @@ class ZeroConfig:
     shard_group_size: int | str | None = None
     offload_states_during_generation: bool | tuple[str, ...] = ()
     optimizer_layout: str = "auto"
+    release_host_memory: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -173,6 +179,7 @@ class ZeroConfig:
              _as_int("param_persistence_threshold", self.param_persistence_threshold, 0))
         set_("prefetch", _as_int("prefetch", self.prefetch, 0))
         _as_bool("cast_forward_inputs", self.cast_forward_inputs)
+        _as_bool("release_host_memory", self.release_host_memory)
         if _as_bool("overlap_step", self.overlap_step):
             if self.offload_optimizer is None or stage == 1:
                 raise ZeroConfigError("overlap_step", "needs optimizer offload at stage 2 or 3 (the step "
@@ -244,6 +251,7 @@ class ZeroConfig:
             "shard_group_size": self.shard_group_size,
             **({"auto": True} if self.auto else {}),
             **({"optimizer_layout": self.optimizer_layout} if self.optimizer_layout != "auto" else {}),
+            **({} if self.release_host_memory else {"release_host_memory": False}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
+from .._mechanisms.host_memory import whole_model_pass
 from .._mechanisms.safetensors_writer import StreamWriter
 from .gather import full_state_dict, group_values
 from .offload_states import refuse_while_offloaded
@@ -107,7 +108,8 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
         main = kwargs.get("is_main_process", True)
         should = getattr(model, "should_save_on_this_rank", None)
         main = should(main) if callable(should) else main
-        _write_streamed(engine, model, names, os.fspath(save_directory), main, kwargs, dtype)
+        with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
+            _write_streamed(engine, model, names, os.fspath(save_directory), main, kwargs, dtype)
     return save_pretrained
 
 

@@ -57,6 +57,7 @@ from .._engine.engine import ZeroEngine
 from .._engine.group_gathers import publish_masters
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
+from .._mechanisms.host_memory import release_freed_host_memory
 from .loss_scale import LossScaler
 from .offloaded_step import OffloadedStep
 from .owned_runs import owned_state, shared_tensors
@@ -324,6 +325,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.last_step_comm = self.engine.comm.stats.as_dict()
             self.engine.comm.stats.reset()
             self.engine.comm.on_step()
+            if self.config.release_host_memory:  # See [Note: freed host memory]
+                release_freed_host_memory()
 
     def _device_step(self) -> None:
         groups = self.groups
