@@ -16,7 +16,10 @@ before setup must
   whole.
 
 On this CPU-only machine no staging ring is used (host and device are one memory, the
-upload is a copy in place): both are 0. NVMe's pool is bounded in test_nvme_streaming.py.
+upload is a copy in place): both are 0. With NVMe offload (2 ranks) the staging is the slot
+pool: its slots grow to the largest set asked for (here a few MiB, far below ``buffer_size``),
+and the estimate counts every slot at that size, where the engine's slots hold sets of
+different sizes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import functools
 
 import pytest
 
-from _launch import launch_cases
+from _launch import launch_cases, launch_named_cases_with_nvme
 
 CASES = [dict(name=f"stage{s}-{p}", stage=s, precision=p) for s in (1, 2, 3) for p in ("fp32", "bf16")]
 CASES += [dict(name="stage2-bf16-cpu", stage=2, precision="bf16", offload_optimizer="cpu"),
@@ -52,6 +55,27 @@ def test_the_estimate_bounds_the_measured_working_set_within_2x(world_size, case
             assert est[cat] is not None, (cat, est)
             assert got[cat] <= est[cat], (rank, cat, got, est)
             assert est[cat] <= SLACK * got[cat], (rank, cat, got, est)
+        assert res["measured_total"] <= sum(est.values()), (rank, res)
+
+
+NVME_CASES = [dict(name="stage2-bf16-nvme", stage=2, precision="bf16", offload_optimizer="nvme"),
+              dict(name="stage3-bf16-nvme-nvme", stage=3, precision="bf16", offload_optimizer="nvme",
+                   offload_params="nvme")]
+
+
+@functools.lru_cache(maxsize=None)
+def measured_nvme():
+    return launch_named_cases_with_nvme("working_set_estimate.py", NVME_CASES, "zs_ws_nvme_", timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [c["name"] for c in NVME_CASES])
+def test_with_nvme_offload_the_staging_pool_is_bounded_within_2x(case):
+    for rank, res in enumerate(measured_nvme().of(case)):
+        est, got = res["estimate"], res["measured"]
+        assert 0 < got["staging"] <= est["staging"] <= SLACK * got["staging"], (rank, got, est)
+        for cat in ("gathered", "grad_buckets"):
+            assert got[cat] <= est[cat], (rank, cat, got, est)
         assert res["measured_total"] <= sum(est.values()), (rank, res)
 
 

@@ -24,9 +24,11 @@ engine allocates it, with P and G the bytes of a compute-dtype and a gradient el
   uploaded cast on the host through a ring of 2 slots of at most ``STAGING_SLOT_BYTES``
   (64 MiB; the largest parameter shard in the compute dtype when smaller), on a GPU only
   (a CPU-only machine copies in place). NVMe offload adds its slot pool:
-  max(buffer_count, read_ahead + 4) slots of ``buffer_size``, at stage 3 at least
-  (prefetch + 2)·g + read_ahead + 4 slots (g: sharded flat groups of the largest unit),
-  as ``size_swap_pool`` grows it. The resting ``host_staging`` counts
+  max(buffer_count, read_ahead + 4) slots, at stage 3 at least (prefetch + 2)·g +
+  read_ahead + 4 (g: sharded flat groups of the largest unit), as ``size_swap_pool`` grows
+  it; a slot grows to the largest set it is asked for, at most ``buffer_size``: a group's
+  optimizer set (fp32 master + optimizer state, 4 + S bytes per element of its shard) or
+  its parameter shard (P), each tensor rounded up to 4096 bytes. The resting ``host_staging`` counts
   buffer_count·buffer_size per NVMe policy; the peak counts the pool once, at the larger
   of the two figures.
 
@@ -52,6 +54,8 @@ import torch
 from ._config.policies import NVMeOffload
 from ._engine.reduce import MAX_IN_FLIGHT
 from ._mechanisms.transfers import STAGING_SLOT_BYTES, STAGING_SLOTS
+#: NVMe I/O rounds each tensor of a set up to this many bytes (_mechanisms/nvme_stream.py)
+_ALIGN_BYTES = 4096
 #: flat groups per unit the padding allowance covers (see the Note)
 _GROUPS_PER_UNIT = 8
 
@@ -113,8 +117,9 @@ class WorkingSetTerms:
 
 def working_set_terms(units: UnitSizes | None, *, stage: int, world_size: int, psi: int, psi_f: int, p: int,
                       g: int, opt, par, prefetch: int = 1, overlap_step: bool = False,
-                      one_memory: bool = False) -> WorkingSetTerms | None:
-    """Apply [Note: the estimated working set] to one setup; None for DDP (stage 0)."""
+                      one_memory: bool = False, state_bytes: int = 8) -> WorkingSetTerms | None:
+    """Apply [Note: the estimated working set] to one setup; None for DDP (stage 0).
+    ``state_bytes``: optimizer-state bytes per parameter (S; Adam 8)."""
     if stage == 0:
         return None
     n = world_size
@@ -129,15 +134,18 @@ def working_set_terms(units: UnitSizes | None, *, stage: int, world_size: int, p
     else:
         in_flight = 1 if overlap_step else MAX_IN_FLIGHT
         grad_buckets = g * min(psi + pad, units.root + (in_flight + 1) * units.largest + pad)
-    return WorkingSetTerms(gathered, grad_buckets, _staging(units, stage, n, p, opt, par, prefetch, one_memory))
+    staging = _staging(units, stage, n, p, opt, par, prefetch, one_memory, state_bytes)
+    return WorkingSetTerms(gathered, grad_buckets, staging)
 
 
-def _staging(units: UnitSizes | None, stage: int, n: int, p: int, opt, par, prefetch: int, one_memory: bool) -> int:
+def _staging(units: UnitSizes | None, stage: int, n: int, p: int, opt, par, prefetch: int, one_memory: bool,
+             state_bytes: int) -> int:
     """Host staging buffers at their largest: the cast-upload ring and the NVMe slot pool."""
+    # the largest flat group's shard, in elements (None: no model)
+    shard = None if units is None else math.ceil(max(units.root, units.largest) / n)
     ring = 0
     if opt is not None and not one_memory:
-        largest_group = None if units is None else max(units.root, units.largest)
-        slot = STAGING_SLOT_BYTES if largest_group is None else min(STAGING_SLOT_BYTES, p * math.ceil(largest_group / n))
+        slot = STAGING_SLOT_BYTES if shard is None else min(STAGING_SLOT_BYTES, p * shard)
         ring = STAGING_SLOTS * slot
     nvme = next((q for q in (opt, par) if isinstance(q, NVMeOffload)), None)
     if nvme is None:
@@ -146,4 +154,10 @@ def _staging(units: UnitSizes | None, stage: int, n: int, p: int, opt, par, pref
     if stage == 3:
         per_unit = 1 if units is None else units.sharded_groups
         slots = max(slots, (prefetch + 2) * per_unit + nvme.read_ahead + 4)
-    return ring + slots * nvme.buffer_size
+    slot = nvme.buffer_size
+    if shard is not None:
+        tensors = 1 + math.ceil(state_bytes / 4)  # the master and each fp32 state tensor
+        largest_set = max((4 + state_bytes) * shard if isinstance(opt, NVMeOffload) else 0,
+                          p * shard if isinstance(par, NVMeOffload) else 0)
+        slot = min(slot, largest_set + tensors * _ALIGN_BYTES)
+    return ring + slots * slot

@@ -229,7 +229,7 @@ def _staging(policy: CPUOffload | NVMeOffload | None) -> int:
 def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, precision: str,
          opt: CPUOffload | NVMeOffload | None, par: CPUOffload | NVMeOffload | None,
          one_memory: bool = False, units: UnitSizes | None = None, prefetch: int = 1,
-         overlap_step: bool = False) -> MemoryEstimate:
+         overlap_step: bool = False, state_bytes: int = 8) -> MemoryEstimate:
     """Apply the table in the module docstring to one (stage, offload) setup."""
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731  (bytes of a 1/N share)
     if stage == 3:
@@ -259,7 +259,7 @@ def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, preci
             est["host_params"] = params
     ws: WorkingSetTerms | None = working_set_terms(
         units, stage=stage, world_size=n, psi=psi, psi_f=psi_f, p=p, g=g, opt=opt, par=par, prefetch=prefetch,
-        overlap_step=overlap_step, one_memory=one_memory)
+        overlap_step=overlap_step, one_memory=one_memory, state_bytes=state_bytes)
     if ws is not None:
         est.update(working_set_gathered=ws.gathered, working_set_grad_buckets=ws.grad_buckets,
                    working_set_staging=ws.staging)
@@ -359,7 +359,8 @@ def estimate_memory(
     precision = _as_dtype_name("precision", "bf16" if precision is None else precision)
     grad_name = precision if reduce_dtype is None else _as_dtype_name("reduce_dtype", reduce_dtype)
     p, g = _DTYPE_BYTES[precision], _DTYPE_BYTES[grad_name]
-    k = (0 if precision == "fp32" else 4) + _optimizer_bytes(optimizer)
+    state_bytes = _optimizer_bytes(optimizer)
+    k = (0 if precision == "fp32" else 4) + state_bytes
     opt = _as_offload("offload_optimizer", offload_optimizer)
     par = _as_offload("offload_params", offload_params)
 
@@ -368,8 +369,8 @@ def estimate_memory(
             setups = [(s, _as_offload("offload_optimizer", o), _as_offload("offload_params", q)) for s, o, q in _SWEEP]
         else:
             setups = [(0, None, None)] + [(s, opt, par) for s in (1, 2, 3) if par is None or s == 3]
-        return [_one(psi, psi_f, world_size, s, p, g, k, precision, o, q, one_memory, units, prefetch, overlap_step)
-                for s, o, q in setups]
+        return [_one(psi, psi_f, world_size, s, p, g, k, precision, o, q, one_memory, units, prefetch, overlap_step,
+                     state_bytes) for s, o, q in setups]
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ZeroConfigError("stage", f"must be 0 (DDP), 1, 2 or 3, got {stage!r}",
                               "Pass a stage, or stage=None for all of them.")
@@ -380,4 +381,4 @@ def estimate_memory(
         raise ZeroConfigError("offload_optimizer", "needs a ZeRO stage (1, 2 or 3), got stage 0 (DDP)",
                               "Pass stage=1, 2 or 3, or drop offload_optimizer.")
     return _one(psi, psi_f, world_size, stage, p, g, k, precision, opt, par, one_memory, units, prefetch,
-                overlap_step)
+                overlap_step, state_bytes)

@@ -49,8 +49,11 @@ class Net(nn.Module):
 def run(case: dict) -> dict:
     torch.manual_seed(0)
     model = Net(case.get("blocks", BLOCKS))
-    config = zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
-                           offload_optimizer=case.get("offload_optimizer"), offload_params=case.get("offload_params"))
+    opt, par = case.get("offload_optimizer"), case.get("offload_params")
+    if case.get("nvme_path"):  # "nvme" in a case: one swap directory per launch
+        nvme = zs.NVMeOffload(path=case["nvme_path"])
+        opt, par = (nvme if opt == "nvme" else opt), (nvme if par == "nvme" else par)
+    config = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], offload_optimizer=opt, offload_params=par)
     est = zs.estimate_memory(model, world_size=dist.get_world_size(), config=config, optimizer="adamw", device="cpu")
     model, zopt = zs.setup(model, torch.optim.AdamW(model.parameters()), config)
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -62,7 +65,7 @@ def run(case: dict) -> dict:
         zopt.zero_grad()
     report = zs.memory_report(model)
     zs.teardown(model)
-    return {"case": case["name"], "measured": report.peak_working_set, "measured_total": report.peak_working_set_bytes,
+    return {"case": case["name"], "name": case["name"], "measured": report.peak_working_set, "measured_total": report.peak_working_set_bytes,
             "estimate": {"gathered": est.working_set_gathered, "grad_buckets": est.working_set_grad_buckets,
                          "staging": est.working_set_staging}}
 
