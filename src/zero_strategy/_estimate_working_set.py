@@ -77,7 +77,7 @@ class UnitSizes:
 
     def live_bytes(self, param_bytes: int, grad_bytes: int, prefetch: int = 1) -> int:
         """Stage-3 parameters materialised at the peak (the root, the unit in use and ``prefetch``
-        units ahead) and one unit's full gradient. Kept for callers of 0.x; the estimate's
+        units ahead) and one unit's full gradient. Kept for existing callers; the estimate's
         working set (``estimate_memory(model, ...).working_set_device``) counts the gradient
         buckets the engine really keeps in flight."""
         return param_bytes * (self.root + (1 + prefetch) * self.largest) + grad_bytes * self.largest
