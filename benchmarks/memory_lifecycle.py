@@ -253,8 +253,8 @@ def format_table(rep: dict) -> str:
     estimates = [_estimate_line(name, res, w) for name, res in rep["systems"].items() if res.get("estimate")]
     if estimates:
         lines.append("estimate_memory beside the measured train phase, rank 0, multiples of W: estimated peak = "
-                     "resting model states + working set (stage 1's buckets and NVMe's pool counted once); measured: peak "
-                     "anonymous RSS above baseline (and cuda max_memory_allocated), the engine's own working-set peak")
+                     "resting model states + working set (stage 1's buckets and NVMe's pool counted once); "
+                     "measured: peak anonymous RSS above baseline (and cuda max_memory_allocated), the engine's own working-set peak")
         lines += estimates
     return "\n".join(lines)
 

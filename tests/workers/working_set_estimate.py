@@ -65,7 +65,8 @@ def run(case: dict) -> dict:
         zopt.zero_grad()
     report = zs.memory_report(model)
     zs.teardown(model)
-    return {"case": case["name"], "name": case["name"], "measured": report.peak_working_set, "measured_total": report.peak_working_set_bytes,
+    return {"case": case["name"], "name": case["name"], "measured": report.peak_working_set,
+            "measured_total": report.peak_working_set_bytes,
             "estimate": {"gathered": est.working_set_gathered, "grad_buckets": est.working_set_grad_buckets,
                          "staging": est.working_set_staging}}
 
