@@ -84,6 +84,9 @@ class Zero(System):
             nvme = zs.NVMeOffload(path=os.path.join(self.workdir, "swap"))
             kw = dict(offload_optimizer=nvme, offload_params=nvme)
         config = zs.ZeroConfig.preset(self.name, precision=self.args.precision, **kw)
+        # what a user choosing this preset is told, from the model before setup (issue 27 item 6)
+        self.estimate = zs.estimate_memory(model, world_size=dist.get_world_size(), config=config, optimizer="adamw",
+                                           device=self.device.type).to_dict()
         self.model, self.optimizer = zs.setup(model, optimizer, config, device=self.device)
 
     def backward_step(self, loss) -> None:
@@ -108,8 +111,9 @@ class Zero(System):
 
     def engine_report(self) -> dict:
         import zero_strategy as zs
-        rep = zs.memory_report(self.model)
-        return {"engine_total": rep.total, "engine_host": rep.host_bytes, "engine_device": rep.device_bytes}
+        rep = zs.memory_report(self.model, reset_peak=True)  # the working set's peak of this phase
+        return {"engine_total": rep.total, "engine_host": rep.host_bytes, "engine_device": rep.device_bytes,
+                "engine_peak_working_set": rep.peak_working_set_bytes}
 
     @classmethod
     def export(cls, workdir: str) -> str | None:

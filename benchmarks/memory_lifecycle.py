@@ -10,7 +10,10 @@ in a thread and reports, per phase, the peak above its baseline (after imports a
 process group), in MiB and as a multiple of W, the model's fp32 weight bytes (4 bytes per
 parameter). On a GPU it also reports ``torch.cuda.max_memory_allocated`` per phase. The
 engine's own figure (``memory_report``) at the end of each phase stands beside it for our
-presets. glibc's allocator is left at its defaults, as in a user's process.
+presets, with the working set's peak of the phase; and beside the train phase, the estimate
+a user choosing the preset is given (``estimate_memory`` from the model before setup:
+resting model states + working set, device and host), recorded per system as ``estimate``.
+glibc's allocator is left at its defaults, as in a user's process.
 
 The model is a Llama of ``--layers``/``--hidden``/``--intermediate``/``--vocab`` (default
 12/2048/5632/32000: 748M parameters, W = 2.99 GB), saved once as a bf16 Hugging Face
@@ -164,7 +167,8 @@ def worker(args) -> None:
         system.__dict__.pop("kept", None)
     sampler.stop()
     with open(os.path.join(args.system_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "baseline_anon": baseline, "phases": phases, "error": error}, f)
+        json.dump({"rank": rank, "baseline_anon": baseline, "phases": phases, "error": error,
+                   "estimate": getattr(system, "estimate", None)}, f)
     dist.destroy_process_group()
     os._exit(0)
 
@@ -225,7 +229,8 @@ def run_system(args, name: str, model_dir: str, workdir: str) -> dict:
         path = os.path.join(system_dir, "export.json")
         export = json.load(open(path)) if os.path.exists(path) else {"error": "no report"}
     shutil.rmtree(system_dir, ignore_errors=True)  # checkpoints and swap files of a large model fill the disk
-    return {"ranks": ranks, "export": export, "load_average": os.getloadavg()[0]}
+    return {"ranks": ranks, "export": export, "load_average": os.getloadavg()[0],
+            "estimate": ranks[0].get("estimate")}
 
 
 def format_table(rep: dict) -> str:
@@ -245,7 +250,28 @@ def format_table(rep: dict) -> str:
         cells.append("fails" if e.get("error") else f"{e['peak_anon'] / w:.2f}")
         note = "; ".join(filter(None, [r.get("error") for r in res["ranks"][:1]] + [e.get("error")]))
         lines.append(f"{name:20} " + " ".join(f"{c:>15}" for c in cells) + f"  {res['load_average']:.1f}  {note}")
+    estimates = [_estimate_line(name, res, w) for name, res in rep["systems"].items() if res.get("estimate")]
+    if estimates:
+        lines.append("estimate_memory beside the measured train phase, rank 0, multiples of W: estimated peak = "
+                     "resting model states + working set (stage 1's buckets and NVMe's pool counted once); "
+                     "measured: peak anonymous RSS above baseline (and cuda max_memory_allocated), the engine's own working-set peak")
+        lines += estimates
     return "\n".join(lines)
+
+
+def _estimate_line(name: str, res: dict, w: int) -> str:
+    est, train = res["estimate"], res["ranks"][0]["phases"].get("train", {})
+    x = lambda b: "n/a" if b is None else f"{b / w:.2f}"  # noqa: E731
+    dev = (f"device: resting {x(est['total_device'])}, working set {x(est['working_set_device'])}, "
+           f"peak {x(est['peak_device'])}")
+    host = (f"host: resting {x(est['total_host'])}, working set {x(est['working_set_host'])}, "
+            f"peak {x(est['peak_host'])}")
+    both = None if est["peak_device"] is None else est["peak_device"] + est["peak_host"]
+    measured = f"measured RSS {x(train.get('peak_anon'))}"
+    if "cuda_max_allocated" in train:
+        measured += f", cuda {x(train['cuda_max_allocated'])}"
+    measured += f", engine working set {x(train.get('engine_peak_working_set'))}"
+    return f"  {name:18} {dev}, {host} (sum {x(both)}); {measured}"
 
 
 def main(argv=None) -> int:

@@ -168,7 +168,8 @@ def test_node_and_activation_options_are_checked(capsys, argv, message):
 
 def test_largest_gathered_unit_from_a_model_directory(capsys, tmp_path):
     """Stage 3 keeps the root (embeddings tied to the head, final norm), the unit in use and one
-    prefetched unit gathered in bf16, plus one unit's bf16 gradient: 2(root + 2u) + 2u bytes."""
+    prefetched unit gathered in bf16: 2(root + 2u) bytes, here the whole model (2 layers); its
+    gradient buckets (root + up to 4 units in flight + the unit in backward) hold every gradient."""
     vocab, hidden, inter = 100, 16, 32
     path = _tiny_llama_dir(tmp_path, vocab, hidden, inter)
     unit = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden   # one decoder layer
@@ -176,7 +177,8 @@ def test_largest_gathered_unit_from_a_model_directory(capsys, tmp_path):
     assert main(["estimate", "--model", str(path), "--stage", "3", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["largest_unit_params"] == unit
-    assert row["gathered_bytes"] == 2 * (root + 2 * unit) + 2 * unit
+    assert row["working_set_gathered"] == 2 * (root + 2 * unit)
+    assert row["working_set_grad_buckets"] == 2 * (root + 2 * unit)
 
 
 def test_activations_in_the_table_and_json(capsys, tmp_path):

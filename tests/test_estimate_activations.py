@@ -7,7 +7,7 @@ by definition: what forward keeps alive for backward. (The CPU allocator keeps n
 statistics, so there is no allocator peak to read.)
 
 Tolerance: 8 bytes per sequence. The formula (see [Note: activation memory of a
-Llama-style decoder] in estimate.py) counts each saved tensor; the only term it does not
+Llama-style decoder] in _estimate_activations.py) counts each saved tensor; the only term it does not
 pin down is whether the shifted labels are a copy (8bs bytes, b > 1) or a view of the
 padded labels (8b(s + 1), b = 1); it counts the latter. Cases: fp32 and bf16, eager and
 SDPA attention, grouped-query (2 of 4 heads) and full attention, three (b, s) shapes from

@@ -27,7 +27,7 @@ LAYERS = [
     ("mechanisms", ["_mechanisms"]),
     ("engine", ["_engine"]),
     ("optimizer step", ["_optim"]),
-    ("planning", ["estimate", "_zero_auto"]),
+    ("planning", ["estimate", "_estimate_activations", "_estimate_working_set", "_zero_auto"]),
     ("plain-PyTorch API", ["api"]),
     ("checkpoints", ["checkpoint"]),
     ("command line", ["cli"]),

@@ -1,20 +1,25 @@
-"""``zero_auto`` picks the least-offloaded preset whose model states fit, says why, and
+"""``zero_auto`` picks the least-offloaded preset whose peak (model states + working set) fits, says why, and
 fails with how much more memory would make one fit.
 
 Oracle: the ZeRO paper's per-rank model-state bytes written out here by hand for
 mixed-precision (bf16) Adam, Ψ parameters, N ranks (P = G = 2 bytes, K = 12: fp32
-master 4 + Adam moments 8), plus the stage-3 gathered parameters of the test model
-(no root, units of d² elements each: the unit in use and one prefetched in bf16, and
-one unit's bf16 gradient = 6d² bytes), against 75% of the memory injected through
-``AvailableMemory``:
+master 4 + Adam moments 8), plus the working set of the test model (no root, L ≥ 32 units
+of u = d² elements each; [Note: the estimated working set]): gradient buckets at stages
+2-3, 4 reduce-scatters in flight and the unit in backward, 2(5u + pad) bytes (pad: the
+N - 1 elements each of 8 flat groups per unit allowed for padding, 8(L + 1)(N - 1)); at
+stage 3 the unit in use and one prefetched gathered, 2(2u + pad); with the optimizer
+offloaded the 2-slot cast-upload ring, R = 2 min(64 MiB, 2⌈u/N⌉); with NVMe the slot pool
+of (prefetch + 2) + read_ahead + 4 = 8 slots of 64 MiB, 512 MiB, which replaces the resting
+staging of the formula (2 policies x 4 x 64 MiB, also 512 MiB). Compared with 75% of the
+memory injected through ``AvailableMemory``:
 
 | preset | device | host | NVMe |
 |---|---|---|---|
-| zero2 | 2Ψ + 14Ψ/N | 0 | 0 |
-| zero3 | 16Ψ/N + 6d² | 0 | 0 |
-| zero2_offload | 2Ψ + 2Ψ/N | (12 + 4)Ψ/N | 0 |
-| zero3_offload | 2Ψ/N + 6d² | (2 + 12 + 4)Ψ/N | 0 |
-| zero3_offload_nvme | 2Ψ/N + 6d² | 4Ψ/N + 2 x 4 x 64 MiB staging | (12 + 2)Ψ/N |
+| zero2 | 2Ψ + 14Ψ/N + 2(5u + pad) | 0 | 0 |
+| zero3 | 16Ψ/N + 2(7u + 2pad) | 0 | 0 |
+| zero2_offload | 2Ψ + 2Ψ/N + 2(5u + pad) | (12 + 4)Ψ/N + R | 0 |
+| zero3_offload | 2Ψ/N + 2(7u + 2pad) | (2 + 12 + 4)Ψ/N + R | 0 |
+| zero3_offload_nvme | 2Ψ/N + 2(7u + 2pad) | 4Ψ/N + 512 MiB + R | (12 + 2)Ψ/N |
 
 A real run (2 gloo ranks, memory measured) trains exactly as the preset it chose set up
 by hand; Lightning's ``strategy="zero_auto"`` trains like that preset under Lightning.
@@ -51,12 +56,20 @@ def meta_stack(d: int, layers: int) -> nn.Module:
         return Stack(d, layers)
 
 
+def ring(d2: int, n: int) -> int:
+    """The cast-upload ring of an offloaded optimizer: 2 slots of at most 64 MiB."""
+    return 2 * min(64 * 2**20, 2 * -(-d2 // n))
+
+
 def by_formula(psi: int, d2: int, n: int, mem: AvailableMemory) -> str | None:
-    rows = [("zero2", 2 * psi + 14 * psi / n, 0, 0),
-            ("zero3", 16 * psi / n + 6 * d2, 0, 0),
-            ("zero2_offload", 2 * psi + 2 * psi / n, 16 * psi / n, 0),
-            ("zero3_offload", 2 * psi / n + 6 * d2, 18 * psi / n, 0),
-            ("zero3_offload_nvme", 2 * psi / n + 6 * d2, 4 * psi / n + STAGING, 14 * psi / n)]
+    pad = 8 * (psi // d2 + 1) * (n - 1)
+    buckets, window = 2 * (5 * d2 + pad), 2 * (2 * d2 + pad)
+    r = ring(d2, n)
+    rows = [("zero2", 2 * psi + 14 * psi / n + buckets, 0, 0),
+            ("zero3", 16 * psi / n + window + buckets, 0, 0),
+            ("zero2_offload", 2 * psi + 2 * psi / n + buckets, 16 * psi / n + r, 0),
+            ("zero3_offload", 2 * psi / n + window + buckets, 18 * psi / n + r, 0),
+            ("zero3_offload_nvme", 2 * psi / n + window + buckets, 4 * psi / n + STAGING + r, 14 * psi / n)]
     for name, dev, host, nvme in rows:
         if dev <= 0.75 * mem.device and host <= 0.75 * mem.host and nvme <= 0.75 * mem.nvme:
             return name
@@ -103,13 +116,16 @@ def test_the_choice_keeps_every_other_field():
 
 def test_a_cpu_only_run_counts_device_and_host_as_one_pool():
     """Without an accelerator the "device" is host memory: zero2's 16Ψ (N=1, fp32 Adam: 4 + 4 + 8)
-    must fit in 75% of the host; zero3 needs the same 16Ψ plus gathered units, so the next choice
-    that fits is nothing without NVMe."""
-    psi = 1024 * 1024 * 8  # d = 1024, 8 layers
-    model = meta_stack(1024, 8)
-    assert preset_of(choose_preset(model, available=AvailableMemory(None, int(16 * psi / 0.75) + 1, None))) == "zero2"
+    and its gradient buckets (5 of the 8 units in flight or in backward: 4 x 5d²) must fit in 75%
+    of the host; zero3 needs the same plus gathered units, so the next choice that fits is
+    nothing without NVMe."""
+    d = 1024
+    psi = d * d * 8  # 8 layers
+    need = 16 * psi + 4 * 5 * d * d
+    model = meta_stack(d, 8)
+    assert preset_of(choose_preset(model, available=AvailableMemory(None, int(need / 0.75) + 1, None))) == "zero2"
     with pytest.raises(MemoryError):
-        choose_preset(model, available=AvailableMemory(None, int(16 * psi / 0.75) - 1, None))
+        choose_preset(model, available=AvailableMemory(None, int(need / 0.75) - 1, None))
 
 
 def test_when_nothing_fits_the_error_says_how_much_more_memory_would():
@@ -120,9 +136,10 @@ def test_when_nothing_fits_the_error_says_how_much_more_memory_would():
         choose_preset(meta_stack(d, layers), {"preset": "zero_auto", "precision": "bf16"}, world_size=n,
                       available=mem)
     text = str(info.value)
-    host_cpu = 18 * psi / n / 0.75 - mem.host             # zero3_offload's host shortfall
+    r = ring(d * d, n)
+    host_cpu = (18 * psi / n + r) / 0.75 - mem.host       # zero3_offload's host shortfall
     nvme_more = 14 * psi / n / 0.75 - mem.nvme            # zero3_offload_nvme's NVMe shortfall
-    host_nvme = (4 * psi / n + STAGING) / 0.75 - mem.host
+    host_nvme = (4 * psi / n + STAGING + r) / 0.75 - mem.host
     assert f"zero3_offload would fit with {host_cpu / GIB:.2f} GiB more host memory" in text, text
     assert (f"zero3_offload_nvme would fit with {host_nvme / GIB:.2f} GiB more host memory and "
             f"{nvme_more / GIB:.2f} GiB more NVMe space") in text, text
@@ -145,15 +162,16 @@ def test_zero_auto_refuses_an_offload_given_with_it():
 def test_setup_with_injected_memory_trains_as_the_chosen_preset_by_hand(monkeypatch):
     """Injected device memory (through the measurement seam) between zero2_offload's and zero2's
     needs: setup picks zero2_offload, and the run equals zero2_offload set up by hand, exactly.
-    fp32 Adam, N = 1 (P = G = 4, K = 8): zero2 needs 16Ψ + 4Ψf on the device, zero2_offload
-    4Ψ + 4Ψ + 4Ψf (the gradient shard stays; master and moments go to the host), zero3 more
+    fp32 Adam, N = 1 (P = G = 4, K = 8): zero2 needs 16Ψ + 4Ψf on the device and 4Ψ of gradient
+    buckets (the TinyLM's few units are all in flight at once), zero2_offload 4Ψ + 4Ψ + 4Ψf (the
+    gradient shard stays; master and moments go to the host) and the same buckets, zero3 more
     than zero2 here (its shards are whole on one rank, plus the gathered units)."""
     from _models import TinyLM, batch, loss_fn, param_groups
     from zero_strategy import _zero_auto as _auto
     torch.manual_seed(0)
     base = TinyLM(layers=2)
     psi, psi_f = zs.estimate.count_parameters(base)
-    device = int((12 * psi + 4 * psi_f) / 0.75)  # between 8Ψ + 4Ψf and 16Ψ + 4Ψf after the 25% headroom
+    device = int((16 * psi + 4 * psi_f) / 0.75)  # between 12Ψ + 4Ψf and 20Ψ + 4Ψf after the 25% headroom
     monkeypatch.setattr(_auto, "measure_available",
                         lambda comm, dev, config: AvailableMemory(device=device, host=64 * GIB, nvme=None))
     import copy

@@ -1,11 +1,12 @@
-"""``zero_auto``: the least-offloaded preset whose model states fit the memory of this machine.
+"""``zero_auto``: the least-offloaded preset whose memory at its peak fits this machine.
 
 [Note: zero_auto]
 At setup, with the model in hand (materialised or on the meta device: only ``numel`` is
-read), each candidate's per-rank memory is estimated with :func:`estimate_memory` (the
-ZeRO paper's model-state formulas) plus, at stage 3, the parameters gathered at the peak
-(:meth:`UnitSizes.live_bytes`: the root, the unit in use, ``prefetch`` units ahead and
-one unit's full gradient), and compared with what this rank has:
+read), each candidate's per-rank peak is estimated with :func:`estimate_memory`: the
+ZeRO paper's resting model states plus the working set a step adds (the stage-3
+gathered window, the gradient buckets, the staging buffers as the config sizes them;
+See [Note: the estimated working set] in _estimate_working_set.py), ``peak_device`` and
+``peak_host``, and compared with what this rank has:
 
 * device: free memory of this rank's CUDA device (``torch.cuda.mem_get_info``);
 * host: ``MemAvailable`` of ``/proc/meminfo`` (``os.sysconf`` where there is none),
@@ -18,9 +19,9 @@ host share. Every rank takes the minimum over all ranks of each figure, so all c
 the same preset (a rank at another stage would deadlock the first collective).
 
 A candidate fits when each total is at most ``1 - headroom`` of what is available;
-``headroom`` is 0.25: the margin for activations, temporary buffers (communication
-buckets, the CPU step's staging) and allocator fragmentation, which model states do
-not count. Activations can be estimated with ``zero-strategy estimate --batch-size
+``headroom`` is 0.25: the margin for activations, the collectives' own temporary
+buffers (a coalesced reduce's packed input) and allocator fragmentation, which the
+estimate does not count. Activations can be estimated with ``zero-strategy estimate --batch-size
 --seq-len``; a run whose activations take more than a quarter of the device should
 name its preset.
 
@@ -67,7 +68,7 @@ class AvailableMemory:
 class Candidate:
     name: str
     estimate: MemoryEstimate
-    device: int  # bytes the device would hold: model states + stage-3 gathered units (0 on CPU-only)
+    device: int  # bytes the device would hold at its peak: model states + working set (0 on CPU-only)
     host: int
     nvme: int
     fits: bool
@@ -114,12 +115,8 @@ def candidates(num_params: int, frozen: int, units: UnitSizes, config: ZeroConfi
     out = []
     for name in CANDIDATES:
         cfg = _resolved(config, name)
-        est = estimate_memory(num_params, frozen_params=frozen, world_size=world_size, config=cfg)
-        live = 0
-        if cfg.stage == 3:
-            p = cfg.compute_dtype.itemsize
-            live = units.live_bytes(p, cfg.gradient_reduce_dtype.itemsize, cfg.prefetch)
-        device, host = est.total_device + live, est.total_host
+        est = estimate_memory(num_params, frozen_params=frozen, world_size=world_size, config=cfg, units=units)
+        device, host = est.peak_device, est.peak_host
         if available.device is None:  # one pool: the "device" is host memory
             device, host = 0, device + host
         budget = lambda b: (1 - headroom) * b  # noqa: E731
@@ -140,7 +137,7 @@ def format_candidates(rows: list[Candidate], available: AvailableMemory, headroo
     dev = "cpu-only (device = host)" if available.device is None else human_bytes(available.device)
     nvme = "n/a" if available.nvme is None else human_bytes(available.nvme)
     lines = [f"zero_auto: available per rank: device {dev}, host {human_bytes(available.host)}, nvme {nvme}; "
-             f"model states may use {1 - headroom:.0%} of each",
+             f"model states + working set may use {1 - headroom:.0%} of each",
              f"  {'preset':<20}{'device':>12}{'host':>12}{'nvme':>12}  fits"]
     lines += [f"  {r.name:<20}{human_bytes(r.device):>12}{human_bytes(r.host):>12}{human_bytes(r.nvme):>12}  "
               f"{'yes' if r.fits else 'no'}" for r in rows]
@@ -171,12 +168,12 @@ def choose(model: torch.nn.Module, config: ZeroConfig, world_size: int, availabl
            rank: int = 0, headroom: float = HEADROOM) -> ZeroConfig:
     """The config of the first candidate that fits, logged on rank 0; raises when none does."""
     num_params, frozen = count_parameters(model)
-    rows = candidates(num_params, frozen, unit_sizes(model, config.unit_classes), config, world_size, available,
-                      headroom)
+    units = unit_sizes(model, config.unit_classes, config.param_persistence_threshold)
+    rows = candidates(num_params, frozen, units, config, world_size, available, headroom)
     table = format_candidates(rows, available, headroom)
     chosen = next((r for r in rows if r.fits), None)
     if chosen is None:
-        raise MemoryError(f"zero_strategy: zero_auto found no preset whose model states fit "
+        raise MemoryError(f"zero_strategy: zero_auto found no preset whose model states and working set fit "
                           f"({num_params:,} trainable + {frozen:,} frozen parameters, {world_size} rank(s)).\n"
                           f"{table}\n{shortfall_message(rows, available, headroom)}")
     if rank == 0:

@@ -2,7 +2,8 @@
 
 Subcommands register themselves in :data:`SUBCOMMANDS` as ``name -> (add_parser, run)``:
 ``add_parser(subparsers)`` adds the argparse subparser and ``run(args) -> int`` executes
-it. ``estimate`` prints per-rank model-state memory for each ZeRO stage::
+it. ``estimate`` prints per-rank model-state memory for each ZeRO stage, and with ``--model``
+the working set a step adds and the peak (resting + working set)::
 
     zero-strategy estimate --params 7e9 --world-size 8
     zero-strategy estimate --model ./llama-config-dir --stage 3 --offload-optimizer cpu --json
@@ -52,9 +53,11 @@ def _positive_int(text: str) -> int:
 
 def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "estimate", help="per-rank model-state memory of each ZeRO stage",
+        "estimate", help="per-rank model-state memory of each ZeRO stage, and its peak with the working set",
         description="Print per-rank model-state memory (parameters, gradients, optimizer state) for DDP and "
-                    "the ZeRO stages, by location (device, host, NVMe), using the ZeRO paper's formulas. "
+                    "the ZeRO stages, by location (device, host, NVMe), using the ZeRO paper's formulas, and "
+                    "the working set a step adds (stage-3 gathered units, gradient buckets, staging buffers) "
+                    "with the peak (resting + working set; the units need --model). "
                     "Activations are not included.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=parse_count, metavar="N", help="trainable parameters, e.g. 7e9 or 7B")
@@ -180,8 +183,8 @@ def _apply_nodes(args: argparse.Namespace, kwargs: dict) -> None:
 
 
 def _extras(args, hf_config, model, estimates, kwargs) -> dict:
-    """Per-node host/NVMe totals, the stage-3 gathered units and activations: extra keys per
-    JSON row and extra lines under the table."""
+    """Per-node host/NVMe totals, the model's units and activations: extra keys per JSON row
+    and extra lines under the table."""
     from .estimate import estimate_activations, unit_sizes
 
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
@@ -192,18 +195,22 @@ def _extras(args, hf_config, model, estimates, kwargs) -> dict:
         for est, row in zip(estimates, rows):
             row.update(host_per_node=est.total_host * args.gpus_per_node,
                        nvme_per_node=est.nvme_bytes * args.gpus_per_node)
-            lines.append(f"  {est.label:<28} host {gib(row['host_per_node'])}, nvme {gib(row['nvme_per_node'])}")
+            if est.peak_host is not None:
+                row["peak_host_per_node"] = est.peak_host * args.gpus_per_node
+            peak = "" if est.peak_host is None else f" (peak {gib(row['peak_host_per_node'])})"
+            lines.append(f"  {est.label:<28} host {gib(row['host_per_node'])}{peak}, "
+                         f"nvme {gib(row['nvme_per_node'])}")
     if hf_config is not None:
         units = unit_sizes(model)
-        lines.append(f"stage 3: {units.count} units, largest {units.largest:,} parameters, root (outside units) "
-                     f"{units.root:,}; gathered at the peak (root + unit in use + 1 prefetched, and one unit's "
-                     "full gradient), per rank beyond the shards:")
-        for est, row in zip(estimates, rows):
-            if est.stage == 3:
-                p = {"fp32": 4, "bf16": 2, "fp16": 2}[est.precision]
-                g = {"fp32": 4, "bf16": 2, "fp16": 2}[kwargs.get("reduce_dtype") or est.precision]
-                row.update(largest_unit_params=units.largest, gathered_bytes=units.live_bytes(p, g))
-                lines.append(f"  {est.label:<28} device +{gib(row['gathered_bytes'])}")
+        lines.append(f"units: {units.count}, largest {units.largest:,} parameters, root (outside units) "
+                     f"{units.root:,}; the working set (dev work, and the peaks) counts the root + the unit in "
+                     "use + 1 prefetched gathered (stage 3), the gradient buckets in flight, and the staging "
+                     "buffers")
+        for row in rows:
+            row.update(largest_unit_params=units.largest, root_params=units.root, units=units.count)
+    elif any(e.peak_device is None and e.stage for e in estimates):
+        lines.append("working set: the stage 2-3 gradient buckets and the stage-3 gathered units need the "
+                     "model's unit sizes: pass --model DIR (n/a in the table)")
     if (args.batch_size is None) != (args.seq_len is None):
         raise ZeroConfigError("--batch-size", "needs --seq-len too (and the other way round)",
                               "Pass both, e.g. --batch-size 8 --seq-len 4096.")

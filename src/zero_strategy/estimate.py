@@ -28,8 +28,14 @@ fp32 stage 3 with both offloaded to host memory keeps M = 0: master and paramete
 shard are then the same host tensor); offloading parameters (stage 3) moves
 the (PΨ + PΨf)/N parameter shard. On a CUDA-less machine (``device="cpu"``) device
 and host are one memory: an fp32 master is the parameter shard (M = 0) and fp32
-gradients are stepped in place (no host gradient shard). Activations, temporary buffers, gathered stage-3
-units and allocator fragmentation are *not* model states and are not counted.
+gradients are stepped in place (no host gradient shard).
+
+Beside those resting model states, an estimate given the model (or its ``units``) counts
+the *working set* a training step adds at its worst moment: the stage-3 gathered window,
+the gradient buckets and the staging buffers, as the engine allocates them (See [Note: the
+estimated working set] in _estimate_working_set.py), and ``peak_device`` / ``peak_host``:
+resting + working set, what a rank needs. Activations (``estimate_activations``) and
+allocator fragmentation are not counted.
 """
 
 from __future__ import annotations
@@ -42,26 +48,31 @@ from typing import Any
 
 import torch
 
+from ._estimate_activations import _DTYPE_BYTES, ActivationEstimate, _count, estimate_activations
+from ._estimate_working_set import UnitSizes, WorkingSetTerms, unit_sizes, working_set_terms
 from .config import CPUOffload, NVMeOffload, ZeroConfig, ZeroConfigError, _as_dtype_name, _as_offload, _suggest
 
-__all__ = ["MemoryEstimate", "estimate_memory", "format_table", "count_parameters", "OPTIMIZER_STATE_BYTES"]
+__all__ = ["MemoryEstimate", "estimate_memory", "format_table", "count_parameters", "OPTIMIZER_STATE_BYTES",
+           "UnitSizes", "unit_sizes", "ActivationEstimate", "estimate_activations"]
 
 # Optimizer-state bytes per parameter (fp32 state), excluding the master copy.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
     "adam": 8, "adamw": 8, "nadam": 8, "radam": 8, "adamax": 8,
     "sgd": 0, "sgd_momentum": 4, "adagrad": 4, "rmsprop": 4,
 }
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DEFAULT_STAGING = NVMeOffload().buffer_count * NVMeOffload().buffer_size
 _GIB = 2**30
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Model-state bytes held by one rank, by location.
+    """Model-state bytes held by one rank, by location, and the working set a step adds.
 
     ``offload_optimizer`` / ``offload_params`` are ``"none"``, ``"cpu"`` or ``"nvme"``.
     ``host_staging`` is pinned NVMe I/O buffers; ``nvme_bytes`` is on disk.
+    ``working_set_*``: the categories of ``memory_report(...).peak_working_set`` (gathered
+    units and gradient buckets on the device, staging in host memory), None where they
+    cannot be known (no model given, or DDP). See [Note: the estimated working set].
     """
 
     stage: int
@@ -79,6 +90,9 @@ class MemoryEstimate:
     host_optimizer: int = 0
     host_staging: int = 0
     nvme_bytes: int = 0
+    working_set_gathered: int | None = None
+    working_set_grad_buckets: int | None = None
+    working_set_staging: int | None = None
 
     @property
     def total_device(self) -> int:
@@ -87,6 +101,35 @@ class MemoryEstimate:
     @property
     def total_host(self) -> int:
         return self.host_params + self.host_grads + self.host_optimizer + self.host_staging
+
+    @property
+    def working_set_device(self) -> int | None:
+        """Gathered units + gradient buckets at their peak (None: unknown without the model)."""
+        if self.working_set_gathered is None or self.working_set_grad_buckets is None:
+            return None
+        return self.working_set_gathered + self.working_set_grad_buckets
+
+    @property
+    def working_set_host(self) -> int | None:
+        return self.working_set_staging
+
+    @property
+    def peak_device(self) -> int | None:
+        """Resting + working set on the device. Stage 1's buckets are its resting full gradients
+        (``device_grads``): counted once."""
+        if self.working_set_device is None:
+            return None
+        resting_buckets = self.device_grads if self.stage == 1 else 0
+        return (self.total_device + self.working_set_gathered
+                + max(0, self.working_set_grad_buckets - resting_buckets))
+
+    @property
+    def peak_host(self) -> int | None:
+        """Resting + working set in host memory: the NVMe pool counted once, at the larger of
+        ``host_staging`` and the working set's figure."""
+        if self.working_set_staging is None:
+            return None
+        return self.total_host + max(0, self.working_set_staging - self.host_staging)
 
     @property
     def label(self) -> str:
@@ -100,19 +143,28 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "label": self.label,
-                "total_device": self.total_device, "total_host": self.total_host}
+                "total_device": self.total_device, "total_host": self.total_host,
+                "working_set_device": self.working_set_device, "working_set_host": self.working_set_host,
+                "peak_device": self.peak_device, "peak_host": self.peak_host}
 
     def __str__(self) -> str:
         gib = lambda b: f"{b / _GIB:.2f} GiB"  # noqa: E731
         text = (f"{self.label}, {self.world_size} rank(s), {self.precision}: device {gib(self.total_device)} "
                 f"(params {gib(self.device_params)}, grads {gib(self.device_grads)}, "
                 f"optimizer {gib(self.device_optimizer)}), host {gib(self.total_host)}")
-        return text + (f", nvme {gib(self.nvme_bytes)}" if self.nvme_bytes else "")
+        text += f", nvme {gib(self.nvme_bytes)}" if self.nvme_bytes else ""
+        if self.stage == 0:
+            return text
+        dev = "n/a (needs the model)" if self.peak_device is None else gib(self.peak_device)
+        return (text + f"; peak with the working set: device {dev} (working set "
+                f"{'n/a' if self.working_set_device is None else gib(self.working_set_device)}), "
+                f"host {gib(self.peak_host)}")
 
 
 _COLUMNS = (("setup", None), ("dev params", "device_params"), ("dev grads", "device_grads"),
             ("dev optim", "device_optimizer"), ("device", "total_device"), ("host", "total_host"),
-            ("nvme", "nvme_bytes"))
+            ("nvme", "nvme_bytes"), ("dev work", "working_set_device"), ("dev peak", "peak_device"),
+            ("host peak", "peak_host"))
 
 
 def format_table(estimates: MemoryEstimate | Sequence[MemoryEstimate]) -> str:
@@ -121,7 +173,7 @@ def format_table(estimates: MemoryEstimate | Sequence[MemoryEstimate]) -> str:
         estimates = [estimates]
     rows = [[title if attr is None else f"{title} GiB" for title, attr in _COLUMNS]]
     for est in estimates:
-        rows.append([est.label] + [f"{getattr(est, attr) / _GIB:.2f}" for _, attr in _COLUMNS[1:]])
+        rows.append([est.label] + [_gib_cell(getattr(est, attr)) for _, attr in _COLUMNS[1:]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
@@ -130,7 +182,15 @@ def format_table(estimates: MemoryEstimate | Sequence[MemoryEstimate]) -> str:
         e = estimates[0]
         lines.append(f"(model states per rank; {e.num_params:,} trainable + {e.frozen_params:,} frozen params, "
                      f"world size {e.world_size}, {e.precision}; activations not included)")
+        lines.append("(dev work: stage-3 gathered units + gradient buckets at their peak; dev/host peak: resting + "
+                     "working set, staging included"
+                     + ("; n/a: needs the model's unit sizes (pass a model), or DDP" if any(
+                         x.peak_device is None for x in estimates) else "") + ")")
     return "\n".join(lines)
+
+
+def _gib_cell(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / _GIB:.2f}"
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -142,13 +202,6 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
         else:
             frozen += param.numel()
     return trainable, frozen
-
-
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ZeroConfigError(name, f"expected a non-negative number of parameters, got {value!r}",
-                              "Pass e.g. 7e9 or an nn.Module.")
-    return int(round(value))
 
 
 def _optimizer_bytes(optimizer: str | int) -> int:
@@ -175,7 +228,8 @@ def _staging(policy: CPUOffload | NVMeOffload | None) -> int:
 
 def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, precision: str,
          opt: CPUOffload | NVMeOffload | None, par: CPUOffload | NVMeOffload | None,
-         one_memory: bool = False) -> MemoryEstimate:
+         one_memory: bool = False, units: UnitSizes | None = None, prefetch: int = 1,
+         overlap_step: bool = False, state_bytes: int = 8) -> MemoryEstimate:
     """Apply the table in the module docstring to one (stage, offload) setup."""
     shard = lambda nbytes: math.ceil(nbytes / n)  # noqa: E731  (bytes of a 1/N share)
     if stage == 3:
@@ -203,6 +257,12 @@ def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, preci
             est["host_staging"] = est.get("host_staging", 0) + _staging(par)
         else:
             est["host_params"] = params
+    ws: WorkingSetTerms | None = working_set_terms(
+        units, stage=stage, world_size=n, psi=psi, psi_f=psi_f, p=p, g=g, opt=opt, par=par, prefetch=prefetch,
+        overlap_step=overlap_step, one_memory=one_memory, state_bytes=state_bytes)
+    if ws is not None:
+        est.update(working_set_gathered=ws.gathered, working_set_grad_buckets=ws.grad_buckets,
+                   working_set_staging=ws.staging)
     return MemoryEstimate(stage=stage, world_size=n, offload_optimizer=_offload_name(opt),
                           offload_params=_offload_name(par), precision=precision, num_params=psi,
                           frozen_params=psi_f, **est)
@@ -226,8 +286,9 @@ def estimate_memory(
     config: ZeroConfig | None = None,
     device: str = "cuda",
     shard_group_size: int | None = None,
+    units: UnitSizes | None = None,
 ) -> MemoryEstimate | list[MemoryEstimate]:
-    """Estimate per-rank model-state bytes (see the module docstring for the formulas).
+    """Estimate per-rank model-state bytes and the working set (see the module docstring).
 
     Args:
         model_or_num_params: trainable parameter count, or an ``nn.Module`` (may be on
@@ -250,6 +311,10 @@ def estimate_memory(
         shard_group_size: hybrid sharding over groups of k of the N ranks: model states
             are sharded over k (the estimate is N=k's, reported with world_size k); an int
             dividing ``world_size``. Taken from ``config`` when it sets an int.
+        units: the model's :func:`unit_sizes`, for the working set when only a parameter
+            count is given (from a model it is read off the model, with ``config``'s
+            ``unit_classes`` and ``param_persistence_threshold``). ``config`` also gives
+            ``prefetch`` and ``overlap_step`` (default 1 and False).
     """
     if device not in ("cuda", "cpu"):
         raise ZeroConfigError("device", f"must be 'cuda' or 'cpu', got {device!r}",
@@ -269,7 +334,14 @@ def estimate_memory(
         offload_optimizer, offload_params = config.offload_optimizer, config.offload_params
         if shard_group_size is None and isinstance(config.shard_group_size, int):
             shard_group_size = config.shard_group_size
+    prefetch, overlap_step = (1, False) if config is None else (config.prefetch, config.overlap_step)
+    if units is not None and not isinstance(units, UnitSizes):
+        raise ZeroConfigError("units", f"expected a UnitSizes, got {type(units).__name__}",
+                              "Pass zero_strategy.estimate.unit_sizes(model), or the model itself.")
     if isinstance(model_or_num_params, torch.nn.Module):
+        if units is None:
+            units = unit_sizes(model_or_num_params, () if config is None else config.unit_classes,
+                               100_000 if config is None else config.param_persistence_threshold)
         psi, psi_f = count_parameters(model_or_num_params)
         psi_f += _count("frozen_params", frozen_params)
     else:
@@ -287,7 +359,8 @@ def estimate_memory(
     precision = _as_dtype_name("precision", "bf16" if precision is None else precision)
     grad_name = precision if reduce_dtype is None else _as_dtype_name("reduce_dtype", reduce_dtype)
     p, g = _DTYPE_BYTES[precision], _DTYPE_BYTES[grad_name]
-    k = (0 if precision == "fp32" else 4) + _optimizer_bytes(optimizer)
+    state_bytes = _optimizer_bytes(optimizer)
+    k = (0 if precision == "fp32" else 4) + state_bytes
     opt = _as_offload("offload_optimizer", offload_optimizer)
     par = _as_offload("offload_params", offload_params)
 
@@ -296,7 +369,8 @@ def estimate_memory(
             setups = [(s, _as_offload("offload_optimizer", o), _as_offload("offload_params", q)) for s, o, q in _SWEEP]
         else:
             setups = [(0, None, None)] + [(s, opt, par) for s in (1, 2, 3) if par is None or s == 3]
-        return [_one(psi, psi_f, world_size, s, p, g, k, precision, o, q, one_memory) for s, o, q in setups]
+        return [_one(psi, psi_f, world_size, s, p, g, k, precision, o, q, one_memory, units, prefetch, overlap_step,
+                     state_bytes) for s, o, q in setups]
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ZeroConfigError("stage", f"must be 0 (DDP), 1, 2 or 3, got {stage!r}",
                               "Pass a stage, or stage=None for all of them.")
@@ -306,149 +380,5 @@ def estimate_memory(
     if opt is not None and stage == 0:
         raise ZeroConfigError("offload_optimizer", "needs a ZeRO stage (1, 2 or 3), got stage 0 (DDP)",
                               "Pass stage=1, 2 or 3, or drop offload_optimizer.")
-    return _one(psi, psi_f, world_size, stage, p, g, k, precision, opt, par, one_memory)
-
-
-@dataclass(frozen=True)
-class UnitSizes:
-    """Parameter elements of the stage-3 units of a model (see [Note: choosing units] in _engine/units.py).
-
-    ``root``: elements outside every unit (embeddings, final norm, head), gathered from the
-    start of forward to the end of backward; ``largest``: the largest unit; ``count``: units.
-    """
-
-    root: int
-    largest: int
-    count: int
-
-    def live_bytes(self, param_bytes: int, grad_bytes: int, prefetch: int = 1) -> int:
-        """Stage-3 parameters materialised at the peak, beyond the shards: the root, the unit
-        in use and ``prefetch`` units gathered ahead (compute dtype), and the full gradient
-        of one unit before its reduce-scatter (gradient dtype)."""
-        return param_bytes * (self.root + (1 + prefetch) * self.largest) + grad_bytes * self.largest
-
-
-def unit_sizes(model: torch.nn.Module, unit_classes: Sequence[str] = ()) -> UnitSizes:
-    """Units as setup would choose them; reads only ``numel`` (works on the meta device)."""
-    from ._engine.units import find_unit_modules
-
-    units = find_unit_modules(model, tuple(unit_classes))
-    seen: set[int] = set()
-    sizes = []
-    for _, module in units:
-        n = 0
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                n += p.numel()
-        sizes.append(n)
-    total = sum(p.numel() for p in model.parameters())
-    return UnitSizes(root=total - sum(sizes), largest=max(sizes, default=0), count=len(sizes))
-
-
-# ------------------------------------------------------------------ activations
-#
-# [Note: activation memory of a Llama-style decoder]
-# Activation memory is what autograd saves for backward: the tensors the forward's
-# operations keep (``torch.autograd.graph.saved_tensors_hooks`` sees each one), counted
-# once per storage. Korthikanti et al. ("Reducing Activation Recomputation in Large
-# Transformer Models", 2022, §4.1) count sbh(34 + 5as/h) bytes per GPT layer in 16-bit
-# with dropout (s tokens, b sequences, h hidden, a heads). A Hugging Face Llama-style
-# layer (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP of width f, no
-# dropout) saves, with e the bytes of the compute dtype (bf16 2, fp32 4):
-#
-#   each RMSNorm (two per layer): the input upcast to fp32 (4sbh; in fp32 the input
-#     itself), the normalised tensor cast back (e·sbh, kept by ``weight * x``), its output
-#     (e·sbh, kept by the next projections) and rsqrt of the variance (4sb, fp32):
-#     (4 + 2e)sbh + 4sb;
-#   attention: the rotary q (e·sbh) and, repeated to all heads, k and v (2e·sbh; the rotary
-#     multiplications keep only cos/sin, which need no gradient), the output before o_proj
-#     (e·sbh); with eager attention also the fp32 softmax (4·as²b) and its cast for the
-#     product with v (e·as²b, bf16 only): 4e·sbh + (4 + e')as²b, e' = e below 4 bytes else 0;
-#     with SDPA (PyTorch's fused kernel, the HF default) q, k and v at their own head
-#     counts (kv heads g: (1 + 2g/a)e·sbh), the output (e·sbh, also o_proj's input) and
-#     the fp32 log-sum-exp (4·asb) instead of any s² term;
-#   SwiGLU MLP: gate output (kept by SiLU), SiLU output, up output (both kept by the
-#     product) and the product (kept by down_proj): 4e·sbf.
-#
-# Per layer, eager:  sbh(8 + 8e + 4e·f/h) + 8sb + (4 + e')as²b
-#            SDPA:   sbh(8 + 6e + 2e·g/a + 4e·f/h) + 8sb + 4asb
-# Outside the layers: token ids (8bs, int64), the rotary cos/sin tables (2e·s·h/a: one
-# for the batch), the final RMSNorm ((4 + 2e)sbh + 4sb) and the loss: the fp32
-# log-softmax of the logits (4bsV), the labels padded by one (8b(s + 1); for b > 1 the
-# shifted copy holds 8bs, 8b bytes less) and the loss's fp32 weight sum (4). In bf16 with eager attention and f = 8h/3
-# (Llama 2 shape) a layer keeps sbh(45.3 + 6as/h) bytes against GPT's 34 + 5as/h: the
-# fp32 upcasts of RMSNorm and softmax and the wider gated MLP cost more than the
-# dropout masks they lack. With gradient checkpointing (one checkpoint per layer, as
-# ``gradient_checkpointing_enable`` sets) each layer keeps only its input (e·sbh) until
-# backward recomputes it, so the peak is L·e·sbh + the outside + one layer's activations.
-# test_estimate_activations.py checks both against saved-tensor bytes measured on CPU.
-
-
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Bytes autograd keeps for backward in one forward of ``batch_size`` x ``seq_len`` tokens
-    per rank. See [Note: activation memory of a Llama-style decoder]."""
-
-    batch_size: int
-    seq_len: int
-    layers: int
-    precision: str
-    attention: str
-    per_layer: int      # one decoder layer, no checkpointing
-    layer_input: int    # what a checkpointed layer keeps: its input
-    outside: int        # token ids, rotary tables, final norm, loss
-    rotary: int         # the rotary cos/sin tables (part of ``outside``)
-
-    @property
-    def without_checkpointing(self) -> int:
-        return self.layers * self.per_layer + self.outside
-
-    @property
-    def with_checkpointing(self) -> int:
-        """Peak with one checkpoint per layer: every layer's input, plus one layer recomputed."""
-        return self.layers * self.layer_input + self.outside + self.per_layer
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "without_checkpointing": self.without_checkpointing,
-                "with_checkpointing": self.with_checkpointing}
-
-
-_LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
-
-
-def estimate_activations(hf_config: Any, batch_size: int, seq_len: int, precision: str = "bf16",
-                         attention: str | None = None) -> ActivationEstimate:
-    """Activation bytes per rank of a Llama-style Hugging Face decoder (``hf_config``: its config).
-
-    ``attention``: ``"eager"`` or ``"sdpa"``; default: the config's ``attn_implementation``
-    (``"sdpa"`` when unset, as transformers chooses). Assumes training with
-    ``use_cache=False`` (a KV cache would hold k and v of every layer besides).
-    """
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _LLAMA_STYLE:
-        raise ZeroConfigError("--batch-size", f"the activation formula covers Llama-style decoders "
-                              f"({', '.join(_LLAMA_STYLE)}), not model_type {model_type!r}",
-                              "Leave out --batch-size/--seq-len for this model (model states only).")
-    b, s = _count("batch_size", batch_size), _count("seq_len", seq_len)
-    e = _DTYPE_BYTES[_as_dtype_name("precision", precision)]
-    h, f, v = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
-    a = hf_config.num_attention_heads
-    g = getattr(hf_config, "num_key_value_heads", None) or a
-    layers = hf_config.num_hidden_layers
-    attention = attention or getattr(hf_config, "_attn_implementation", None) or "sdpa"
-    if attention not in ("eager", "sdpa"):
-        raise ZeroConfigError("--attention", f"the formula covers eager and sdpa attention, not {attention!r}",
-                              "Pass --attention eager or sdpa (flash-attention saves what sdpa does).")
-    sbh, sb = s * b * h, s * b
-    norm = (4 + 2 * e) * sbh + 4 * sb
-    mlp = 4 * e * s * b * f
-    if attention == "eager":
-        attn = 4 * e * sbh + (4 + (e if e < 4 else 0)) * a * s * s * b
-    else:
-        attn = (1 + 2 * g / a) * e * sbh + e * sbh + 4 * a * s * b
-    rotary = 2 * e * s * (h // a)  # one table for the batch: position ids are (1, s)
-    outside = 8 * b * s + rotary + norm + 4 * b * s * v + 8 * b * (s + 1) + 4
-    return ActivationEstimate(batch_size=b, seq_len=s, layers=layers, precision=precision, attention=attention,
-                              per_layer=int(2 * norm + attn + mlp), layer_input=e * sbh, outside=outside,
-                              rotary=rotary)
+    return _one(psi, psi_f, world_size, stage, p, g, k, precision, opt, par, one_memory, units, prefetch,
+                overlap_step, state_bytes)

@@ -44,6 +44,8 @@ HOST = torch.device("cpu")
 
 #: the largest pinned staging slot of a cast upload (2 slots); a larger tensor goes in pieces
 STAGING_SLOT_BYTES = 64 * 2**20
+#: slots of that ring (the estimate's working set counts them: _estimate_working_set.py)
+STAGING_SLOTS = 2
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class Transfers:
         self._pool: WorkerThreads | None = None
         #: what the engine holds beyond its resting state, now and at its peak (See [Note: the working set])
         self.working_set = WorkingSet()
-        self._staging = _StagingRing(2, self.host_empty, self.working_set)
+        self._staging = _StagingRing(STAGING_SLOTS, self.host_empty, self.working_set)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
