@@ -54,6 +54,7 @@ import torch
 from ._config.policies import NVMeOffload
 from ._engine.reduce import MAX_IN_FLIGHT
 from ._mechanisms.transfers import STAGING_SLOT_BYTES, STAGING_SLOTS
+
 #: NVMe I/O rounds each tensor of a set up to this many bytes (_mechanisms/nvme_stream.py)
 _ALIGN_BYTES = 4096
 #: flat groups per unit the padding allowance covers (see the Note)
