@@ -27,7 +27,7 @@ from . import _zero_auto as _auto
 from ._comm.collectives import Collectives
 from ._comm.faults import failing_exception
 from ._comm.hybrid import hybrid_groups
-from ._engine import conversions, deferred_weights, gather, generation
+from ._engine import conversions, deferred_weights, gather, generation, streamed_saves
 from ._engine import integrations as model_integrations
 from ._engine import offload_states as offload_states_impl
 from ._engine.deferred_weights import DeferredWeights, defer_weights  # noqa: F401  (for the loaders above)
@@ -337,6 +337,37 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     engine = engine_of(model)
     with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
         return gather.full_state_dict(engine, rank0_only, dtype)
+
+
+@torch.no_grad()
+def write_safetensors(model: nn.Module, directory: str | os.PathLike, file_of: dict[str, str], files: Sequence[str],
+                      *, write: bool, dtype: torch.dtype | None = torch.float32) -> None:
+    """Write entries of ``model.state_dict()`` into safetensors files, gathering unit by unit.
+
+    ``file_of``: state-dict name -> file name in ``directory`` (every name in it is written,
+    the others not); ``files``: every file to write (one no name falls in is written empty).
+    Every rank calls it; the rank with ``write=True`` writes, holding one unit's host copies,
+    the others take part in the gathers and keep nothing; the device holds one group beyond
+    its shards. Floating tensors in ``dtype`` (fp32: from the masters where a group trains,
+    as :func:`full_state_dict`; None: the compute dtype), the others as stored. For the front
+    ends' saves (See [Note: streamed save_model] in accelerate/_saving.py).
+    """
+    streamed_saves.write_files(engine_of(model), os.fspath(directory), dict(file_of), list(files), write, dtype,
+                               "write_safetensors")
+
+
+@torch.no_grad()
+def adapter_state_dict(model: nn.Module, adapters: Sequence[str] | None = None, save_embedding_layers="auto",
+                       dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """Host copies of the entries of a PEFT model's ``state_dict()`` its adapter save can keep
+    (weights under a module named after one of ``adapters``, trainable parameters, the embedding
+    layers where ``save_embedding_layers`` may keep them, buffers), gathering only the units
+    holding them; every rank calls it and gets them. Given to ``save_pretrained(state_dict=...)``
+    it writes what the save of the whole ``state_dict()`` would (PEFT filters it the same way).
+    See [Note: streamed adapter saves] in _engine/streamed_saves.py.
+    """
+    return streamed_saves.adapter_values(engine_of(model), list(adapters) if adapters else None,
+                                         save_embedding_layers, dtype, "adapter_state_dict")
 
 
 @contextlib.contextmanager

@@ -186,64 +186,103 @@ def _add_variant(name: str, variant: str | None) -> str:
 
 def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, torch.Tensor], directory: str,
                     main: bool, kwargs: dict, dtype: torch.dtype | None) -> None:
-    """Gather unit by unit and append each tensor to the file it falls in (main only)."""
+    """Split ``entries`` into files with the library's rule, in the order they arrive, and write them
+    unit by unit (main only), with the index where there is more than one file."""
     shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
-    managed = {id(t) for t in entries.values()} & shapes.keys()
-    by_param: dict[int, list[str]] = {}
-    for name, t in entries.items():
-        by_param.setdefault(id(t), []).append(name)
-    loose = [n for n, t in entries.items() if id(t) not in managed]  # buffers, integer parameters
-    order = loose + [n for u in engine.units for g in u.groups for s in g.slots
-                     for n in by_param.get(id(s.param), ())]
-
-    def out_dtype(t: torch.Tensor) -> torch.dtype:
-        return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-    specs = [(n, out_dtype(entries[n]), list(shapes.get(id(entries[n]), entries[n].shape))) for n in order]
+    order = arrival_order(engine, entries)
+    specs = [(n, out_dtype(entries[n], dtype), list(shapes.get(id(entries[n]), entries[n].shape))) for n in order]
     files = _shard_plan(specs, kwargs.get("max_shard_size", "50GB"))
     variant = kwargs.get("variant")
     weights = _add_variant(WEIGHTS_NAME, variant)
     names = ([weights] if len(files) == 1 else
              [weights.replace(".safetensors", f"-{i + 1:05d}-of-{len(files):05d}.safetensors")
               for i in range(len(files))])
-    file_of = {specs[i][0]: f for f, idx in enumerate(files) for i in idx}
-    writers: list = []
+    file_of = {specs[i][0]: names[f] for f, idx in enumerate(files) for i in idx}
+    write_entries(engine, entries, directory, main, file_of, names, dtype)
+    if not main or len(files) == 1:
+        return
+    if os.path.isfile(os.path.join(directory, weights)):
+        os.remove(os.path.join(directory, weights))  # the empty file of the library's own call
+    total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in specs)
+    index = {"metadata": {"total_parameters": model.num_parameters(), "total_size": total},
+             "weight_map": file_of}
+    with open(os.path.join(directory, _add_variant(INDEX_NAME, variant)), "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype an entry is written in: ``dtype`` for floating tensors where given, else its own."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def arrival_order(engine: "ZeroEngine", entries: dict[str, torch.Tensor]) -> list[str]:
+    """The names of ``entries`` in the order :func:`write_entries` has their values: the tensors the
+    engine does not manage (buffers, integer parameters) first, then unit by unit."""
+    managed = {id(s.param) for g in engine.groups for s in g.slots}
+    by_param: dict[int, list[str]] = {}
+    for name, t in entries.items():
+        by_param.setdefault(id(t), []).append(name)
+    loose = [n for n, t in entries.items() if id(t) not in managed]
+    return loose + [n for u in engine.units for g in u.groups for s in g.slots for n in by_param.get(id(s.param), ())]
+
+
+def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], directory: str, main: bool,
+                  file_of: dict[str, str], files: list[str], dtype: torch.dtype | None) -> None:
+    """Gather unit by unit and append each entry (name -> parameter or buffer) to the safetensors
+    file ``file_of[name]`` names in ``directory`` (main only: the other ranks take part in the
+    gathers and keep nothing). Each file's header lists its tensors in the order they arrive
+    (:func:`arrival_order`); a file is closed once its last tensor is written, and a name in
+    ``files`` no entry falls in is written empty, as the library writes an empty state dict.
+    Floating entries are written in ``dtype`` (None: the model's compute dtype, as ``state_dict()``
+    gives), from the fp32 masters where a group trains. See [Note: streamed save_pretrained]."""
+    shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
+    order = arrival_order(engine, entries)
+    managed = {id(entries[n]) for n in order} & shapes.keys()
+    by_param: dict[int, list[str]] = {}
+    for n in order:
+        by_param.setdefault(id(entries[n]), []).append(n)
+    specs: dict[str, list[tuple[str, torch.dtype, list[int]]]] = {f: [] for f in files}
+    for n in order:
+        t = entries[n]
+        specs.setdefault(file_of[n], []).append((n, out_dtype(t, dtype), list(shapes.get(id(t), t.shape))))
+    left = {f: len(s) for f, s in specs.items()}
+    writers: dict[str, StreamWriter] = {}
 
     def write(name: str, t: torch.Tensor) -> None:
         f = file_of[name]
-        while len(writers) <= f:
-            if writers:
-                writers[-1].close()
-            k = len(writers)
-            writers.append(StreamWriter(os.path.join(directory, names[k]), [specs[i] for i in files[k]],
-                                        {"format": "pt"}))
+        if f not in writers:
+            writers[f] = StreamWriter(os.path.join(directory, f), specs[f], {"format": "pt"})
         writers[f].write(name, t.contiguous())
+        left[f] -= 1
+        if left[f] == 0:
+            writers[f].close()
 
     try:
-        for n in loose if main else ():
-            write(n, entries[n].detach().to("cpu", out_dtype(entries[n])))
+        for n in (n for n in order if id(entries[n]) not in managed) if main else ():
+            write(n, entries[n].detach().to("cpu", out_dtype(entries[n], dtype)))
         for unit, values in unit_values(engine, managed, main, lambda g: dtype or g.compute_dtype):
             for s in (s for g in unit.groups for s in g.slots):
                 for n in by_param.get(id(s.param), ()) if main else ():
                     write(n, values[id(s.param)])
             del values  # See [Note: streamed save_pretrained]: one unit's copies at a time
-        if not main:
-            return
-        if not writers:  # nothing to write at all: an empty file, as the library writes
-            writers.append(StreamWriter(os.path.join(directory, names[0]), [], {"format": "pt"}))
-        writers[-1].close()
+        for f in (f for f, s in specs.items() if not s) if main else ():
+            writers[f] = StreamWriter(os.path.join(directory, f), [], {"format": "pt"})
+            writers[f].close()
     except BaseException:
-        for w in writers:
+        for w in writers.values():
             w.abort()
         raise
-    if len(files) > 1:
-        if os.path.isfile(os.path.join(directory, weights)):
-            os.remove(os.path.join(directory, weights))  # the empty file of the library's own call
-        total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in specs)
-        index = {"metadata": {"total_parameters": model.num_parameters(), "total_size": total},
-                 "weight_map": {n: names[f] for n, f in file_of.items()}}
-        with open(os.path.join(directory, _add_variant(INDEX_NAME, variant)), "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_files(engine: "ZeroEngine", directory: str, file_of: dict[str, str], files: list[str], write: bool,
+                dtype: torch.dtype | None, what: str) -> None:
+    """``zero_strategy.api.write_safetensors``: the entries of ``engine.model.state_dict()`` that
+    ``file_of`` names, written unit by unit into the files it assigns them (``write``: this rank
+    writes; the others only take part in the gathers)."""
+    refuse_while_offloaded(engine, what, ("lp_params", "hp_params"))
+    engine.comm.enter(what)  # See [Note: bounded waits] in _comm/waits.py
+    named = engine.model.state_dict(keep_vars=True)
+    write_entries(engine, {n: named[n] for n in file_of}, directory, write, file_of, files, dtype)
 
 
 # ---------------------------------------------------------------------------- PEFT
@@ -258,13 +297,25 @@ def _peft_save(engine: "ZeroEngine", module: nn.Module, original: Callable) -> C
         refuse_while_offloaded(engine, "PeftModel.save_pretrained()", ("lp_params", "hp_params"))
         engine.comm.enter("save_pretrained")
         selected = kwargs.get("selected_adapters") or list(getattr(model, "peft_config", {}) or ["default"])
-        embeddings = _may_save_embeddings(model, selected, kwargs.get("save_embedding_layers", "auto"))
+        embeddings = may_save_embeddings(model, selected, kwargs.get("save_embedding_layers", "auto"))
         kwargs["state_dict"] = adapter_state_dict(engine, model, set(selected), embeddings)
         return original(save_directory, **kwargs)
     return save_pretrained
 
 
-def _may_save_embeddings(model: nn.Module, adapters: list[str], flag) -> bool:
+def adapter_values(engine: "ZeroEngine", adapters: list[str] | None, save_embedding_layers,
+                   dtype: torch.dtype | None, what: str) -> dict[str, torch.Tensor]:
+    """``zero_strategy.api.adapter_state_dict``: :func:`adapter_state_dict` of the set-up model for
+    ``adapters`` (None: all it has), with the embeddings where the save may keep them."""
+    refuse_while_offloaded(engine, what, ("lp_params", "hp_params"))
+    engine.comm.enter(what)
+    model = engine.model
+    selected = list(adapters or getattr(model, "peft_config", {}) or ["default"])
+    embeddings = may_save_embeddings(model, selected, save_embedding_layers)
+    return adapter_state_dict(engine, model, set(selected), embeddings, dtype)
+
+
+def may_save_embeddings(model: nn.Module, adapters: list[str], flag) -> bool:
     """Whether PEFT's ``get_peft_model_state_dict`` may keep the embedding layers: ``True``, or
     ``"auto"`` where an embedding is a target or the base model names where it came from (PEFT
     then compares vocabulary sizes). Erring on yes only costs gathering the embeddings' units."""
@@ -280,10 +331,12 @@ def _may_save_embeddings(model: nn.Module, adapters: list[str], flag) -> bool:
     return False
 
 
-def adapter_state_dict(engine: "ZeroEngine", model: nn.Module, adapters: set[str],
-                       embeddings: bool) -> dict[str, torch.Tensor]:
+def adapter_state_dict(engine: "ZeroEngine", model: nn.Module, adapters: set[str], embeddings: bool,
+                       dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Host copies of the entries of ``model.state_dict()`` an adapter save can keep, gathering only
-    the units holding them. See [Note: streamed adapter saves]."""
+    the units holding them. See [Note: streamed adapter saves]. Floating tensors in ``dtype``
+    (None: the compute dtype, as ``state_dict()`` gives; ``torch.float32``: the fp32 masters, as
+    ``full_state_dict`` gives)."""
     try:
         from peft.utils.other import EMBEDDING_LAYER_NAMES
     except ImportError:
@@ -294,7 +347,7 @@ def adapter_state_dict(engine: "ZeroEngine", model: nn.Module, adapters: set[str
     for name, t in model.state_dict(keep_vars=True).items():
         parts = set(name.split("."))
         if id(t) not in params:  # a buffer
-            out[name] = t.detach().to("cpu", copy=True)
+            out[name] = t.detach().to("cpu", out_dtype(t, dtype), copy=True)
         elif (parts & adapters or t.requires_grad
               or (embeddings and any(e in parts for e in EMBEDDING_LAYER_NAMES))):
             wanted.setdefault(id(t), []).append(name)
@@ -303,7 +356,7 @@ def adapter_state_dict(engine: "ZeroEngine", model: nn.Module, adapters: set[str
         t = next(p for p in model.parameters() if id(p) == pid)
         for name in wanted.pop(pid):
             out[name] = t.detach().to("cpu", copy=True)
-    for _, values in unit_values(engine, set(wanted), True, lambda g: g.compute_dtype):  # as state_dict()
+    for _, values in unit_values(engine, set(wanted), True, lambda g: dtype or g.compute_dtype):
         for pid, v in values.items():
             for name in wanted[pid]:
                 out[name] = v

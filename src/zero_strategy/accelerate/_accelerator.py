@@ -18,7 +18,8 @@ would do to the model and optimizer is replaced, and only that:
   the fp16 loss scale; ``no_sync`` / ``accumulate`` use ``zero_strategy.no_sync``;
   ``clip_grad_norm_`` is the global norm over all shards; ``clip_grad_value_`` clamps
   the reduced gradient shards (elementwise, so the same as on the full gradients).
-* ``get_state_dict`` / ``save_model`` consolidate on rank 0; ``save_state`` /
+* ``get_state_dict`` consolidates on rank 0; ``save_model`` writes stock Accelerate's files,
+  at stage 3 unit by unit (see ``_saving.py``); ``save_state`` /
   ``load_state`` save every rank's shard (see ``_checkpointing.py``).
 * ``free_memory`` / ``end_training`` tear the engines down (hooks removed, full
   weights back in the modules); every process must call them.
@@ -54,7 +55,7 @@ from torch import nn
 from .. import api
 from .._engine.plan import plan_for
 from ..config import ZeroConfig
-from . import _checkpointing
+from . import _checkpointing, _saving
 from ._config import apply_precision, choose_spec, deepspeed_accumulation_steps, describe, load_config
 from ._launch import adopt_deepspeed_launch, check_after_init, logger, refuse_sharding_launchers, use_cpu_if_no_device
 from ._optimizer import ZeroAcceleratedOptimizer
@@ -429,7 +430,8 @@ class ZeroAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ weights and state
     def get_state_dict(self, model, unwrap=True):
-        """Full fp32 weights (from the masters) on the main process, ``{}`` on the others; every rank calls it."""
+        """Full fp32 weights (from the masters) in host memory on the main process, ``{}`` on the
+        others; every rank calls it. Whole by contract, gathered group by group to the host."""
         if self.is_zero_model(model):
             return api.full_state_dict(model, rank0_only=True)
         if model in self._pending:
@@ -437,9 +439,14 @@ class ZeroAccelerator(Accelerator):
         return super().get_state_dict(model, unwrap=unwrap)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
-        """Consolidated weights written by the main process (safetensors, HF-style shards); every rank calls it."""
-        super().save_model(model, save_directory, max_shard_size=max_shard_size,
-                           safe_serialization=safe_serialization)
+        """Stock Accelerate's files of the fp32 weights, written by the main process; every rank calls it.
+        At stage 3 unit by unit; ``safe_serialization=False`` (one pickled ``.bin``) and stages 1-2
+        through :meth:`get_state_dict`. See [Note: streamed save_model] in _saving.py."""
+        if self.is_zero_model(model) and _saving.streams(model, safe_serialization):
+            _saving.save_model_streamed(self, model, save_directory, max_shard_size)
+        else:
+            super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                               safe_serialization=safe_serialization)
         if self.is_zero_model(model):
             self.wait_for_everyone()
 

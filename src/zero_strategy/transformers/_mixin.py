@@ -50,8 +50,12 @@ of these two methods are not called on a ZeRO model.
   process writes them with ``save_pretrained``, so ``from_pretrained(checkpoint-N)`` works,
   also under stage 3. There a transformers model's weights are streamed unit by unit
   (``save_pretrained(..., dtype=torch.float32)``, See [Note: streamed save_pretrained] in
-  _engine/streamed_saves.py), so no rank holds the whole model; other models go through
-  ``full_state_dict(rank0_only=True)``.
+  _engine/streamed_saves.py), so no rank holds the whole model. A PEFT model (or one with
+  adapters loaded) is given to the stock ``_save`` with a state dict of the entries its
+  adapter save keeps (``api.adapter_state_dict``: only the units holding the adapter are
+  gathered, at every stage; See [Note: streamed adapter saves]), so it writes what the stock
+  Trainer writes (``adapter_model.safetensors``, ``adapter_config.json``, the tokenizer,
+  ``training_args.bin``). Other models go through ``full_state_dict(rank0_only=True)``.
 * ``_load_best_model`` (``load_best_model_at_end``): from the best checkpoint's shards.
 * Gradients: the Trainer clears them with ``model.zero_grad()``, which cannot reach
   gradient shards; a callback calls the optimizer's ``zero_grad()`` after each step.
@@ -216,7 +220,8 @@ class ZeroTrainerMixin:
             getattr(super(), name)(path)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Consolidated fp32 weights via ``save_pretrained`` on the main process; every rank must call it."""
+        """Consolidated fp32 weights (a PEFT model: its adapter) via ``save_pretrained`` on the main
+        process; every rank must call it."""
         if self._zero_record() is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -225,12 +230,23 @@ class ZeroTrainerMixin:
             # (configuration, tokenizer, arguments) from the main process, then the fp32 weights unit by unit
             self._save(output_dir, state_dict={})
             self.model.save_pretrained(output_dir, is_main_process=self.args.should_save, dtype=torch.float32)
+        elif self._saves_adapter():
+            # See [Note: streamed adapter saves] in _engine/streamed_saves.py: the units holding the adapter
+            # are gathered (fp32, as full_state_dict gives), the library keeps the adapter from them
+            self._save(output_dir, state_dict=api.adapter_state_dict(self.model))
         else:
-            state_dict = api.full_state_dict(self.model, rank0_only=True)
-            self._save(output_dir, state_dict=state_dict)
+            self._save(output_dir, state_dict=api.full_state_dict(self.model, rank0_only=True))
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _saves_adapter(self) -> bool:
+        """Whether ``save_model`` writes an adapter only, as the stock Trainer does for a PEFT model
+        (``PeftModel.save_pretrained``) or a transformers model with adapters loaded (its
+        ``save_pretrained`` in PEFT's format)."""
+        from transformers.trainer_utils import _is_peft_model
+
+        return _is_peft_model(self.model) or bool(getattr(self.model, "_hf_peft_config_loaded", False))
 
     def _streams_save(self) -> bool:
         """Whether ``save_model`` streams: a transformers model at stage 3 (``setup`` shadowed its
