@@ -352,8 +352,10 @@ def write_safetensors(model: nn.Module, directory: str | os.PathLike, file_of: d
     as :func:`full_state_dict`; None: the compute dtype), the others as stored. For the front
     ends' saves (See [Note: streamed save_model] in accelerate/_saving.py).
     """
-    streamed_saves.write_files(engine_of(model), os.fspath(directory), dict(file_of), list(files), write, dtype,
-                               "write_safetensors")
+    engine = engine_of(model)
+    with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
+        streamed_saves.write_files(engine, os.fspath(directory), dict(file_of), list(files), write, dtype,
+                                   "write_safetensors")
 
 
 @torch.no_grad()
