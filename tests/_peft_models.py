@@ -106,3 +106,17 @@ def assert_same_files(got_dir, want_dir, tol: float = 1e-5) -> None:
     for k in want:
         assert got[k].shape == want[k].shape and got[k].numel() > 0, (k, got[k].shape, want[k].shape)
         assert torch.allclose(got[k].float(), want[k].float(), atol=tol, rtol=0), k
+
+
+class Rows(torch.utils.data.Dataset):
+    """The rows of ``steps`` steps of :func:`batch` on 2 ranks, as a Trainer's dataset: each row its
+    own input and label, in the order a 2-rank run's sampler hands them out unshuffled."""
+
+    def __init__(self, steps: int):
+        self.ids = torch.cat([batch(step, r) for step in range(steps) for r in range(2)])
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

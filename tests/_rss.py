@@ -2,13 +2,15 @@
 
 ``VmRSS``/``VmHWM``: resident set and its peak (tests/test_consolidate_memory.py);
 ``RssAnon``: its anonymous part, the heap and mmap'd memory tensors live in, without
-the mapped files (shared libraries, the interpreter) that imports add.
+the mapped files (shared libraries, the interpreter) that imports add. :func:`measured`:
+one call's peak of both beside the engine's gathered bytes (the streamed-save workers).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 
 
 def status_bytes(field: str) -> int:
@@ -34,3 +36,25 @@ def return_freed_memory_to_the_os(threshold: int = 1 << 16) -> None:
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     if not (libc.mallopt(M_MMAP_THRESHOLD, threshold) and libc.mallopt(M_TRIM_THRESHOLD, threshold)):
         raise OSError("mallopt failed")
+
+
+def measured(model, call):
+    """Run ``call()`` on a set-up ``model``; return its result and what it took: the peak of
+    gathered bytes (the engine's working-set accounting) above those held before, those still
+    held after, and the peak resident memory (VmHWM) above the RSS before."""
+    import zero_strategy as zs
+
+    gc.collect()
+    zs.memory_report(model, reset_peak=True)
+    before = zs.memory_report(model).working_set["gathered"]
+    rss = status_bytes("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+    except OSError:
+        pass  # then VmHWM covers more than the call: a looser, still valid upper bound
+    result = call()
+    peak_rss = status_bytes("VmHWM") - rss
+    report = zs.memory_report(model)
+    return result, {"gathered": report.peak_working_set["gathered"] - before, "rss": peak_rss,
+                    "gathered_after": report.working_set["gathered"] - before}

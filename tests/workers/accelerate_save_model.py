@@ -17,7 +17,6 @@ args["mode"]:
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -54,24 +53,6 @@ def sizes(model: LlamaForCausalLM) -> dict:
     return {"blocks": blocks, "root": root, "model": root + sum(blocks)}
 
 
-def measured(model, call) -> dict:
-    import zero_strategy as zs
-    from _rss import status_bytes
-
-    gc.collect()
-    zs.memory_report(model, reset_peak=True)
-    before = zs.memory_report(model).working_set["gathered"]
-    rss = status_bytes("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-    except OSError:
-        pass  # then VmHWM covers more than the call: a looser, still valid bound
-    call()
-    peak_rss = status_bytes("VmHWM") - rss
-    report = zs.memory_report(model)
-    return {"gathered": report.peak_working_set["gathered"] - before, "rss": peak_rss,
-            "gathered_after": report.working_set["gathered"] - before}
 
 
 def saved(directory: Path) -> dict:
@@ -84,7 +65,7 @@ def saved(directory: Path) -> dict:
 
 
 def run_zero(out: Path) -> None:
-    from _rss import return_freed_memory_to_the_os
+    from _rss import measured, return_freed_memory_to_the_os
     from _worker import finish
 
     from zero_strategy.accelerate import ZeroAccelerator
@@ -101,7 +82,7 @@ def run_zero(out: Path) -> None:
         opt.zero_grad()
     acc.save_model(model, out / "zero_warm", max_shard_size=SHARD)  # the first save imports; unmeasured
     for name, kwargs in SAVES.items():
-        report[name] = measured(model, lambda: acc.save_model(model, out / f"zero_{name}", **kwargs))
+        _, report[name] = measured(model, lambda: acc.save_model(model, out / f"zero_{name}", **kwargs))
     full = acc.get_state_dict(model)
     if acc.is_main_process:
         from accelerate.utils.other import clean_state_dict_for_safetensors

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from _peft_models import after_training, batch, lora, tiny_llama
+from _peft_models import Rows, after_training, lora, tiny_llama
 from _worker import finish
 from zero_strategy.transformers import ZeroTrainer  # before TrainingArguments (see its module note)
 
@@ -21,15 +21,6 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 STEPS, ROWS = 3, 2
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.cat([batch(step, r) for step in range(STEPS) for r in range(2)])
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def arguments(output_dir: Path) -> TrainingArguments:
@@ -40,10 +31,10 @@ def arguments(output_dir: Path) -> TrainingArguments:
 
 
 def run(stage: int, out: Path) -> dict:
-    trainer = ZeroTrainer(model=lora(tiny_llama()), args=arguments(out / f"zero-s{stage}"), train_dataset=Rows(),
+    trainer = ZeroTrainer(model=lora(tiny_llama()), args=arguments(out / f"zero-s{stage}"), train_dataset=Rows(STEPS),
                           zero_config={"stage": stage, "param_persistence_threshold": 0})
     trainer.train()
-    stock = Trainer(model=lora(tiny_llama()), args=arguments(out / f"stock-s{stage}"), train_dataset=Rows())
+    stock = Trainer(model=lora(tiny_llama()), args=arguments(out / f"stock-s{stage}"), train_dataset=Rows(STEPS))
     stock.train()
     ref = stock.accelerator.unwrap_model(stock.model)
     rank = trainer.args.process_index

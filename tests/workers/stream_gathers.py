@@ -20,7 +20,6 @@ weights once). The DDP model is saved with ``save_pretrained`` by rank 0 as the 
 from __future__ import annotations
 
 import copy
-import gc
 import os
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from _compare import tensor_rel_diff
-from _rss import return_freed_memory_to_the_os, status_bytes
+from _rss import measured, return_freed_memory_to_the_os
 from _worker import finish, run_cases, start
 
 import zero_strategy as zs
@@ -54,23 +53,6 @@ def unit_bytes(ref: LlamaForCausalLM) -> dict:
     return {"blocks": blocks, "root": root, "model": root + sum(blocks)}
 
 
-def measured(model, call):
-    """Run ``call()``; return its result, the peak of gathered bytes above those held before, and
-    the peak resident memory above the RSS before."""
-    gc.collect()
-    zs.memory_report(model, reset_peak=True)
-    before = zs.memory_report(model).working_set["gathered"]
-    rss = status_bytes("VmRSS")
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-    except OSError:
-        pass  # then VmHWM covers more than the call: a looser, still valid upper bound
-    result = call()
-    peak_rss = status_bytes("VmHWM") - rss
-    report = zs.memory_report(model)
-    return result, {"gathered": report.peak_working_set["gathered"] - before, "rss": peak_rss,
-                    "gathered_after": report.working_set["gathered"] - before}
 
 
 def compare(got: dict, want: dict) -> dict:

@@ -27,7 +27,7 @@ from zero_strategy.transformers import ZeroTrainer, zero_trainer  # before Train
 
 from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments  # noqa: E402
 
-from _peft_models import batch, lora, tiny_llama  # noqa: E402
+from _peft_models import Rows, lora, tiny_llama  # noqa: E402
 
 CLASSES = ["trainer", "sft"]
 STEPS, ROWS = 2, 2
@@ -42,15 +42,6 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-class Rows(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.cat([batch(step, r) for step in range(STEPS) for r in range(2)])
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def text_rows():
@@ -68,7 +59,7 @@ def build(which: str, stock: bool, model, output_dir: Path):
     zero = {} if stock else {"zero_config": {"stage": 3, "param_persistence_threshold": 0}}
     if which == "trainer":
         cls = Trainer if stock else ZeroTrainer
-        return cls(model=model, args=TrainingArguments(**common), train_dataset=Rows(), processing_class=tokenizer(),
+        return cls(model=model, args=TrainingArguments(**common), train_dataset=Rows(STEPS), processing_class=tokenizer(),
                    **zero)
     from trl import SFTConfig, SFTTrainer
 
