@@ -21,14 +21,15 @@ the per-rank model states are
 
 Mixed-precision Adam (P = G = 2, K = 12) gives the paper's 16Ψ, 4Ψ + 12Ψ/N,
 2Ψ + 14Ψ/N and 16Ψ/N. Offloading the optimizer moves KΨ/N off the device (to host
-memory, or to NVMe with pinned staging buffers in host memory) and adds a 4Ψ/N fp32
-gradient shard on the host for the CPU step. An offloaded fp32 master cannot share
+memory, or to NVMe with pinned staging buffers in host memory) and adds a GΨ/N host
+copy of the gradient shard for the CPU step (in the reduce dtype: the step casts it to
+fp32 a batch or a chunk at a time). An offloaded fp32 master cannot share
 storage with parameters on the device, so there M = 4 even for fp32 compute (only
 fp32 stage 3 with both offloaded to host memory keeps M = 0: master and parameter
 shard are then the same host tensor); offloading parameters (stage 3) moves
 the (PΨ + PΨf)/N parameter shard. On a CUDA-less machine (``device="cpu"``) device
-and host are one memory: an fp32 master is the parameter shard (M = 0) and fp32
-gradients are stepped in place (no host gradient shard).
+and host are one memory: an fp32 master is the parameter shard (M = 0) and the
+gradient shard is stepped in place (no host copy).
 
 Beside those resting model states, an estimate given the model (or its ``units``) counts
 the *working set* a training step adds at its worst moment: the stage-3 gathered window,
@@ -244,7 +245,8 @@ def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, preci
         if p == 4 and not shares_params:
             optim = shard((k + 4) * psi)  # the host master is a copy of the device parameters
         est["device_optimizer"] = 0
-        est["host_grads"] = 0 if (one_memory and g == 4) else shard(4 * psi)
+        # the host copy keeps the reduce dtype; one memory: the step reads the shard itself
+        est["host_grads"] = 0 if one_memory else shard(g * psi)
         if isinstance(opt, NVMeOffload):
             est["nvme_bytes"] = optim
             est["host_staging"] = _staging(opt)

@@ -333,8 +333,15 @@ class FlatGroup:
 
     # ------------------------------------------------------------------ step
     def master_grad(self) -> torch.Tensor | None:
-        """The fp32 gradient the optimizer sees, next to the master (host when offloaded)."""
+        """The fp32 gradient the optimizer sees, next to the master (host when offloaded): a copy
+        of the whole group when the reduce dtype is lower. See [Note: fp32 gradients only for the
+        groups being stepped] in storage.py."""
         return self.masters.grad_for_step(self.grads.grad_shard, self.grads.version)
+
+    def master_grad_source(self) -> torch.Tensor | None:
+        """The reduced gradient next to the master, still in the reduce dtype (a streamed step
+        casts it chunk by chunk)."""
+        return self.masters.grad_source(self.grads.grad_shard, self.grads.version)
 
     def finish_reduce(self, out: torch.Tensor, comm: Collectives, in_place: bool) -> None:
         self.grads.finish_reduce(out, comm, in_place)

@@ -26,10 +26,21 @@ differ); only copies between two places of the same memory are skipped: they cos
 a third of an fp32 AdamW step's memory traffic and moved nothing anywhere.
 
 [Note: host gradients in place]
-A ``HostMaster`` steps on an fp32 host copy of the reduced gradient shard,
-downloaded while backward goes on. When the shard already is fp32 in host memory
-(a CUDA-less machine, fp32 gradients) the copy would be byte for byte the shard:
-the step reads the shard itself, as ``DeviceMaster`` does.
+A ``HostMaster`` steps on a host copy of the reduced gradient shard, downloaded while
+backward goes on. The copy keeps the shard's dtype (the reduce dtype: bf16 under
+``precision="bf16"``): half the PCIe bytes and half the host memory of an fp32 copy,
+and the same values, since the cast to fp32 is exact whenever it happens. When the
+shard already is in host memory (a CUDA-less machine) the copy would be byte for byte
+the shard: the step reads the shard itself, as ``DeviceMaster`` does.
+
+[Note: fp32 gradients only for the groups being stepped]
+The optimizer needs an fp32 ``.grad`` beside the fp32 master. Cast for every group at
+once, a low-precision run would hold 4 bytes per parameter of this rank's shard on top of
+the reduced gradients (0.5 W at N=2, the largest single piece of an NVMe run's memory).
+So the cast happens per step batch (``grad_for_step``: one batch of groups, released
+after its optimizer call, _optim/optimizer.py) or per chunk of a streamed group
+(``grad_source`` and ``fp32_grad``, _optim/chunked_step.py): what a rank holds in fp32
+gradients is bounded by a batch or a chunk, never the model.
 """
 
 from __future__ import annotations
@@ -40,6 +51,14 @@ from torch import nn
 from .._config.policies import NVMeOffload, OffloadPolicy
 from .._mechanisms import nvme_stream
 from .._mechanisms.transfers import HOST, Transfers
+
+
+def fp32_grad(grad: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """``grad`` (or a chunk of it) as the master's dtype: itself when it already is, else a copy.
+    See [Note: fp32 gradients only for the groups being stepped]."""
+    if grad is None or grad.dtype == dtype:
+        return grad
+    return grad.to(dtype)
 
 
 # ------------------------------------------------------------------ parameter shard
@@ -150,11 +169,15 @@ class DeviceMaster:
     def on_grad_reduced(self, grad_shard: torch.Tensor, version: int) -> None:
         """A reduce finished (``version`` counts changes to the shard): start moving it if needed."""
 
+    def grad_source(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
+        """The reduced gradient next to the master, in the reduce dtype (no fp32 copy yet)."""
+        return grad_shard
+
     def grad_for_step(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
-        """The fp32 gradient the optimizer sees, next to the master (aliases the shard when it can)."""
-        if grad_shard is None:
-            return None
-        return grad_shard if grad_shard.dtype == self.master.dtype else grad_shard.to(self.master.dtype)
+        """The fp32 gradient the optimizer sees, next to the master (aliases the shard when it
+        can). A cast is a copy of the whole group: See [Note: fp32 gradients only for the groups
+        being stepped]."""
+        return fp32_grad(self.grad_source(grad_shard, version), self.master.dtype)
 
     def drop_grad(self) -> None:
         self.master.grad = None
@@ -197,6 +220,7 @@ class HostMaster(DeviceMaster):
     Each finished reduce starts downloading the gradient shard into ``host_grad`` on
     the D2H stream while backward goes on (see [Note: the offloaded step overlaps in
     three places] in _mechanisms/transfers.py); the step waits for that download only.
+    ``host_grad`` keeps the shard's dtype: See [Note: host gradients in place].
     """
 
     steps_on_host = True
@@ -204,23 +228,24 @@ class HostMaster(DeviceMaster):
     def __init__(self, master: nn.Parameter, aliases_params: bool, transfers: Transfers):
         super().__init__(master, aliases_params)
         self.transfers = transfers
-        self.host_grad: torch.Tensor | None = None  # [shard] fp32
+        self.host_grad: torch.Tensor | None = None  # [shard] the reduce dtype
         self._download = None
         self._downloaded_version = -1
 
-    def _reads_in_place(self, grad_shard: torch.Tensor) -> bool:
+    @staticmethod
+    def _reads_in_place(grad_shard: torch.Tensor) -> bool:
         """See [Note: host gradients in place]."""
-        return grad_shard.device.type == HOST.type and grad_shard.dtype == self.master.dtype
+        return grad_shard.device.type == HOST.type
 
     def on_grad_reduced(self, grad_shard: torch.Tensor, version: int) -> None:
         if self._reads_in_place(grad_shard):
             return
-        if self.host_grad is None:
-            self.host_grad = self.transfers.host_empty(grad_shard.numel(), self.master.dtype)
+        if self.host_grad is None or self.host_grad.dtype != grad_shard.dtype:
+            self.host_grad = self.transfers.host_empty(grad_shard.numel(), grad_shard.dtype)
         self._download = self.transfers.download(self.host_grad, grad_shard)
         self._downloaded_version = version
 
-    def grad_for_step(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
+    def grad_source(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
         if grad_shard is None:
             return None
         if self._reads_in_place(grad_shard):  # See [Note: host gradients in place]

@@ -203,8 +203,9 @@ class _CudaEvent:
 STEP_BATCH_NUMEL = 1 << 23
 
 
-def step_batches(groups: list, early: dict):
-    """Split ``groups`` (in order) into the batches the CPU worker steps in one call each.
+def step_batches(groups: list, early: dict, limit: int | None = None, size=lambda g: g.master.numel()):
+    """Split ``groups`` (in order) into the batches the CPU worker steps in one call each
+    (``limit`` and ``size``: the device step's batches, bounded by what they cast instead).
 
     [Note: step batches]
     One optimizer call has a fixed cost (Python dispatch over every param group, the
@@ -217,17 +218,18 @@ def step_batches(groups: list, early: dict):
     cannot step beside others (``steps_together`` false: NVMe, whose host slots are
     few) steps alone. Yields ``(batch, groups after it)``.
     """
+    limit = STEP_BATCH_NUMEL if limit is None else limit
     batch: list = []
-    size = 0
+    total = 0
     for i, g in enumerate(groups):
         alone = id(g) in early or not g.masters.steps_together
-        if batch and (alone or size >= STEP_BATCH_NUMEL):
+        if batch and (alone or total >= limit):
             yield batch, groups[i:]
-            batch, size = [], 0
+            batch, total = [], 0
         batch.append(g)
-        size += g.master.numel()
+        total += size(g)
         if alone:
             yield batch, groups[i + 1:]
-            batch, size = [], 0
+            batch, total = [], 0
     if batch:
         yield batch, []

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from .._engine.storage import fp32_grad
 from .._mechanisms.nvme import NVMeError
 
 
@@ -41,6 +42,15 @@ def stopped_part_way(masters, what: str, e: BaseException) -> NVMeError:
                     "again. Restart from the last checkpoint")
     masters.fail(err)
     return err
+
+
+def chunk_grad(grad: torch.Tensor, dtype: torch.dtype, factor: float) -> torch.Tensor:
+    """One chunk's gradient as the optimizer takes it: cast to the master's ``dtype``, scaled by
+    ``factor``. An fp32 chunk is scaled where it is, as the whole shard was before chunks."""
+    out = fp32_grad(grad, dtype)
+    if factor != 1.0:
+        out.mul_(factor)
+    return out
 
 
 class _Events:
@@ -59,9 +69,13 @@ class _Events:
 
 
 @torch.no_grad()
-def step_in_chunks(group, grad: torch.Tensor, step_masters: Callable[..., None], states: dict) -> _Events:
-    """Step ``group`` (its gradient ``grad`` [shard] fp32, already scaled) chunk by chunk, and
-    write each chunk's new parameter shard. See [Note: a step in chunks is the step]."""
+def step_in_chunks(group, grad: torch.Tensor, factor: float, step_masters: Callable[..., None],
+                   states: dict) -> _Events:
+    """Step ``group`` (its reduced gradient ``grad`` [shard] in the reduce dtype, to be scaled by
+    ``factor``) chunk by chunk, and write each chunk's new parameter shard. Each chunk's gradient
+    is cast to fp32 and scaled on its own (See [Note: fp32 gradients only for the groups being
+    stepped] in _engine/storage.py); the values are those of a cast and scale of the whole shard.
+    See [Note: a step in chunks is the step]."""
     masters, master = group.masters, group.master
     masters.cancel_prefetch()  # a whole-set read started before the set outgrew a slot: not used
     state = states.get(master)
@@ -75,7 +89,7 @@ def step_in_chunks(group, grad: torch.Tensor, step_masters: Callable[..., None],
         with contextlib.closing(chunks):
             for a, b, views in chunks:
                 master.data = views["master"]
-                master.grad = grad[a:b]
+                master.grad = chunk_grad(grad[a:b], master.dtype, factor)
                 if fresh:
                     states.pop(master, None)  # the optimizer starts this chunk as it starts a shard
                 else:

@@ -162,13 +162,15 @@ class OffloadedStep:
             for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
                 nxt.masters.prefetch()
             if batch[0].masters.streams:  # larger than a staging slot: one group, chunk by chunk
-                grad = batch[0].master_grad()
-                if factor != 1.0:
-                    grad.mul_(factor)
                 if batch[0].owned:  # See [Note: the ownership layout on NVMe] in owned_runs.py
+                    grad = batch[0].master_grad()
+                    if factor != 1.0:
+                        grad.mul_(factor)
                     return [step_owned_runs(batch[0], grad, self._owned_views(batch[0]), self._step_masters,
                                             self._optimizer())]
-                return [step_in_chunks(batch[0], grad, self._step_masters, self._states())]
+                # cast (and scaled) chunk by chunk: See [Note: fp32 gradients only for the groups being stepped]
+                return [step_in_chunks(batch[0], batch[0].master_grad_source(), factor, self._step_masters,
+                                       self._states())]
             begun = []
             try:
                 for g in batch:

@@ -58,6 +58,7 @@ from .._engine.group_gathers import publish_masters
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
 from .._mechanisms.host_memory import release_freed_host_memory
+from .._mechanisms.transfers import step_batches
 from .loss_scale import LossScaler
 from .offloaded_step import OffloadedStep
 from .owned_runs import owned_state, shared_tensors
@@ -90,6 +91,16 @@ UNSHARDABLE_OPTIMIZERS: dict[str, str] = {
              "as one vector (each rank would need every parameter and gradient)",
     "SparseAdam": "it needs sparse gradients, and sharded gradients are dense flat buffers",
 }
+
+
+#: the most gradient elements one device-step batch casts to fp32 (64 MiB of copies)
+DEVICE_CAST_BATCH_NUMEL = 1 << 24
+
+
+def _cast_numel(g) -> int:
+    """Elements of group ``g``'s gradient the device step copies to fp32 (0: used as it is)."""
+    shard = g.grads.grad_shard
+    return 0 if shard is None or shard.dtype == g.master.dtype else shard.numel()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -329,21 +340,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 release_freed_host_memory()
 
     def _device_step(self) -> None:
+        """The step on the device, in batches bounded by the fp32 gradient copies they make (one
+        call when the gradients are fp32 already). See [Note: fp32 gradients only for the groups
+        being stepped] in _engine/storage.py."""
         groups = self.groups
         factor = None if isinstance(self._factor, float) and self._factor == 1.0 else self._factor
-        for g in groups:
-            mg = g.master_grad()
-            if mg is not None and factor is not None:
-                mg.mul_(factor)
-            self._set_grad(g, mg)
-        self._step_masters(groups)
+        for batch, _ in step_batches(groups, {}, limit=DEVICE_CAST_BATCH_NUMEL, size=_cast_numel):
+            for g in batch:
+                mg = g.master_grad()
+                if mg is not None and factor is not None:
+                    mg.mul_(factor)
+                self._set_grad(g, mg)
+            self._step_masters(batch)
+            for g in batch:
+                if g.owned:
+                    self._set_grad(g, None)
+                elif g.master.grad is not g.grads.grad_shard:
+                    g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
         for h in publish_masters(groups, self.engine.comm):  # coalesced where small
             h.wait()
-        for g in groups:
-            if g.master.grad is not g.grads.grad_shard:
-                g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
-            if g.owned:
-                self._set_grad(g, None)
 
     def _set_grad(self, g, grad: torch.Tensor | None) -> None:
         """Hand the optimizer group ``g``'s fp32 gradient (None: take it back). Flat layout: the
