@@ -1,19 +1,19 @@
 """A bf16 run holds its gradients in bf16 until the step, and fp32 copies of one batch of groups
 (or one chunk) at a time: never an fp32 copy of every gradient, during the step or after it.
 
-Measured in tests/workers/step_gradient_copies.py, one process, a 100M-parameter stack of 24
+Measured in tests/workers/step_gradient_copies.py, one process, a 67M-parameter stack of 16
 blocks, AdamW, glibc returning freed blocks to the OS so resident memory follows what is held:
 
 * **the step**: its peak resident growth is bounded by the fp32 copies of one step batch (the
   device step's ``DEVICE_CAST_BATCH_NUMEL``, the offloaded step's ``STEP_BATCH_NUMEL``, one group
   for NVMe, each closing past its limit, so plus a block) and the single-tensor AdamW's
   temporaries of one group (two blocks' worth), plus 32 MiB. The whole fp32 copy is 4 bytes ×
-  100M = 384 MiB; before this change zero3's step grew by 416 MiB (bound 144 MiB, now 96 MiB).
+  67M = 256 MiB; before this change zero3's step grew by 288 MiB (bound 144 MiB, now 96 MiB).
 * **after ``zero_grad``**: the process holds what torch's AdamW holds for these parameters
   (8 bytes each, in memory unless on NVMe) plus the staging buffers the engine grew, plus 48 MiB:
   no gradient copy outlives ``zero_grad``, as torch frees ``.grad``. Before, the offloaded presets
-  kept an fp32 host copy of every gradient (zero3_offload 1160 MiB against a bound of 817 MiB,
-  zero3_offload_nvme 535 against 192).
+  kept an fp32 host copy of every gradient (zero3_offload 775 MiB against a bound of 560 MiB,
+  zero3_offload_nvme 407 against 192).
 """
 
 from __future__ import annotations
