@@ -2,7 +2,9 @@
 
 [Note: what lives where with offload_optimizer="cpu"]
 Per flat group: the fp32 master shard and the optimizer state in (pinned) host
-memory, an fp32 host copy of the reduced gradient shard (``host_grad``), and the
+memory, a host copy of the reduced gradient shard in its own dtype (``host_grad``,
+cast to fp32 a step batch at a time: See [Note: host gradients in place] in
+_engine/storage.py), and the
 optimizer step on the CPU with the user's own optimizer (torch's fused CPU AdamW
 when it was built with ``fused=True``). The compute device keeps the parameters
 (stages 1-2: whole; stage 3: the shard) and the reduced gradient shard. With
