@@ -1,4 +1,4 @@
-"""A real Hugging Face model (tiny Llama, tied embeddings) under each stage vs DDP, and generate()."""
+"""A real Hugging Face model (tiny Llama, tied or untied embeddings) under each stage vs DDP, and generate()."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from _worker import finish, start
 import zero_strategy as zs
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+def tiny_llama(tied: bool = True) -> LlamaForCausalLM:
+    """Untied: a vocabulary of 512, so the embeddings and the head are large beside a block."""
+    cfg = LlamaConfig(vocab_size=64 if tied else 512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True)
+                      tie_word_embeddings=tied)
     torch.manual_seed(3)
     return LlamaForCausalLM(cfg)
 
@@ -27,7 +28,7 @@ def main() -> None:
     rank = dist.get_rank()
     results = []
     for stage in args["stages"]:
-        base = tiny_llama()
+        base = tiny_llama(args.get("tied", True))
         ref = copy.deepcopy(base)
         ddp = DDP(ref)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -33,6 +33,23 @@ setup and names repeated classes to put in ``unit_classes``.
 A parameter registered in two units (shared across blocks) also goes to the root,
 the one unit that is materialized whenever either user runs.
 
+[Note: large modules outside the blocks]
+The root is gathered from the start of forward to the end of backward, with its full
+gradient held from the head's backward to the embeddings' (the last): for a language
+model with its embeddings and head in the root that is, at every moment of a step, two
+units' worth of parameters and gradients beyond the prefetch window (on a 748M Llama the
+root was 35% of the engine's working set). So auto-detection also makes a unit of each
+outermost subtree of the root that holds no unit (as :func:`root_parts` finds them) when
+it is large: at least half the parameters of the largest block. Such a module is used
+once per pass (the embeddings at the start, the head at the end), so as a unit it is
+gathered around its own forward and backward, its gradient reduced as soon as it is in.
+Not promoted, so they stay in the root as before: a container (never a unit); a module
+registered under two names (T5's ``shared`` embeddings, also ``encoder.embed_tokens``),
+whose forward runs in two places; and a module sharing a parameter with anything outside
+it (tied input and output embeddings), since a tied parameter must live in the one unit
+gathered for both of its users. ``unit_classes`` turns all of this off: the units are
+then exactly the classes named.
+
 [Note: members get their own flat groups]
 A mixture of experts written as a list of expert modules calls only the experts its
 tokens reach, and a vision-language model runs its projector only on batches with
@@ -127,11 +144,10 @@ def member_prefixes(unit: nn.Module, inside: tuple[str, ...] = ()) -> list[str]:
     return found
 
 
-def root_parts(model: nn.Module, unit_names: tuple[str, ...]) -> list[str]:
-    """Name prefixes of the root unit's parts: members (see :func:`member_prefixes`), then the
-    outermost subtrees that hold no unit (embeddings, a projector, the head). See [Note: members
-    get their own flat groups]."""
-    branches: list[str] = []
+def _unit_free_branches(model: nn.Module, unit_names: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """The outermost subtrees of the root that hold no unit and have parameters, in
+    registration order, as (fully qualified name, module)."""
+    branches: list[tuple[str, nn.Module]] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
@@ -141,10 +157,41 @@ def root_parts(model: nn.Module, unit_names: tuple[str, ...]) -> list[str]:
             if any(u.startswith(fqn + ".") for u in unit_names):
                 visit(fqn + ".", child)
             elif _has_params(child):
-                branches.append(fqn + ".")
+                branches.append((fqn, child))
 
     visit("", model)
-    return member_prefixes(model, unit_names) + branches
+    return branches
+
+
+def root_parts(model: nn.Module, unit_names: tuple[str, ...]) -> list[str]:
+    """Name prefixes of the root unit's parts: members (see :func:`member_prefixes`), then the
+    outermost subtrees that hold no unit (embeddings, a projector, the head). See [Note: members
+    get their own flat groups]."""
+    return member_prefixes(model, unit_names) + [fqn + "." for fqn, _ in _unit_free_branches(model, unit_names)]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def large_root_modules(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The root's large modules that become units of their own beside the auto-detected
+    ``blocks``, as (fully qualified name, module). See [Note: large modules outside the blocks]."""
+    if not blocks:
+        return []
+    threshold = max(_numel(m) for _, m in blocks) / 2
+    module_names = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    param_names: dict[int, list[str]] = collections.defaultdict(list)
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        param_names[id(p)].append(fqn)
+    chosen = []
+    for fqn, module in _unit_free_branches(model, tuple(name for name, _ in blocks)):
+        if isinstance(module, _CONTAINERS) or module_names[id(module)] > 1 or _numel(module) < threshold:
+            continue
+        tied = any(not other.startswith(fqn + ".") for p in module.parameters() for other in param_names[id(p)])
+        if not tied:
+            chosen.append((fqn, module))
+    return chosen
 
 
 def part_of(name: str, parts: list[str], outside: str) -> str:
@@ -174,6 +221,11 @@ def find_unit_modules(root: nn.Module, unit_classes: tuple[str, ...]) -> list[tu
     if unit_classes and type(root).__name__ in unit_classes:
         return []  # the root itself: one unit holding everything
     visit("", root)
+    if not unit_classes:  # See [Note: large modules outside the blocks]
+        large = large_root_modules(root, found)
+        if large:  # in registration order among the blocks: the order the schedule gathers in
+            order = {name: i for i, (name, _) in enumerate(root.named_modules(remove_duplicate=False))}
+            found = sorted(found + large, key=lambda item: order[item[0]])
     if unit_classes and not found:
         present = sorted({type(m).__name__ for m in root.modules()})
         raise ValueError(
