@@ -5,8 +5,8 @@ The NVMe store's host memory is its slot pool: ``buffer_count`` buffers (raised 
 pipeline needs at once: the step's read-ahead and write-back, stage 3's gathers in flight) of
 at most ``buffer_size`` bytes each, whatever the model. A swap set (one flat group's master
 and optimizer state, or its parameter shard) that fits in a slot visits one whole, as
-before. A larger one (the root group of a language model, embeddings and LM head, is often
-half the model) never gets a buffer of its size: it is *streamed*, DeepSpeed's
+before. A larger one (a language model's embeddings or LM head, or a large root group, can
+be a large share of the model) never gets a buffer of its size: it is *streamed*, DeepSpeed's
 ``sub_group_size`` idea. The optimizer step reads chunk i+1 of every tensor of the set while
 it steps chunk i and writes chunk i-1 back; a stage-3 gather reads the parameter shard chunk
 by chunk into the gathered buffer; a new parameter shard is written chunk by chunk. A chunk

@@ -87,8 +87,8 @@ class OffloadedStep:
         With the optimizer state on NVMe the step used to begin with a read of its first
         group's state (master and moments, 12 bytes per parameter): the disk was idle
         through backward, then the step waited on it. Backward now starts the reads of the
-        first ``read_ahead + 1`` groups in step order (at stage 3 the first is the root,
-        the embeddings: often most of the bytes), so they arrive under backward's compute.
+        first ``read_ahead + 1`` groups in step order (at stage 3 the root's, then the
+        embeddings' when they are a unit: often large), so they arrive under backward's compute.
         When: as soon as backward needs nothing more from the disk (the engine's
         ``_read_step_state_ahead``): at its start, or at stage 3 with parameters on NVMe
         once its last gathers have begun, so that the step's large reads do not queue
