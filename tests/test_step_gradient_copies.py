@@ -26,8 +26,7 @@ import pytest
 
 from _procs import HERE, run
 
-from zero_strategy._mechanisms.transfers import STEP_BATCH_NUMEL
-from zero_strategy._optim.optimizer import DEVICE_CAST_BATCH_NUMEL
+from zero_strategy._mechanisms.transfers import DEVICE_CAST_BATCH_NUMEL, STEP_BATCH_NUMEL
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")]

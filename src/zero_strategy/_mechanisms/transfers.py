@@ -235,3 +235,20 @@ def step_batches(groups: list, early: dict, limit: int | None = None, size=lambd
             batch, total = [], 0
     if batch:
         yield batch, []
+
+
+#: the most gradient elements one device-step batch casts to fp32 (64 MiB of copies)
+DEVICE_CAST_BATCH_NUMEL = 1 << 24
+
+
+def _cast_numel(g) -> int:
+    """Elements of group ``g``'s gradient the device step copies to fp32 (0: used as it is)."""
+    shard = g.grads.grad_shard
+    return 0 if shard is None or shard.dtype == g.master.dtype else shard.numel()
+
+
+def device_step_batches(groups: list) -> list[list]:
+    """The device step's batches: consecutive groups until their fp32 gradient copies reach
+    :data:`DEVICE_CAST_BATCH_NUMEL`; one batch when the gradients are fp32 already. See [Note:
+    fp32 gradients only for the groups being stepped] in _engine/storage.py."""
+    return [batch for batch, _ in step_batches(groups, {}, limit=DEVICE_CAST_BATCH_NUMEL, size=_cast_numel)]

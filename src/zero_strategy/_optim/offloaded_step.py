@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._engine.group_gathers import gather_replicated_groups
+from .._mechanisms.host_memory import release_after_batch
 from .._mechanisms.transfers import step_batches
 from .chunked_step import step_in_chunks
 from .owned_runs import step_owned_runs
@@ -154,10 +155,16 @@ class OffloadedStep:
             if h is not None:
                 h.wait()
 
-    @torch.no_grad()
     def _cpu_step_groups(self, batch, factor: float, upcoming=()) -> list:
         """On the CPU worker: one optimizer step over ``batch``'s masters (state read ahead
-        for ``upcoming`` groups). Returns each group's upload event (or None)."""
+        for ``upcoming`` groups), then what it freed released (See [Note: freed host memory]
+        in _mechanisms/host_memory.py). Returns each group's upload event (or None)."""
+        uploads = self._cpu_step_batch(batch, factor, upcoming)
+        release_after_batch(self.engine.config.release_host_memory, sum(g.shard_numel for g in batch), True)
+        return uploads
+
+    @torch.no_grad()
+    def _cpu_step_batch(self, batch, factor: float, upcoming=()) -> list:
         with torch.profiler.record_function(f"zero::cpu_step::{batch[0].name}+{len(batch) - 1}"):
             for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
                 nxt.masters.prefetch()

@@ -57,8 +57,8 @@ from .._engine.engine import ZeroEngine
 from .._engine.group_gathers import publish_masters
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
-from .._mechanisms.host_memory import release_freed_host_memory
-from .._mechanisms.transfers import step_batches
+from .._mechanisms.host_memory import release_after_batch, release_freed_host_memory
+from .._mechanisms.transfers import device_step_batches
 from .loss_scale import LossScaler
 from .offloaded_step import OffloadedStep
 from .owned_runs import owned_state, shared_tensors
@@ -91,16 +91,6 @@ UNSHARDABLE_OPTIMIZERS: dict[str, str] = {
              "as one vector (each rank would need every parameter and gradient)",
     "SparseAdam": "it needs sparse gradients, and sharded gradients are dense flat buffers",
 }
-
-
-#: the most gradient elements one device-step batch casts to fp32 (64 MiB of copies)
-DEVICE_CAST_BATCH_NUMEL = 1 << 24
-
-
-def _cast_numel(g) -> int:
-    """Elements of group ``g``'s gradient the device step copies to fp32 (0: used as it is)."""
-    shard = g.grads.grad_shard
-    return 0 if shard is None or shard.dtype == g.master.dtype else shard.numel()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -345,7 +335,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         being stepped] in _engine/storage.py."""
         groups = self.groups
         factor = None if isinstance(self._factor, float) and self._factor == 1.0 else self._factor
-        for batch, _ in step_batches(groups, {}, limit=DEVICE_CAST_BATCH_NUMEL, size=_cast_numel):
+        for batch in device_step_batches(groups):
             for g in batch:
                 mg = g.master_grad()
                 if mg is not None and factor is not None:
@@ -357,6 +347,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self._set_grad(g, None)
                 elif g.master.grad is not g.grads.grad_shard:
                     g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
+            release_after_batch(self.config.release_host_memory, sum(g.shard_numel for g in batch),
+                                batch[0].master.device.type == "cpu")  # See [Note: freed host memory]
         for h in publish_masters(groups, self.engine.comm):  # coalesced where small
             h.wait()
 
@@ -402,9 +394,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
         self.offloaded.collect_early()  # never drop gradients a worker is still stepping on
+        held = any(g.grads.grad_shard is not None for g in self.groups)
         self.engine.zero_grad(self.groups)
         self._prepared = False
         self._found_inf = False
+        if held and self.config.release_host_memory:  # See [Note: freed host memory]
+            release_freed_host_memory()  # the gradient shards just freed, not kept by the allocator
 
     def add_param_group(self, param_group: dict) -> None:
         raise NotImplementedError(
