@@ -80,7 +80,7 @@ class ZeroEngine:
             grad_dtype=self.grad_dtype, comm=comm, device=self.device,
             offload_optimizer=config.offload_optimizer, offload_params=config.offload_params,
             transfers=self.transfers, param_init_fn=param_init_fn, swap=self.swap,
-            owned_optimizers=owned_optimizers,
+            owned_optimizers=owned_optimizers, release_host_memory=config.release_host_memory,
         )
         self.root = self.units[0]
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]

@@ -91,6 +91,7 @@ from torch import nn
 
 from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, CollectiveTimeout, Handle
 from .._config.policies import OffloadPolicy
+from .._mechanisms.host_memory import release_freed_host_memory
 from .._mechanisms.transfers import Transfers
 from .flat import FlatGroup, ShardState
 from .group_gathers import begin_gather_groups
@@ -378,10 +379,13 @@ def build_units(
     param_init_fn=None,
     swap=None,
     owned_optimizers: frozenset[int] = frozenset(),
+    release_host_memory: bool = False,
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
-    Meta-device parameters are materialized here, unit by unit (see _engine/materialize.py).
+    Meta-device parameters are materialized here, unit by unit (see _engine/materialize.py);
+    with ``release_host_memory`` what the last unit freed goes back to the OS before the next
+    is materialized (See [Note: freed host memory] in _mechanisms/host_memory.py).
     ``owned_optimizers``: the optimizers whose groups take the ownership layout (See [Note:
     the ownership layout] in _engine/flat.py), balanced over all their groups together.
     """
@@ -413,9 +417,11 @@ def build_units(
     for unit_name in [ROOT] + [fqn for fqn, _ in unit_modules]:
         in_unit = "" if unit_name == ROOT else unit_name + "."
         parts = root_parts(model, unit_names) if unit_name == ROOT else member_prefixes(modules[unit_name])
+        unit_params = [p for pid, p in params.items() if owner[pid] == unit_name]
+        if release_host_memory and any(p.is_meta for p in unit_params):
+            release_freed_host_memory()
         materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
-                         [p for pid, p in params.items() if owner[pid] == unit_name],
-                         device, comm, param_init_fn, first_name)
+                         unit_params, device, comm, param_init_fn, first_name)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
         for pid, p in params.items():
             if owner[pid] != unit_name:

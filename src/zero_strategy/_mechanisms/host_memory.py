@@ -37,7 +37,10 @@ top of the gradient shards: on the 748M Llama at ``zero3_offload_nvme`` (2 ranks
 step's peak was 0.70-0.94 W above the process's baseline. :func:`release_after_batch` releases
 after each batch of at least :data:`RELEASE_BATCH_BYTES` whose step ran in host memory; the
 same step's peak is then 0.44-0.48 W, and its time did not rise measurably (6.8-6.9 s against
-7.0-8.6 s; 13 groups). And after ``zero_grad`` frees the gradient shards, which the step's own
+7.0-8.6 s; 13 groups). At setup, before each unit is materialized from the meta device
+(a whole unit in fp32, initialized, sharded and freed, one after another): the load of that
+model (``from_pretrained`` + ``setup``) peaked at 0.43-0.48 W, and at 0.20-0.24 W with it. And
+after ``zero_grad`` frees the gradient shards, which the step's own
 release came too early for: they would otherwise stay in the heap into the next phase
 (245 MiB per rank after training on that model).
 
