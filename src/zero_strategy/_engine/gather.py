@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 from torch import nn
 
+from .._mechanisms.host_memory import release_after_batch
 from .flat import ShardState
 from .offload_states import refuse_while_offloaded
 
@@ -82,6 +83,8 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None)
     finally:
         full = None  # freed here, before the next group is gathered
         engine.transfers.working_set.remove("gathered", counted)
+        # and what the gather and the copies freed, before the next group allocates on top of it
+        release_after_batch(engine.config.release_host_memory, g.padded_numel, True)  # See [Note: freed host memory]
 
 
 def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
