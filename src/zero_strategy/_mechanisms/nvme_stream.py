@@ -137,6 +137,17 @@ def read_into(store, group, kind: str, key: str, dst: torch.Tensor) -> None:
         dst[a:b].copy_(views[key])
 
 
+def pieces(store, group, kind: str, key: str) -> Iterator[torch.Tensor]:
+    """Tensor ``key`` of the set, piece after piece in a staging slot, read only: a piece is
+    valid until the next one is asked for, so a caller writes it out (a checkpoint file)
+    without the whole tensor ever in memory. Chunks are sized for the whole set's layout in a
+    slot, as the step's are."""
+    meta = store._meta[(id(group), kind)]
+    chunk = chunk_elems(store.pool.slot_bytes, sum(dt.itemsize for dt, _ in meta.values()), meta[key][1])
+    for _, _, views in stream(store, group, kind, chunk, read_keys={key}, write=False):
+        yield views[key]
+
+
 def write_from(store, group, kind: str, key: str, src: torch.Tensor, start: int = 0) -> None:
     """Elements [start, start + src.numel()) of tensor ``key`` <- src (cast), chunk by chunk
     through the slots; ``start`` a multiple of ``ALIGN_ELEMS``. Returns once every write is

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .._engine.offload_states import refuse_while_offloaded
+from .._mechanisms import nvme_stream
 from .._mechanisms.host_memory import whole_model_pass
 from .._version import __version__
 from ..api import engine_of
@@ -200,14 +201,15 @@ def _swap_into_place(owned: OwnedDir, path: Path) -> None:
 
 
 # ------------------------------------------------------------------ files
-def _optimizer_state(zopts, g, layout: GroupLayout) -> list[tuple[str, torch.Tensor]]:
-    """Split one master's optimizer state: elementwise tensors (returned) and scalars (into layout)."""
+def _optimizer_state(zopts, g, layout: GroupLayout, swapped: frozenset = frozenset()) -> list[tuple[str, torch.Tensor]]:
+    """Split one master's optimizer state: elementwise tensors (returned) and scalars (into layout).
+    ``swapped``: keys known elementwise while evicted to the NVMe swap file (their tensors empty)."""
     if not zopts or not g.trainable:
         return []
     zopt = zopts[g.optimizer_index]
     tensors = []
     for key, v in sorted(zopt.optimizer.state.get(g.master, {}).items()):
-        if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == g.shard_numel:
+        if key in swapped or (isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == g.shard_numel):
             layout.state_tensors[key] = dtype_name(v.dtype)
             tensors.append((key, v))
         elif isinstance(v, torch.Tensor) and v.numel() == 1:
@@ -259,22 +261,48 @@ def _group_entries(g, layout: GroupLayout, zopts, rank: int) -> list[tuple[str, 
     return entries
 
 
+def _streamed_entries(g, layout: GroupLayout, zopts) -> list[tuple[str, str, torch.dtype]] | None:
+    """(file tensor, swap-file key, dtype) of each tensor of a group whose master and optimizer
+    state stream from NVMe (larger than a staging slot: See [Note: bounded staging] in
+    _mechanisms/nvme_stream.py); None for any other group. Its scalars go into ``layout``."""
+    if not g.trainable or g.owned or not g.masters.streams:
+        return None
+    swapped = frozenset(g.masters.swapped_state())
+    return [(layout.weight_tensor, "master", g.master.dtype)] + [
+        (layout.state_tensor(key), f"state.{key}", t.dtype) for key, t in _optimizer_state(zopts, g, layout, swapped)]
+
+
 def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> FileRecord:
     """Stream this rank's shards, one group at a time.
 
     Groups whose state rests in an NVMe swap file are brought in for the header pass
-    and again for the write, so host memory stays at one group's state.
+    and again for the write, so host memory stays at one group's state; a group larger
+    than a staging slot is never brought in whole: the header pass needs only its shapes,
+    and the write reads it piece by piece through the slots.
     """
     specs = []
+    streamed: dict[int, list] = {}
     for layout, g in zip(groups, engine.groups):
+        layout.state_tensors.clear()
+        layout.state_scalars.clear()
+        layout.param_state.clear()
+        entries = _streamed_entries(g, layout, zopts)
+        if entries is not None:
+            streamed[id(g)] = entries
+            specs.extend((n, dt, [g.shard_numel]) for n, _, dt in entries)
+            continue
         with g.resident(write_back=False):
-            layout.state_tensors.clear()
-            layout.state_scalars.clear()
-            layout.param_state.clear()
             specs.extend((n, t.dtype, [t.numel()]) for n, t in _group_entries(g, layout, zopts, engine.comm.rank))
     name = rank_file_name(engine.comm.rank, engine.comm.world_size)
+    if streamed:
+        engine.swap.wait_writes()  # the last step's write-backs: the pieces are read from the file
     with StreamWriter(tmp / name, specs, {"format": "pt"}) as w:
         for layout, g in zip(groups, engine.groups):
+            if id(g) in streamed:
+                for n, key, _ in streamed[id(g)]:
+                    for piece in nvme_stream.pieces(engine.swap, g, "opt", key):
+                        w.write(n, piece)
+                continue
             with g.resident(write_back=False):
                 for n, t in _group_entries(g, layout, zopts, engine.comm.rank):
                     w.write(n, t)
