@@ -20,7 +20,7 @@ by chunk.
   (``memory_report``) across setup, forward, backward, the step, ``state_dict`` and a
   checkpoint round trip, on a model whose largest group is many buffers.
 * A checkpoint save writes a streamed group piece by piece through the slots, and loads back
-  exactly into a run whose groups rest whole.
+  exactly into a run whose groups rest whole; a full state dict reads its master that way.
 * A streamed step that fails part way marks the store failed (the swap file holds half a
   step) instead of resuming from it.
 
@@ -208,8 +208,9 @@ def test_staging_never_exceeds_its_slots(tmp_path):
 
 def test_a_checkpoint_streams_a_group_larger_than_a_slot_and_loads_back_exactly(tmp_path):
     """``save_checkpoint`` writes a streamed group's master and state piece by piece through the
-    slots (before, it brought the group in whole, outside them), and the checkpoint loads into a
-    run whose groups rest whole in host memory (CPU offload) as the same weights and state."""
+    slots, and ``full_state_dict`` reads its master alone that way (before, both brought the
+    group in whole, outside them); the checkpoint loads into a run whose groups rest whole in
+    host memory (CPU offload) as the same weights and state."""
     model, opt = _setup(_model(), OPTIMIZERS["adamw_fused"], _nvme(tmp_path / "swap", buffer=BUFFER // 2))
     slots, per_slot = _slot_bound(model)
     assert _largest_state_bytes(model) > 2 * slots * per_slot, "the model could not tell a whole group from the slots"
@@ -217,9 +218,12 @@ def test_a_checkpoint_streams_a_group_larger_than_a_slot_and_loads_back_exactly(
     zs.memory_report(model, reset_peak=True)
     zs.save_checkpoint(tmp_path / "ckpt", model, opt)
     assert zs.memory_report(model).peak_working_set["staging"] <= slots * per_slot
+    zs.memory_report(model, reset_peak=True)
+    ref = zs.full_state_dict(model)
+    assert zs.memory_report(model).peak_working_set["staging"] <= slots * per_slot
     whole, whole_opt = _setup(_model(), OPTIMIZERS["adamw_fused"], "cpu")
     zs.load_checkpoint(tmp_path / "ckpt", whole, whole_opt)
-    mine, ref = zs.full_state_dict(whole), zs.full_state_dict(model)
+    mine = zs.full_state_dict(whole)
     for k in ref:
         torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=0, msg=k)
     _assert_equal_state(whole_opt, opt)

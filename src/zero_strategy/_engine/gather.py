@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 from torch import nn
 
+from .._mechanisms import nvme_stream
 from .._mechanisms.host_memory import release_after_batch
 from .flat import ShardState
 from .offload_states import refuse_while_offloaded
@@ -66,11 +67,10 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None)
     comm = engine.comm
     counted = 0
     try:
-        with g.resident(write_back=False):
+        with _weight_source(g) as source:
             if g.master is None and not g.shard_params:
                 full = g.full  # whole at rest: nothing to gather
             else:
-                source = g.weight_shard
                 if source.device != engine.device and comm.backend == "nccl":
                     source = source.to(engine.device)  # offloaded: NCCL gathers device tensors
                 full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
@@ -85,6 +85,24 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None)
         engine.transfers.working_set.remove("gathered", counted)
         # and what the gather and the copies freed, before the next group allocates on top of it
         release_after_batch(engine.config.release_host_memory, g.padded_numel, True)  # See [Note: freed host memory]
+
+
+@contextlib.contextmanager
+def _weight_source(g) -> Iterator[torch.Tensor]:
+    """Group ``g``'s weight shard (``weight_shard``) for a gather inside the block. A group whose
+    master and optimizer state stream from NVMe (larger than a staging slot) gives its master
+    alone, read piece by piece into one shard-sized tensor, rather than master, moments and
+    parameter shard brought in whole: a third of the bytes."""
+    if g.trainable and not g.owned and g.masters.streams:
+        g.swap.wait_writes()  # the last step's write-backs: the pieces are read from the file
+        out, at = torch.empty(g.shard_numel, dtype=g.master.dtype), 0
+        for piece in nvme_stream.pieces(g.swap, g, "opt", "master"):
+            out[at:at + piece.numel()].copy_(piece)
+            at += piece.numel()
+        yield out
+        return
+    with g.resident(write_back=False):
+        yield g.weight_shard
 
 
 def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
