@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._mechanisms import nvme_stream
-from .._mechanisms.host_memory import release_after_batch
+from .._mechanisms.host_memory import release_if_large
 from .flat import ShardState
 from .offload_states import refuse_while_offloaded
 
@@ -84,7 +84,7 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None)
         full = None  # freed here, before the next group is gathered
         engine.transfers.working_set.remove("gathered", counted)
         # and what the gather and the copies freed, before the next group allocates on top of it
-        release_after_batch(engine.config.release_host_memory, g.padded_numel, True)  # See [Note: freed host memory]
+        release_if_large(engine.config.release_host_memory, 4 * g.padded_numel)  # See [Note: freed host memory]
 
 
 @contextlib.contextmanager

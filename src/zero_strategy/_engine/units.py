@@ -91,7 +91,7 @@ from torch import nn
 
 from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, CollectiveTimeout, Handle
 from .._config.policies import OffloadPolicy
-from .._mechanisms.host_memory import release_freed_host_memory
+from .._mechanisms.host_memory import release_if_large
 from .._mechanisms.transfers import Transfers
 from .flat import FlatGroup, ShardState
 from .group_gathers import begin_gather_groups
@@ -418,8 +418,8 @@ def build_units(
         in_unit = "" if unit_name == ROOT else unit_name + "."
         parts = root_parts(model, unit_names) if unit_name == ROOT else member_prefixes(modules[unit_name])
         unit_params = [p for pid, p in params.items() if owner[pid] == unit_name]
-        if release_host_memory and any(p.is_meta for p in unit_params):
-            release_freed_host_memory()
+        if any(p.is_meta for p in unit_params):  # a large unit: what the units before it freed goes first
+            release_if_large(release_host_memory, 4 * sum(p.numel() for p in unit_params))
         materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
                          unit_params, device, comm, param_init_fn, first_name)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()

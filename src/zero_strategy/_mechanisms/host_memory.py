@@ -34,8 +34,8 @@ Inside the step, too, when the host does its work: the optimizer steps group aft
 copies and the optimizer's temporaries it freed, many of them in the step worker's own arena.
 Without a release between them the process grew by 40-140 MiB per group through the step, on
 top of the gradient shards: on the 748M Llama at ``zero3_offload_nvme`` (2 ranks, bf16) the
-step's peak was 0.70-0.94 W above the process's baseline. :func:`release_after_batch` releases
-after each batch of at least :data:`RELEASE_BATCH_BYTES` whose step ran in host memory; the
+step's peak was 0.70-0.94 W above the process's baseline. :func:`release_if_large` releases
+after each batch of at least :data:`RELEASE_MIN_BYTES` of master whose step ran in host memory; the
 same step's peak is then 0.44-0.48 W, and its time did not rise measurably (6.8-6.9 s against
 7.0-8.6 s; 13 groups). At setup, before each unit is materialized from the meta device
 (a whole unit in fp32, initialized, sharded and freed, one after another): the load of that
@@ -80,17 +80,18 @@ def release_freed_host_memory() -> bool:
     return True
 
 
-#: the fewest bytes of master a host step batch covers for a release after it (its fp32 gradient
-#: copies and the optimizer's temporaries are of that order): below it, a release would cost
-#: more than the batch's leftovers weigh
-RELEASE_BATCH_BYTES = 64 * 2**20
+#: the fewest bytes a piece of work inside a pass must have allocated and freed (a step batch's
+#: fp32 master, the gradient shards ``zero_grad`` drops, a unit setup materialized, a gathered
+#: group) for a release after it: below it, the call would cost more than the leftovers weigh
+#: (most of a small model's steps, and most of the test suite's)
+RELEASE_MIN_BYTES = 64 * 2**20
 
 
-def release_after_batch(enabled: bool, batch_numel: int, on_host: bool) -> None:
-    """Within a step: release what one step batch (``batch_numel`` master elements, stepped in
-    host memory when ``on_host``) freed, before the next one allocates on top of it. See [Note:
-    freed host memory]. ``enabled``: the config's ``release_host_memory``."""
-    if enabled and on_host and 4 * batch_numel >= RELEASE_BATCH_BYTES:
+def release_if_large(enabled: bool, nbytes: int, on_host: bool = True) -> None:
+    """Inside a pass: release what a piece of work of ``nbytes`` (in host memory when ``on_host``)
+    freed, before the next one allocates on top of it. See [Note: freed host memory].
+    ``enabled``: the config's ``release_host_memory``."""
+    if enabled and on_host and nbytes >= RELEASE_MIN_BYTES:
         release_freed_host_memory()
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._engine.group_gathers import gather_replicated_groups
-from .._mechanisms.host_memory import release_after_batch
+from .._mechanisms.host_memory import release_if_large
 from .._mechanisms.transfers import step_batches
 from .chunked_step import step_in_chunks
 from .owned_runs import step_owned_runs
@@ -160,7 +160,7 @@ class OffloadedStep:
         for ``upcoming`` groups), then what it freed released (See [Note: freed host memory]
         in _mechanisms/host_memory.py). Returns each group's upload event (or None)."""
         uploads = self._cpu_step_batch(batch, factor, upcoming)
-        release_after_batch(self.engine.config.release_host_memory, sum(g.shard_numel for g in batch), True)
+        release_if_large(self.engine.config.release_host_memory, 4 * sum(g.shard_numel for g in batch))
         return uploads
 
     @torch.no_grad()

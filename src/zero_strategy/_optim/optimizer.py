@@ -57,7 +57,7 @@ from .._engine.engine import ZeroEngine
 from .._engine.group_gathers import publish_masters
 from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
-from .._mechanisms.host_memory import release_after_batch, release_freed_host_memory
+from .._mechanisms.host_memory import release_freed_host_memory, release_if_large
 from .._mechanisms.transfers import device_step_batches
 from .loss_scale import LossScaler
 from .offloaded_step import OffloadedStep
@@ -347,8 +347,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self._set_grad(g, None)
                 elif g.master.grad is not g.grads.grad_shard:
                     g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
-            release_after_batch(self.config.release_host_memory, sum(g.shard_numel for g in batch),
-                                batch[0].master.device.type == "cpu")  # See [Note: freed host memory]
+            release_if_large(self.config.release_host_memory, 4 * sum(g.shard_numel for g in batch),
+                             batch[0].master.device.type == "cpu")  # See [Note: freed host memory]
         for h in publish_masters(groups, self.engine.comm):  # coalesced where small
             h.wait()
 
@@ -394,12 +394,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
         self.offloaded.collect_early()  # never drop gradients a worker is still stepping on
-        held = any(g.grads.grad_shard is not None for g in self.groups)
+        held = [g.grads.grad_shard for g in self.groups if g.grads.grad_shard is not None]
+        freed = sum(t.untyped_storage().nbytes() for t in held if t.device.type == "cpu")
+        del held
         self.engine.zero_grad(self.groups)
         self._prepared = False
         self._found_inf = False
-        if held and self.config.release_host_memory:  # See [Note: freed host memory]
-            release_freed_host_memory()  # the gradient shards just freed, not kept by the allocator
+        release_if_large(self.config.release_host_memory, freed)  # the gradient shards: See [Note: freed host memory]
 
     def add_param_group(self, param_group: dict) -> None:
         raise NotImplementedError(
