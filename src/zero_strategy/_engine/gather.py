@@ -95,10 +95,8 @@ def _weight_source(g) -> Iterator[torch.Tensor]:
     parameter shard brought in whole: a third of the bytes."""
     if g.trainable and not g.owned and g.masters.streams:
         g.swap.wait_writes()  # the last step's write-backs: the pieces are read from the file
-        out, at = torch.empty(g.shard_numel, dtype=g.master.dtype), 0
-        for piece in nvme_stream.pieces(g.swap, g, "opt", "master"):
-            out[at:at + piece.numel()].copy_(piece)
-            at += piece.numel()
+        out = torch.empty(g.shard_numel, dtype=g.master.dtype)
+        nvme_stream.read_into(g.swap, g, "opt", "master", out)
         yield out
         return
     with g.resident(write_back=False):

@@ -130,11 +130,11 @@ def _finish_write(store, slot: torch.Tensor, futures) -> None:
 
 
 def read_into(store, group, kind: str, key: str, dst: torch.Tensor) -> None:
-    """dst <- the whole tensor ``key`` of the set (cast to dst's dtype), chunk by chunk."""
-    dt = store._meta[(id(group), kind)][key][0]
-    chunk = chunk_elems(store.pool.slot_bytes, dt.itemsize, dst.numel())
-    for a, b, views in stream(store, group, kind, chunk, read_keys={key}, write=False):
-        dst[a:b].copy_(views[key])
+    """dst <- the whole tensor ``key`` of the set (cast to dst's dtype), piece by piece."""
+    at = 0
+    for piece in pieces(store, group, kind, key):
+        dst[at:at + piece.numel()].copy_(piece)
+        at += piece.numel()
 
 
 def pieces(store, group, kind: str, key: str) -> Iterator[torch.Tensor]:
