@@ -1,7 +1,8 @@
 """Collectives on flat buffers: all-gather, reduce-scatter, all-reduce.
 
-This is the only module that calls ``torch.distributed`` collectives (what it counts is
-in _comm/stats.py, how it waits for them in _comm/waits.py). It knows
+This is the only module that issues ``torch.distributed`` collectives (what it counts is
+in _comm/stats.py, how it waits for them in _comm/waits.py, and the gathers it builds from
+broadcasts and sends in _comm/gloo_gathers.py). It knows
 nothing about modules, hooks or parameters: it moves 1-D tensors and counts the
 bytes. A world of one rank takes the same calls and skips the communication, so
 every stage runs (and is tested) in a single process.
@@ -96,28 +97,38 @@ from __future__ import annotations
 import copy
 import ctypes
 import datetime
-import pickle
 import sys
 import time
 import uuid
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .faults import (LOCAL, MAIN, CollectiveDesync, CollectiveError, CollectiveTimeout, FlightRecorder, Ledger, Record,
                      desync_diagnosis, diagnosis, find_desync, is_timeout)
+from .gloo_gathers import all_gather_by_broadcasts, gather_to, pieces_to
+from .objects import ObjectCollectives
 from .stats import CommStats, OpCounter
 from .waits import DESYNC_CHECK_AFTER, Handle, Then
 
 __all__ = ["CollectiveDesync", "CollectiveError", "CollectiveTimeout", "Collectives", "CommStats", "Handle",
            "OpCounter", "DESYNC_CHECK_AFTER"]
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_torch_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_single(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = True):
+    """torch's all-gather into one tensor, but on gloo broadcasts straight into ``output``:
+    See [Note: gloo's all-gather holds its output twice] in _comm/gloo_gathers.py."""
+    if dist.get_backend(group) == "gloo":
+        return all_gather_by_broadcasts(output, shard, group)
+    return _torch_all_gather_single(output, shard, group=group, async_op=async_op)
+
+
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class Collectives:
+class Collectives(ObjectCollectives):
     """Collectives over one process group, with byte counters and a flight recorder.
 
     ``small_tensor_ops`` (scalars for overflow checks and norms) go through
@@ -320,6 +331,38 @@ class Collectives:
         return self._issue("all_gather", label, output, output.numel(), async_op, (output, shard),
                            lambda: _all_gather_single(output, shard, group=self.group, async_op=True))
 
+    def _all_gather_uncounted(self, output: torch.Tensor, shard: torch.Tensor, label: str) -> None:
+        """An all-gather of the object collectives (_comm/objects.py): recorded, not counted as volume."""
+        self._issue("all_gather", label, output, output.numel(), False, (),
+                    lambda: _all_gather_single(output, shard, group=self.group, async_op=True))
+
+    def gather_to(self, output: torch.Tensor | None, shard: torch.Tensor, dst_rank: int, label: str = "") -> None:
+        """output[N*S] <- concat over ranks of shard[S] on group rank ``dst_rank`` only; the others
+        pass ``output=None`` and hold nothing beyond their shard. See _comm/gloo_gathers.py."""
+        n = self.world_size
+        if n == 1:
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
+            return
+        numel = shard.numel() * n
+        self._count(self.stats.all_gather, shard, numel, (n - 1) / n)
+        self._issue("gather", label, shard, numel, False, (output, shard),
+                    lambda: gather_to(output, shard, dst_rank, group=self.group))
+
+    def pieces_to(self, sends: list[torch.Tensor], receives: dict[int, list[torch.Tensor]] | None,
+                  dst_rank: int, numel: int, label: str = "") -> Handle:
+        """A gather to group rank ``dst_rank`` straight into the tensors it keeps: there
+        ``receives[k]`` is filled from rank k's ``sends``, in order (gloo; See
+        _comm/gloo_gathers.py). ``numel``: the gathered whole, for the counters and the recorder.
+        Async: the tensors are valid after the handle's ``wait()``."""
+        n = self.world_size
+        if n == 1:
+            return Handle()
+        t = sends[0] if sends else next((ts[0] for ts in (receives or {}).values() if ts), torch.empty(0))
+        self._count(self.stats.all_gather, t, numel, (n - 1) / n)
+        return self._issue("gather", label, t, numel, True, (sends, receives),
+                    lambda: pieces_to(sends, receives, dst_rank, group=self.group))
+
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = True,
                        label: str = "") -> Handle:
         """shard[S] <- sum over ranks of this rank's slot of full[N*S] (callers pre-divide to average)."""
@@ -411,62 +454,6 @@ class Collectives:
         self._count(self.stats.inter_all_reduce, shard, shard.numel(), 2 * (n - 1) / n)
         self._issue("all_reduce_inter", label, shard, shard.numel(), False, (shard,),
                     lambda: dist.all_reduce(shard, group=self.replicate_group, async_op=True))
-
-    # ------------------------------------------------------------- small objects
-    # [Note: bounded object collectives] torch's broadcast_object_list / all_gather_object
-    # wait without a bound; these pickle into byte tensors and use the bounded calls above.
-    # Like torch's, they unpickle what the other ranks of this job sent.
-    def _object_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-
-    def broadcast_object(self, obj: Any, src_rank: int = 0, label: str = "object") -> Any:
-        """Group rank ``src_rank``'s picklable ``obj`` on every rank (checkpoint decisions)."""
-        if self.world_size == 1:
-            return obj
-        device = self._object_device()
-        data = pickle.dumps(obj) if self.rank == src_rank else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        self.broadcast(size, src_rank, label=label, across_groups=False)
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if self.rank == src_rank
-               else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-        self.broadcast(buf, src_rank, label=label, across_groups=False)
-        return obj if self.rank == src_rank else pickle.loads(buf.cpu().numpy().tobytes())
-
-    def broadcast_object_across_groups(self, obj: Any, label: str = "object") -> Any:
-        """Hybrid: the first shard group's ``obj`` on the same place of every shard group."""
-        if self.replicas == 1:
-            return obj
-        device, group = self._object_device(), self.replicate_group
-        first, is_src = dist.get_global_rank(group, 0), self.replica_index == 0
-        data = pickle.dumps(obj) if is_src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        self._issue("broadcast", label, size, 1, False, (size,),
-                    lambda: dist.broadcast(size, src=first, group=group, async_op=True))
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if is_src
-               else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-        self._issue("broadcast", label, buf, buf.numel(), False, (buf,),
-                    lambda: dist.broadcast(buf, src=first, group=group, async_op=True))
-        return obj if is_src else pickle.loads(buf.cpu().numpy().tobytes())
-
-    def all_gather_object(self, obj: Any, label: str = "object") -> list:
-        """Every rank's picklable ``obj``, in group-rank order."""
-        n = self.world_size
-        if n == 1:
-            return [obj]
-        device = self._object_device()
-        data = pickle.dumps(obj)
-        sizes = torch.zeros(n, dtype=torch.int64, device=device)
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        self._issue("all_gather", label, sizes, n, False, (), lambda: _all_gather_single(
-            sizes, size, group=self.group, async_op=True))
-        width = int(sizes.max().item())
-        mine = torch.zeros(width, dtype=torch.uint8, device=device)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        everyone = torch.empty(width * n, dtype=torch.uint8, device=device)
-        self._issue("all_gather", label, everyone, everyone.numel(), False, (), lambda: _all_gather_single(
-            everyone, mine, group=self.group, async_op=True))
-        raw = everyone.cpu().numpy().tobytes()
-        return [pickle.loads(raw[r * width:r * width + int(sizes[r])]) for r in range(n)]
 
 
 class PendingAgreement:
