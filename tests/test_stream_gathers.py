@@ -91,10 +91,10 @@ def test_rank0_only_leaves_the_other_ranks_nothing(runs, name):
     assert r1["rank0_only"]["entries"] == 0
     for r in (r0, r1):
         _show(f"full_state_dict(rank0_only)[{name}]", r, r["rank0_only"])
-    for r in (r0, r1):
-        assert 0 < r["rank0_only"]["gathered"] <= unit + PAD
+    assert 0 < r0["rank0_only"]["gathered"] <= unit + PAD
+    assert r1["rank0_only"]["gathered"] == 0, "rank 1 only sends its shards: it gathers nothing"
     grown = r1["rank0_only"]["rss"]
-    assert grown < unit + SLACK < model, f"rank 1 grew {grown / 2**20:.1f} MB for a {model / 2**20:.0f} MB model"
+    assert grown < unit // 2 + SLACK < model, f"rank 1 grew {grown / 2**20:.1f} MB for a {model / 2**20:.0f} MB model"
 
 
 @pytest.mark.multiprocess
@@ -117,9 +117,9 @@ def test_save_pretrained_streams(runs, name):
     unit, model = _unit(r0["sizes"]), r0["sizes"]["model"]
     for r in (r0, r1):
         _show(f"save_pretrained[{name}]", r, r["save"])
-    for r in (r0, r1):
-        assert 0 < r["save"]["gathered"] <= unit + PAD
-    assert r1["save"]["rss"] < unit + SLACK < model, (
+    assert 0 < r0["save"]["gathered"] <= unit + PAD
+    assert r1["save"]["gathered"] == 0, "rank 1 writes nothing: it only sends its shards to rank 0"
+    assert r1["save"]["rss"] < unit // 2 + SLACK < model, (
         f"rank 1 (writes nothing) grew {r1['save']['rss'] / 2**20:.1f} MB for a {model / 2**20:.0f} MB model")
     assert r0["save"]["rss"] < 2 * unit + SLACK < model, (
         f"rank 0 (writes) grew {r0['save']['rss'] / 2**20:.1f} MB for a {model / 2**20:.0f} MB model")

@@ -34,7 +34,7 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
     the device holds one group beyond its shards. The gathered buffer is counted in the
     working set ("gathered") while it lives, as a unit gathered for forward is, so
     ``memory_report`` shows what a consolidation costs. With ``rank0_only`` the other
-    ranks take part in each all-gather and drop its result at once.
+    ranks send their shards to rank 0 and hold nothing more.
     """
     refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
     comm = engine.comm
@@ -42,7 +42,7 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
     keep = not (rank0_only and comm.rank != 0)
     values: dict[int, torch.Tensor] = {}
     for g in engine.groups:
-        values.update(group_values(engine, g, keep, dtype))
+        values.update(group_values(engine, g, keep, dtype, to=0 if rank0_only else None))
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
@@ -55,16 +55,23 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
 
 
 @torch.no_grad()
-def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
+def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None,
+                 to: int | None = None) -> dict[int, torch.Tensor]:
     """id(param) -> a host copy of each whole parameter of group ``g`` (in ``dtype``; None:
     the stored one), from the fp32 master where the group trains. ``keep=False``: take part in
-    the all-gather (every rank must) and return ``{}``.
+    the gather (every rank must) and return ``{}``. ``to``: the one group rank that may keep,
+    which alone receives the whole group (the others send their shards and hold nothing more:
+    See [Note: gloo's all-gather holds its output twice] in _comm/gloo_gathers.py); None: every
+    rank receives it.
 
     The gathered buffer is counted in the working set ("gathered") while it lives, as a unit
     gathered for forward is (See [Note: the working set]), and freed before this returns, so
     a caller going group by group holds one group beyond its shards on the device.
     """
     comm = engine.comm
+    assert to is None or keep <= (comm.rank == to), "only the rank a gather goes to can keep it"
+    if to is not None and comm.backend == "gloo" and (g.master is not None or g.shard_params):
+        return _values_at_one_rank(engine, g, keep, dtype, to)
     counted = 0
     try:
         with _weight_source(g) as source:
@@ -73,10 +80,15 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None)
             else:
                 if source.device != engine.device and comm.backend == "nccl":
                     source = source.to(engine.device)  # offloaded: NCCL gathers device tensors
-                full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
-                counted = full.untyped_storage().nbytes()
-                engine.transfers.working_set.add("gathered", counted)
-                comm.all_gather(full, source, async_op=False, label=g.name)
+                full = None
+                if to is None or comm.rank == to:
+                    full = torch.empty(g.padded_numel, dtype=source.dtype, device=source.device)
+                    counted = full.untyped_storage().nbytes()
+                    engine.transfers.working_set.add("gathered", counted)
+                if to is None:
+                    comm.all_gather(full, source, async_op=False, label=g.name)
+                else:
+                    comm.gather_to(full, source, to, label=g.name)
         if not keep:
             return {}
         return {id(s.param): _to_host(full[s.offset:s.offset + s.numel].view(s.shape), dtype) for s in g.slots}
@@ -85,6 +97,65 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None)
         engine.transfers.working_set.remove("gathered", counted)
         # and what the gather and the copies freed, before the next group allocates on top of it
         release_if_large(engine.config.release_host_memory, 4 * g.padded_numel)  # See [Note: freed host memory]
+
+
+def _values_at_one_rank(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None,
+                        to: int) -> dict[int, torch.Tensor]:
+    """:func:`group_values` for a gather only group rank ``to`` receives, on gloo: the pieces of
+    each rank's shard go straight into the parameters' host copies there (point to point), and
+    ``to`` reads its own shard piece by piece into them, so no rank holds the gathered group:
+    ``to`` holds what it returns and a staging slot, the others their shard (in ``dtype``).
+    See [Note: gloo's all-gather holds its output twice] in _comm/gloo_gathers.py."""
+    comm, size = engine.comm, g.shard_numel
+    stored = g.master.dtype if g.master is not None else g.param_shard.dtype
+    out_dtype = dtype if dtype is not None and stored.is_floating_point else stored
+
+    def spans(k: int) -> list[tuple[int, int, int]]:  # (slot index, lo, hi) of rank k's shard, flat
+        lo_k, hi_k = k * size, (k + 1) * size
+        return [(i, max(s.offset, lo_k), min(s.offset + s.numel, hi_k)) for i, s in enumerate(g.slots)
+                if s.offset < hi_k and s.offset + s.numel > lo_k]
+    if comm.rank != to:
+        with _weight_source(g) as source:
+            source = source.to(out_dtype)
+            start = comm.rank * size
+            sends = [source[lo - start:hi - start] for _, lo, hi in spans(comm.rank)]
+            comm.pieces_to(sends, None, to, g.padded_numel, label=g.name).wait()
+        release_if_large(engine.config.release_host_memory, 4 * size)  # See [Note: freed host memory]
+        return {}
+    flat = [torch.empty(s.numel, dtype=out_dtype, device="cpu") for s in g.slots]
+    receives = {k: [flat[i][lo - g.slots[i].offset:hi - g.slots[i].offset] for i, lo, hi in spans(k)]
+                for k in range(comm.world_size) if k != to}
+    counted = sum(t.numel() * t.element_size() for t in flat)
+    engine.transfers.working_set.add("gathered", counted)
+    try:
+        handle = comm.pieces_to([], receives, to, g.padded_numel, label=g.name)
+        mine, start = spans(to), to * size
+        for at, piece in _weight_pieces(g):  # this rank's own shard, into the copies
+            for i, lo, hi in mine:
+                a, b = max(lo, start + at), min(hi, start + at + piece.numel())
+                if a < b:
+                    off = g.slots[i].offset
+                    flat[i][a - off:b - off].copy_(piece[a - start - at:b - start - at])
+        handle.wait()
+    finally:
+        engine.transfers.working_set.remove("gathered", counted)
+    if not keep:
+        return {}
+    return {id(s.param): flat[i].view(s.shape) for i, s in enumerate(g.slots)}
+
+
+def _weight_pieces(g) -> Iterator[tuple[int, torch.Tensor]]:
+    """Group ``g``'s weight shard as (start, piece) pairs: piece by piece from NVMe where its master
+    streams (each piece valid until the next is asked for), else whole."""
+    if g.trainable and not g.owned and g.masters.streams:
+        g.swap.wait_writes()
+        at = 0
+        for piece in nvme_stream.pieces(g.swap, g, "opt", "master"):
+            yield at, piece
+            at += piece.numel()
+        return
+    with g.resident(write_back=False):
+        yield 0, g.weight_shard
 
 
 @contextlib.contextmanager

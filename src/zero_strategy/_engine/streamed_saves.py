@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from torch import nn
 
-from .._mechanisms.host_memory import whole_model_pass
+from .passes import whole_model_pass
 from .._mechanisms.safetensors_writer import StreamWriter
 from .gather import full_state_dict, group_values
 from .offload_states import refuse_while_offloaded
@@ -61,17 +61,20 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def unit_values(engine: "ZeroEngine", wanted: set[int], keep: bool,
-                dtype: Callable[[object], torch.dtype | None]) -> Iterator[tuple["Unit", dict[int, torch.Tensor]]]:
+                dtype: Callable[[object], torch.dtype | None],
+                to: int | None = None) -> Iterator[tuple["Unit", dict[int, torch.Tensor]]]:
     """For each unit holding a parameter in ``wanted`` (ids), in the engine's order: the unit and
     id(param) -> host copy of those of its parameters (``{}`` where not ``keep``). The caller
-    drops each dict before asking for the next; ``dtype(group)``: the dtype to copy it in."""
+    drops each dict before asking for the next; ``dtype(group)``: the dtype to copy it in;
+    ``to``: the one rank that keeps (``gather.group_values``)."""
     for unit in engine.units:
         groups = [g for g in unit.groups if any(id(s.param) in wanted for s in g.slots)]
         if not groups:
             continue
         values: dict[int, torch.Tensor] = {}
         for g in groups:
-            values.update((pid, t) for pid, t in group_values(engine, g, keep, dtype(g)).items() if pid in wanted)
+            values.update((pid, t) for pid, t in group_values(engine, g, keep, dtype(g), to).items()
+                          if pid in wanted)
         yield unit, values
         del values  # before the next unit is gathered (the caller drops its reference too)
 
@@ -108,7 +111,7 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
         main = kwargs.get("is_main_process", True)
         should = getattr(model, "should_save_on_this_rank", None)
         main = should(main) if callable(should) else main
-        with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
+        with whole_model_pass(engine):  # See [Note: freed host memory]
             _write_streamed(engine, model, names, os.fspath(save_directory), main, kwargs, dtype)
     return save_pretrained
 
@@ -260,7 +263,8 @@ def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], direct
     try:
         for n in (n for n in order if id(entries[n]) not in managed) if main else ():
             write(n, entries[n].detach().to("cpu", out_dtype(entries[n], dtype)))
-        for unit, values in unit_values(engine, managed, main, lambda g: dtype or g.compute_dtype):
+        to = sole_keeper(engine.comm, main)
+        for unit, values in unit_values(engine, managed, main, lambda g: dtype or g.compute_dtype, to):
             for s in (s for g in unit.groups for s in g.slots):
                 for n in by_param.get(id(s.param), ()) if main else ():
                     write(n, values[id(s.param)])
@@ -272,6 +276,16 @@ def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], direct
         for w in writers.values():
             w.abort()
         raise
+
+
+def sole_keeper(comm, keep: bool) -> int | None:
+    """The group rank a gather should go to when at most one rank keeps what it gathers (a save
+    that one rank writes; the rank of the lowest number where none does), so the others hold
+    nothing beyond their shards; None when several keep. One small collective."""
+    if comm.world_size == 1:
+        return None
+    keepers = [r for r, k in enumerate(comm.all_gather_object(bool(keep), label="keepers")) if k]
+    return keepers[0] if len(keepers) == 1 else (0 if not keepers else None)
 
 
 def write_files(engine: "ZeroEngine", directory: str, file_of: dict[str, str], files: list[str], write: bool,
