@@ -33,8 +33,9 @@ from ._engine import offload_states as offload_states_impl
 from ._engine.deferred_weights import DeferredWeights, defer_weights  # noqa: F401  (for the loaders above)
 from ._engine.engine import ZeroEngine
 from ._engine.memory import MemoryReport, measure
+from ._engine.passes import whole_model_pass
 from ._engine.placement import single_device
-from ._mechanisms.host_memory import release_freed_host_memory, whole_model_pass
+from ._mechanisms.host_memory import release_freed_host_memory
 from ._optim.optimizer import ZeroOptimizer, layout_of
 from .config import ZeroConfig
 
@@ -335,7 +336,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     ``dtype=None`` keeps each tensor's stored dtype.
     """
     engine = engine_of(model)
-    with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
+    with whole_model_pass(engine):  # See [Note: freed host memory]
         return gather.full_state_dict(engine, rank0_only, dtype)
 
 
@@ -353,7 +354,7 @@ def write_safetensors(model: nn.Module, directory: str | os.PathLike, file_of: d
     ends' saves (See [Note: streamed save_model] in accelerate/_saving.py).
     """
     engine = engine_of(model)
-    with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
+    with whole_model_pass(engine):  # See [Note: freed host memory]
         streamed_saves.write_files(engine, os.fspath(directory), dict(file_of), list(files), write, dtype,
                                    "write_safetensors")
 

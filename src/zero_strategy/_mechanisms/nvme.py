@@ -155,6 +155,14 @@ class SlotPool:
     def buffers(self) -> list[torch.Tensor]:
         return [b for b in self._free if b is not None]
 
+    def drop_idle(self) -> None:
+        """Free every buffer no one holds (they are allocated again on the next use). See
+        [Note: staging between passes] in _mechanisms/host_memory.py."""
+        with self._cv:
+            idle, self._free = [b for b in self._free if b is not None], [None] * len(self._free)
+        for buf in idle:
+            self._count(buf.numel(), 0)
+
 
 class NVMeStore:
     """The swap file, the slot pool and the residency of every swapped group of one rank."""

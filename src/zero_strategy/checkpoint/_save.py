@@ -30,7 +30,7 @@ import torch
 
 from .._engine.offload_states import refuse_while_offloaded
 from .._mechanisms import nvme_stream
-from .._mechanisms.host_memory import whole_model_pass
+from .._engine.passes import whole_model_pass
 from .._version import __version__
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord, GroupLayout,
@@ -57,7 +57,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = engine_of(model)
     refuse_while_offloaded(engine, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
-    with whole_model_pass(engine.config.release_host_memory):  # See [Note: freed host memory]
+    with whole_model_pass(engine):  # See [Note: freed host memory]
         _save_across_groups(path, model, engine, optimizer, extra_state)
 
 
