@@ -329,10 +329,11 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     """Full, unsharded weights (from the fp32 masters) plus buffers, keyed like ``model.state_dict()``,
     in host memory.
 
-    Every rank must call it (it all-gathers group by group). Each group's gathered values
+    Every rank must call it (it gathers group by group). Each group's gathered values
     go to the host before the next group is gathered, so the compute device holds one
     group beyond its shards at any time (a 13B model's fp32 weights are 52 GB: never on
-    one GPU). With ``rank0_only`` the other ranks keep nothing and return ``{}``.
+    one GPU). With ``rank0_only`` the other ranks send their shards to rank 0, keep nothing
+    and return ``{}``; on gloo rank 0 receives them straight into the tensors it returns.
     ``dtype=None`` keeps each tensor's stored dtype.
     """
     engine = engine_of(model)
