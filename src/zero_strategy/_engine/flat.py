@@ -225,6 +225,13 @@ class FlatGroup:
     def master_aliases_params(self) -> bool:
         return self.masters is not None and self.masters.aliases_params
 
+    @property
+    def master_streams(self) -> bool:
+        """A training flat-shard group whose master and optimizer state are larger than an NVMe
+        staging slot: the step, a checkpoint save and a gather read them piece by piece, never
+        whole (See [Note: bounded staging] in _mechanisms/nvme_stream.py)."""
+        return self.trainable and not self.owned and self.masters.streams
+
     def resident(self, write_back: bool):
         """Context: this group's swapped state (NVMe) in host memory inside the block."""
         if self.swap is None:

@@ -145,10 +145,12 @@ def _values_at_one_rank(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype 
 
 
 def _weight_pieces(g) -> Iterator[tuple[int, torch.Tensor]]:
-    """Group ``g``'s weight shard as (start, piece) pairs: piece by piece from NVMe where its master
-    streams (each piece valid until the next is asked for), else whole."""
-    if g.trainable and not g.owned and g.masters.streams:
-        g.swap.wait_writes()
+    """Group ``g``'s weight shard (``weight_shard``) as (start, piece) pairs: where its master streams
+    from NVMe (larger than a staging slot), its master alone, piece by piece through a slot (each
+    piece valid until the next is asked for), rather than master, moments and parameter shard
+    brought in whole: a third of the bytes, never the whole shard. Else the shard, whole."""
+    if g.master_streams:
+        g.swap.wait_writes()  # the last step's write-backs: the pieces are read from the file
         at = 0
         for piece in nvme_stream.pieces(g.swap, g, "opt", "master"):
             yield at, piece
@@ -160,18 +162,17 @@ def _weight_pieces(g) -> Iterator[tuple[int, torch.Tensor]]:
 
 @contextlib.contextmanager
 def _weight_source(g) -> Iterator[torch.Tensor]:
-    """Group ``g``'s weight shard (``weight_shard``) for a gather inside the block. A group whose
-    master and optimizer state stream from NVMe (larger than a staging slot) gives its master
-    alone, read piece by piece into one shard-sized tensor, rather than master, moments and
-    parameter shard brought in whole: a third of the bytes."""
-    if g.trainable and not g.owned and g.masters.streams:
-        g.swap.wait_writes()  # the last step's write-backs: the pieces are read from the file
-        out = torch.empty(g.shard_numel, dtype=g.master.dtype)
-        nvme_stream.read_into(g.swap, g, "opt", "master", out)
-        yield out
+    """Group ``g``'s weight shard for a gather inside the block: where the master streams, read
+    piece by piece (as :func:`_weight_pieces` reads it) into one shard-sized tensor; else the
+    shard itself."""
+    if not g.master_streams:
+        with g.resident(write_back=False):
+            yield g.weight_shard
         return
-    with g.resident(write_back=False):
-        yield g.weight_shard
+    g.swap.wait_writes()
+    out = torch.empty(g.shard_numel, dtype=g.master.dtype)
+    nvme_stream.read_into(g.swap, g, "opt", "master", out)
+    yield out
 
 
 def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

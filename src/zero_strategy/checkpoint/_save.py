@@ -265,7 +265,7 @@ def _streamed_entries(g, layout: GroupLayout, zopts) -> list[tuple[str, str, tor
     """(file tensor, swap-file key, dtype) of each tensor of a group whose master and optimizer
     state stream from NVMe (larger than a staging slot: See [Note: bounded staging] in
     _mechanisms/nvme_stream.py); None for any other group. Its scalars go into ``layout``."""
-    if not g.trainable or g.owned or not g.masters.streams:
+    if not g.master_streams:
         return None
     swapped = frozenset(g.masters.swapped_state())
     return [(layout.weight_tensor, "master", g.master.dtype)] + [
