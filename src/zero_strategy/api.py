@@ -349,7 +349,7 @@ def write_safetensors(model: nn.Module, directory: str | os.PathLike, file_of: d
     ``file_of``: state-dict name -> file name in ``directory`` (every name in it is written,
     the others not); ``files``: every file to write (one no name falls in is written empty).
     Every rank calls it; the rank with ``write=True`` writes, holding one unit's host copies,
-    the others take part in the gathers and keep nothing; the device holds one group beyond
+    the others send their shards to it and keep nothing; the device holds one group beyond
     its shards. Floating tensors in ``dtype`` (fp32: from the masters where a group trains,
     as :func:`full_state_dict`; None: the compute dtype), the others as stored. For the front
     ends' saves (See [Note: streamed save_model] in accelerate/_saving.py).

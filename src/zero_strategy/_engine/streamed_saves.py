@@ -233,7 +233,8 @@ def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], direct
                   file_of: dict[str, str], files: list[str], dtype: torch.dtype | None) -> None:
     """Gather unit by unit and append each entry (name -> parameter or buffer) to the safetensors
     file ``file_of[name]`` names in ``directory`` (main only: the other ranks take part in the
-    gathers and keep nothing). Each file's header lists its tensors in the order they arrive
+    gathers, sending their shards to the one that writes, and keep nothing). Each file's header
+    lists its tensors in the order they arrive
     (:func:`arrival_order`); a file is closed once its last tensor is written, and a name in
     ``files`` no entry falls in is written empty, as the library writes an empty state dict.
     Floating entries are written in ``dtype`` (None: the model's compute dtype, as ``state_dict()``
@@ -292,7 +293,7 @@ def write_files(engine: "ZeroEngine", directory: str, file_of: dict[str, str], f
                 dtype: torch.dtype | None, what: str) -> None:
     """``zero_strategy.api.write_safetensors``: the entries of ``engine.model.state_dict()`` that
     ``file_of`` names, written unit by unit into the files it assigns them (``write``: this rank
-    writes; the others only take part in the gathers)."""
+    writes; the others only send their shards to it)."""
     refuse_while_offloaded(engine, what, ("lp_params", "hp_params"))
     engine.comm.enter(what)  # See [Note: bounded waits] in _comm/waits.py
     named = engine.model.state_dict(keep_vars=True)
