@@ -36,7 +36,8 @@ from ._engine.memory import MemoryReport, measure
 from ._engine.passes import whole_model_pass
 from ._engine.placement import single_device
 from ._mechanisms.host_memory import release_freed_host_memory
-from ._optim.optimizer import ZeroOptimizer, layout_of
+from ._optim.layouts import layout_of
+from ._optim.optimizer import ZeroOptimizer
 from .config import ZeroConfig
 
 # [Note: engine lookup without keeping models alive]
@@ -87,6 +88,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
         raise ValueError("zero_strategy.setup: this model is already set up; call setup once per model "
                          "(call zero_strategy.teardown(model) first to start over)")
     for opt in optimizers:
+        if isinstance(opt, ZeroOptimizer):
+            raise ValueError("zero_strategy.setup was given a ZeroOptimizer: the model and optimizer are "
+                             "already set up; call setup once")
         layout_of(opt, cfg)  # refuse what no layout shards before anything is set up
     pending = deferred_weights.pending_weights(model)  # See [Note: weights that arrive at setup]
     if pending and param_init_fn is None:
