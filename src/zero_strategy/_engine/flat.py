@@ -267,14 +267,16 @@ class FlatGroup:
                 lo = s.offset - self.shard_start
                 yield s, slice(lo, lo + s.numel)
 
-    def slot_ranges_in_shard(self):
+    def slot_ranges_in_shard(self, rank: int | None = None):
         """Yield (slot, lo, hi, where): the part [lo, hi) of each slot's flattened elements this
-        rank holds, and ``where`` those elements sit in a shard-sized tensor (master, state)."""
+        rank (or group rank ``rank``) holds, and ``where`` those elements sit in a shard-sized
+        tensor (master, state)."""
+        start = self.shard_start if rank is None else rank * self.shard_numel
         for s in self.slots:
-            lo = max(self.shard_start, s.offset)
-            hi = min(self.shard_start + self.shard_numel, s.offset + s.numel)
+            lo = max(start, s.offset)
+            hi = min(start + self.shard_numel, s.offset + s.numel)
             if lo < hi:
-                yield s, lo - s.offset, hi - s.offset, slice(lo - self.shard_start, hi - self.shard_start)
+                yield s, lo - s.offset, hi - s.offset, slice(lo - start, hi - start)
 
     # ----------------------------------------------------------- gather/release
     def _attach_views(self) -> None:

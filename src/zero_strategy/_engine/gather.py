@@ -106,42 +106,35 @@ def _values_at_one_rank(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype 
     ``to`` reads its own shard piece by piece into them, so no rank holds the gathered group:
     ``to`` holds what it returns and a staging slot, the others their shard (in ``dtype``).
     See [Note: gloo's all-gather holds its output twice] in _comm/gloo_gathers.py."""
-    comm, size = engine.comm, g.shard_numel
+    comm = engine.comm
     stored = g.master.dtype if g.master is not None else g.param_shard.dtype
     out_dtype = dtype if dtype is not None and stored.is_floating_point else stored
-
-    def spans(k: int) -> list[tuple[int, int, int]]:  # (slot index, lo, hi) of rank k's shard, flat
-        lo_k, hi_k = k * size, (k + 1) * size
-        return [(i, max(s.offset, lo_k), min(s.offset + s.numel, hi_k)) for i, s in enumerate(g.slots)
-                if s.offset < hi_k and s.offset + s.numel > lo_k]
     if comm.rank != to:
         with _weight_source(g) as source:
             source = source.to(out_dtype)
-            start = comm.rank * size
-            sends = [source[lo - start:hi - start] for _, lo, hi in spans(comm.rank)]
+            sends = [source[where] for _, _, _, where in g.slot_ranges_in_shard()]
             comm.pieces_to(sends, None, to, g.padded_numel, label=g.name).wait()
-        release_if_large(engine.config.release_host_memory, 4 * size)  # See [Note: freed host memory]
+        release_if_large(engine.config.release_host_memory, 4 * g.shard_numel)  # See [Note: freed host memory]
         return {}
     flat = [torch.empty(s.numel, dtype=out_dtype, device="cpu") for s in g.slots]
-    receives = {k: [flat[i][lo - g.slots[i].offset:hi - g.slots[i].offset] for i, lo, hi in spans(k)]
+    receives = {k: [flat[s.index][lo:hi] for s, lo, hi, _ in g.slot_ranges_in_shard(k)]
                 for k in range(comm.world_size) if k != to}
     counted = sum(t.numel() * t.element_size() for t in flat)
     engine.transfers.working_set.add("gathered", counted)
     try:
         handle = comm.pieces_to([], receives, to, g.padded_numel, label=g.name)
-        mine, start = spans(to), to * size
+        mine = list(g.slot_ranges_in_shard())
         for at, piece in _weight_pieces(g):  # this rank's own shard, into the copies
-            for i, lo, hi in mine:
-                a, b = max(lo, start + at), min(hi, start + at + piece.numel())
+            for s, lo, _, where in mine:
+                a, b = max(where.start, at), min(where.stop, at + piece.numel())
                 if a < b:
-                    off = g.slots[i].offset
-                    flat[i][a - off:b - off].copy_(piece[a - start - at:b - start - at])
+                    flat[s.index][lo + a - where.start:lo + b - where.start].copy_(piece[a - at:b - at])
         handle.wait()
     finally:
         engine.transfers.working_set.remove("gathered", counted)
     if not keep:
         return {}
-    return {id(s.param): flat[i].view(s.shape) for i, s in enumerate(g.slots)}
+    return {id(s.param): flat[s.index].view(s.shape) for s in g.slots}
 
 
 def _weight_pieces(g) -> Iterator[tuple[int, torch.Tensor]]:
@@ -162,16 +155,15 @@ def _weight_pieces(g) -> Iterator[tuple[int, torch.Tensor]]:
 
 @contextlib.contextmanager
 def _weight_source(g) -> Iterator[torch.Tensor]:
-    """Group ``g``'s weight shard for a gather inside the block: where the master streams, read
-    piece by piece (as :func:`_weight_pieces` reads it) into one shard-sized tensor; else the
-    shard itself."""
+    """Group ``g``'s weight shard, whole, for a gather inside the block: the shard itself, or where
+    the master streams, its :func:`_weight_pieces` copied into one shard-sized tensor."""
     if not g.master_streams:
         with g.resident(write_back=False):
             yield g.weight_shard
         return
-    g.swap.wait_writes()
     out = torch.empty(g.shard_numel, dtype=g.master.dtype)
-    nvme_stream.read_into(g.swap, g, "opt", "master", out)
+    for at, piece in _weight_pieces(g):
+        out[at:at + piece.numel()].copy_(piece)
     yield out
 
 

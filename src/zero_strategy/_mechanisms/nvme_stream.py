@@ -129,14 +129,6 @@ def _finish_write(store, slot: torch.Tensor, futures) -> None:
         store.pool.release(slot)
 
 
-def read_into(store, group, kind: str, key: str, dst: torch.Tensor) -> None:
-    """dst <- the whole tensor ``key`` of the set (cast to dst's dtype), piece by piece."""
-    at = 0
-    for piece in pieces(store, group, kind, key):
-        dst[at:at + piece.numel()].copy_(piece)
-        at += piece.numel()
-
-
 def pieces(store, group, kind: str, key: str) -> Iterator[torch.Tensor]:
     """Tensor ``key`` of the set, piece after piece in a staging slot, read only: a piece is
     valid until the next one is asked for, so a caller writes it out (a checkpoint file)
