@@ -215,31 +215,38 @@ def run_script(script: Path, cwd: Path, env: dict, timeout: float) -> tuple[int,
         proc = _procs.run([sys.executable, str(script)], timeout, env=env, cwd=cwd, merge_stderr=True)
         return proc.returncode, proc.stdout
     log_path = Path(cwd) / f".{Path(script).stem}.log"
+    started = time.monotonic()
     proc = _WarmRank(str(script), [], env, log_path, cwd)
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
+        _procs.note_launch_time(Path(script).name, timeout, time.monotonic() - started, killed=True)
         raise AssertionError(f"{script} did not finish in {timeout}s:\n{log_path.read_text()[-4000:]}") from None
+    _procs.note_launch_time(Path(script).name, timeout, time.monotonic() - started)
     return code, log_path.read_text()
 
 
 def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) -> list[dict]:
     (out / "args.json").write_text(json.dumps(args))
     port = free_port()
+    started = time.monotonic()
     procs = [_start_rank(worker, rank, world_size, port, out) for rank in range(world_size)]
-    deadline = time.monotonic() + timeout
+    deadline = started + timeout
+    what = f"{worker} on {world_size} ranks"
     for p, log in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q, _ in procs:
                 q.kill()
+            _procs.note_launch_time(what, timeout, time.monotonic() - started, killed=True)
             logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
-            raise AssertionError(f"{worker} on {world_size} ranks did not finish in {timeout}s:\n{logs}")
+            raise AssertionError(f"{what} did not finish in {timeout}s:\n{logs}")
         finally:
             if log is not None:
                 log.close()
+    _procs.note_launch_time(what, timeout, time.monotonic() - started)
     return _procs.read_reports(out, world_size, worker)
 
 

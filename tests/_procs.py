@@ -9,6 +9,9 @@ recipe, CLI, Lightning-script and multi-node runs) builds on these, so:
 * :func:`start` / :func:`run` start a command in its own session, so a timeout kills the
   whole process group: a launcher (torchrun, ``accelerate launch``) and every rank it
   started, never leaving a rank behind. Everything has a timeout.
+* :func:`note_launch_time`: every launch's elapsed time beside its limit goes to the session's
+  record (``ZS_TEST_LAUNCH_TIMES``, set by tests/conftest.py), whose summary names the launches
+  nearest their limits, so a limit is sized from what the launch took on a loaded machine.
 * :func:`read_reports`: ranks are judged by the ``<out>/rank<r>.json`` each writes, not only
   by exit codes, because ~30% of 2-rank CPU runs abort in interpreter teardown after
   finishing their work; workers end with ``destroy_process_group(); os._exit(0)``
@@ -25,6 +28,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -84,17 +88,40 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | str
     output's tail; whatever the command left running when it returned is killed too.
     ``merge_stderr``: stderr into stdout (one log in order).
     """
+    what = " ".join(Path(str(a)).name if os.sep in str(a) else str(a) for a in cmd[:4])
+    started = time.monotonic()
     proc = start(cmd, env, cwd, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         out, err = proc.communicate()
+        note_launch_time(what, timeout, time.monotonic() - started, killed=True)
         raise AssertionError(f"{' '.join(map(str, cmd[-12:]))} did not finish in {timeout}s:\n"
                              f"{(out + (err or ''))[-4000:]}") from None
     finally:
         kill_group(proc)
+    note_launch_time(what, timeout, time.monotonic() - started)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "" if merge_stderr else err)
+
+
+LAUNCH_TIMES = "ZS_TEST_LAUNCH_TIMES"  # the session's record of launch times (tests/conftest.py)
+
+
+def note_launch_time(what: str, limit: float, elapsed: float, killed: bool = False, test: str | None = None) -> None:
+    """Append one launch's ``elapsed`` seconds beside its ``limit`` to the session's record, a JSON
+    line per launch (one ``write`` of a short line to a file opened for appending, so the
+    pytest workers' lines never mix). Without a record (a test run outside pytest) it does nothing."""
+    path = os.environ.get(LAUNCH_TIMES)
+    if not path:
+        return
+    if test is None:  # the test running now (pytest names it in the environment during each phase)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    line = json.dumps({"test": test, "what": what,
+                       "limit": limit, "elapsed": round(elapsed, 1), "killed": killed,
+                       "load": round(os.getloadavg()[0], 2)})
+    with open(path, "a") as f:
+        f.write(line + "\n")
 
 
 def read_reports(out: Path, ranks: int, what: str, log: str | None = None) -> list[dict]:

@@ -58,12 +58,6 @@ def pytest_collection_modifyitems(config, items):
         config._zs_slow_deselected = len(slow)
 
 
-def pytest_terminal_summary(terminalreporter, config):
-    n = getattr(config, "_zs_slow_deselected", 0)
-    if n:
-        terminalreporter.write_line(f"{n} slow tests deselected (the default tier): --full runs them too")
-
-
 # ------------------------------------------------------------------ the multiprocess marker, enforced
 # A test that starts a Python interpreter (subprocess, multiprocessing, tests/_procs.py and the
 # launchers on it) must be marked ``multiprocess``, so ``-m "not multiprocess"`` really starts
@@ -127,3 +121,70 @@ def pytest_runtest_call(item):
     with _guarded(item):
         outcome = yield
     _fail_if_started(outcome)
+
+
+# ------------------------------------------------------------------ time limits, sized from the record
+# Every launch notes its elapsed time beside its limit (tests/_procs.py ``note_launch_time``), and
+# every test item its setup+call+teardown beside pytest-timeout's limit, in one record for the
+# session (all xdist workers append to the file the controller names). The summary lists what came
+# nearest its limit, so a limit is sized from what a loaded machine took (docs/testing.md, "Time
+# limits"), not guessed, and a launch drifting towards its limit is seen before it is killed.
+NEAR_LIMIT = 0.5  # a share of the limit worth listing in the summary
+
+
+def pytest_configure(config):
+    import _procs
+    if hasattr(config, "workerinput") or os.environ.get(_procs.LAUNCH_TIMES):
+        return  # an xdist worker (the controller named the record), or a record the caller keeps
+    fd, path = tempfile.mkstemp(prefix="zs_launch_times_", suffix=".jsonl")
+    os.close(fd)
+    os.environ[_procs.LAUNCH_TIMES] = config._zs_own_launch_times = path
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_zs_own_launch_times", None)
+    if path:
+        os.environ.pop("ZS_TEST_LAUNCH_TIMES", None)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import time
+
+    import _procs
+    started = time.monotonic()
+    yield
+    elapsed = time.monotonic() - started
+    marker = item.get_closest_marker("timeout")
+    limit = marker.args[0] if marker is not None and marker.args else item.config.getini("timeout")
+    if elapsed > 5 and limit:
+        _procs.note_launch_time("pytest-timeout (setup+call+teardown)", float(limit), elapsed, test=item.nodeid)
+
+
+def near_limits(lines: list[str], share: float = NEAR_LIMIT, at_least: int = 10) -> list[dict]:
+    """The recorded limits nearest to being hit: every one past ``share`` of its limit, and at least
+    the ``at_least`` nearest, nearest first."""
+    import json
+    rows = [json.loads(line) for line in lines if line.strip()]
+    rows.sort(key=lambda r: r["elapsed"] / r["limit"], reverse=True)
+    return [r for i, r in enumerate(rows) if i < at_least or r["elapsed"] / r["limit"] >= share]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = getattr(config, "_zs_slow_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"{n} slow tests deselected (the default tier): --full runs them too")
+    path = os.environ.get("ZS_TEST_LAUNCH_TIMES")
+    if hasattr(config, "workerinput") or not path or not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = near_limits(f.readlines())
+    if not rows:
+        return
+    terminalreporter.section("time limits: the launches and tests nearest theirs")
+    for r in rows:
+        flag = " KILLED" if r["killed"] else ""
+        terminalreporter.write_line(f"{r['elapsed']:7.1f} s of {r['limit']:5.0f} s ({r['elapsed'] / r['limit']:4.0%}, "
+                                    f"load {r['load']:.1f}){flag}  {r['what']}  [{r['test']}]")

@@ -50,6 +50,7 @@ def _sent_what_ddp_sends(rep: dict) -> None:
     assert max(rep["vs_ddp_rel"]) < 1e-5  # fp32 rounding of the two reductions
     assert rep["weights_moved"] > 1e-3  # the syncs carried new weights, not the initial ones again
     assert rep["changed_after_handover"][0] == []  # copies: valid after their unit is released
+    assert rep["rewards"][1] and rep["losses"][1]  # the reference logged them: empty lists on both sides compare nothing
     assert rep["rewards"][0] == pytest.approx(rep["rewards"][1])
     assert rep["losses"][0] == pytest.approx(rep["losses"][1], rel=1e-5, abs=1e-7)
 
