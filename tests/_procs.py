@@ -59,10 +59,46 @@ def child_env(drop: tuple[str, ...] = (), **extra: str) -> dict:
     return env
 
 
+# [Note: launch ports]
+# A launch is handed its rendezvous port before its rank 0 binds it, so a port must stay free in
+# between. The kernel's choice (bind to port 0) is a port of the ephemeral range, the same range
+# every outgoing connection takes its local port from: under ``-n 3`` the gloo connections of the
+# other workers' launches (hundreds per launch) could take it in that gap, and a launch's ranks
+# then met a socket that was not their store ("Connection closed by peer"). So ports come from
+# below the ephemeral range, which the kernel never hands out by itself, and each pytest worker
+# draws from its own slice, in turn from a start that differs per process (two sessions on one
+# machine rarely meet), skipping any port that is in use now.
+PORTS_BELOW = 20000  # the lowest port handed out; the slices end where the ephemeral range starts
+_next_port: list[int] = []
+
+
+def _port_slice() -> range:
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    top = max(ephemeral_low, PORTS_BELOW + 1024)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0) % workers
+    width = (top - PORTS_BELOW) // workers
+    return range(PORTS_BELOW + worker * width, PORTS_BELOW + (worker + 1) * width)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed to any other launch of this session. See [Note: launch ports]."""
+    ports = _port_slice()
+    if not _next_port:
+        _next_port.append(os.getpid() * 7919 % len(ports))
+    for _ in range(len(ports)):
+        port = ports[_next_port[0] % len(ports)]
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: the next one
+            return port
+    raise AssertionError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
 def start(cmd: list[str], env: dict | None = None, cwd: Path | str = ROOT, stdout=subprocess.PIPE,

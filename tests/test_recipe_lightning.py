@@ -25,6 +25,6 @@ RECIPE = ROOT / "recipes" / "lightning_finetune.py"
 def test_lightning_recipe_two_ranks(task, tmp_path):
     model = (tiny_bert if task == "classification" else tiny_llama)(tmp_path / "model")
     out = tmp_path / "out"
-    rc, log = run([sys.executable, str(RECIPE), *recipe_args(task, model, out)], timeout=120)
+    rc, log = run([sys.executable, str(RECIPE), *recipe_args(task, model, out)], timeout=150)
     check_recipe_run(rc, log, task, out, model)
     assert (out / "checkpoint" / "metadata.json").is_file()

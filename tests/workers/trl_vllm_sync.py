@@ -156,6 +156,11 @@ def prompts() -> datasets.Dataset:
     return datasets.Dataset.from_dict({"prompt": [t + " " for t in texts]})  # ends on a token boundary
 
 
+# the mean reward each trainer logs per step: GRPO's and RLOO's "reward", OnlineDPOTrainer's
+# "objective/scores" (it logs no "reward"; a comparison of that key alone compared two empty lists)
+REWARD_KEYS = ("reward", "objective/scores")
+
+
 def run(which: str, kind: str, mode: str, zero_config, out: Path, lora: bool) -> dict:
     """``kind``: "grpo", "rloo" or "odpo" (OnlineDPOTrainer, which pushes weights with its own method)."""
     global ENGINE
@@ -193,7 +198,8 @@ def run(which: str, kind: str, mode: str, zero_config, out: Path, lora: bool) ->
     r = {"trainer": type(trainer).__name__, "wrapped": type(trainer.model_wrapped).__name__,
          "generation": type(generation).__name__, "syncs": ENGINE.syncs,
          "max_gathered_units": ENGINE.max_gathered_units, "changed_after_handover": ENGINE.changed_after_handover,
-         "rewards": [h["reward"] for h in logs if "reward" in h], "losses": [h["loss"] for h in logs if "loss" in h]}
+         "rewards": [h[k] for h in logs for k in REWARD_KEYS if k in h],
+         "losses": [h["loss"] for h in logs if "loss" in h]}
     if which == "zero":
         r["stage"] = trainer.accelerator.zero_config.stage
         r["sharded"] = zs.is_set_up(model) and zs.engine_of(model).plan.shards_parameters
