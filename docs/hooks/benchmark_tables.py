@@ -1,10 +1,15 @@
 """Render the benchmark JSON files as tables on results.md, at build time.
 
-The scripts in ``benchmarks/`` write JSON (``benchmarks/out/*.json``, ignored by git, and the
-committed ``benchmarks/fault_bench.json``). This hook reads whatever is there when the site is
-built and replaces the marker line ``<!-- benchmark-tables -->`` of ``results.md`` with one
-section per file, so no figure on that page is ever copied by hand. Each JSON's layout is the
-script's own; the renderer knows only the shapes they share:
+Two marker lines of ``results.md`` are replaced:
+
+* ``<!-- where-we-stand -->``: the current figures, ``benchmarks/current.json``, rendered by
+  ``benchmarks/results_page.py``, the same code that writes the tables at the top of
+  ``benchmarks/RESULTS.md``, so the site and RESULTS.md cannot disagree;
+* ``<!-- benchmark-tables -->``: the raw output of the scripts. They write JSON
+  (``benchmarks/out/*.json``, ignored by git, and the committed ``benchmarks/*.json``); this
+  hook reads whatever is there when the site is built and puts one section per file, so no
+  figure there is copied by hand. Each JSON's layout is the script's own; the renderer knows
+  only the shapes they share:
 
 * ``rows``: a list of dicts, one table row each;
 * ``systems``: a dict of dicts keyed by system name, one row per system;
@@ -18,18 +23,36 @@ else the table says it is not recorded.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- benchmark-tables -->"
+CURRENT_MARKER = "<!-- where-we-stand -->"
+CURRENT = "current.json"  # benchmarks/current.json: the curated figures, not a script's output
 PAGE = "results.md"
 ROW_LOAD_KEYS = ("loadavg_1min", "load_average", "loadavg")
 MAX_COLUMNS = 12
 
 
 def sources(root: Path = ROOT) -> list[Path]:
-    return sorted((root / "benchmarks" / "out").glob("*.json")) + sorted((root / "benchmarks").glob("*.json"))
+    committed = [p for p in sorted((root / "benchmarks").glob("*.json")) if p.name != CURRENT]
+    return sorted((root / "benchmarks" / "out").glob("*.json")) + committed
+
+
+def results_page(root: Path = ROOT):
+    """``benchmarks/results_page.py``, loaded from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("zs_benchmarks_results_page", root / "benchmarks" / "results_page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def render_current(root: Path = ROOT) -> str:
+    """The "Where we stand" tables of benchmarks/current.json, as RESULTS.md shows them."""
+    page = results_page(root)
+    return page.render(page.load(root / "benchmarks" / CURRENT))
 
 
 def _fmt(v) -> str:
@@ -142,6 +165,7 @@ def render(root: Path = ROOT) -> str:
 def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri != PAGE:
         return markdown
-    if MARKER not in markdown:
-        raise ValueError(f"{PAGE} lost its marker line {MARKER!r}")
-    return markdown.replace(MARKER, render())
+    for marker in (CURRENT_MARKER, MARKER):
+        if marker not in markdown:
+            raise ValueError(f"{PAGE} lost its marker line {marker!r}")
+    return markdown.replace(CURRENT_MARKER, render_current()).replace(MARKER, render())

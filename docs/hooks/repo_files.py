@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FILES = {
     "repo/benchmarks/RESULTS.md": "benchmarks/RESULTS.md",
     "repo/benchmarks/README.md": "benchmarks/README.md",
+    "repo/benchmarks/current.json": "benchmarks/current.json",  # RESULTS.md links to it
     "repo/SECURITY.md": "SECURITY.md",
     "repo/CHANGELOG.md": "CHANGELOG.md",
 }
