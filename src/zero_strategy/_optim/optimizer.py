@@ -36,9 +36,8 @@ from typing import Any
 
 import torch
 
-from .._engine.engine import ZeroEngine
+from .._engine.engine import ZeroEngine, refuse_while_offloaded
 from .._engine.group_gathers import publish_masters
-from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
 from .._mechanisms.host_memory import release_freed_host_memory, release_if_large
 from .._mechanisms.transfers import device_step_batches
@@ -394,7 +393,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"but this is rank {self.engine.comm.rank} of {self.engine.comm.world_size}; use the "
                 "zero_strategy checkpoint API to resume on another world size")
         if self.engine.offloaded is not None:
-            refuse_while_offloaded(self.engine, "optimizer.load_state_dict()", ("optim_states", "hp_params"))
+            refuse_while_offloaded(self.engine.offloaded, "optimizer.load_state_dict()", ("optim_states", "hp_params"))
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
             g.masters.track_optimizer_state(self.swappable_state(g), replace=True)

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from .._engine.offload_states import refuse_while_offloaded
+from .._engine.engine import refuse_while_offloaded
 from .._mechanisms import nvme_stream
-from .._engine.passes import whole_model_pass
+from .._model.gather import whole_model_pass
 from .._version import __version__
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord, GroupLayout,
@@ -56,7 +56,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     replaced atomically; any other existing file or directory there is refused.
     """
     engine = engine_of(model)
-    refuse_while_offloaded(engine, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
+    refuse_while_offloaded(engine.offloaded, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     with whole_model_pass(engine):  # See [Note: freed host memory]
         _save_across_groups(path, model, engine, optimizer, extra_state)
 

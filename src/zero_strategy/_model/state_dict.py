@@ -63,12 +63,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from .flat import FlatGroup, ShardState
-from .offload_states import refuse_while_offloaded
-from .units import Unit
+from .._engine.engine import refuse_while_offloaded
+from .._engine.flat import FlatGroup, ShardState
+from .._engine.units import Unit
 
-if TYPE_CHECKING:  # the engine imports this module
-    from .engine import ZeroEngine
+if TYPE_CHECKING:
+    from .._engine.engine import ZeroEngine
 
 
 class _Call:
@@ -149,7 +149,7 @@ class ModuleStateHooks:
             if call is not None:  # the last call died half way: its entries are gone with it
                 self._release(call, call.releasing_at(call.owner))
             if self.engine.offloaded is not None and self._sharded_unit_of:  # stage 3 would gather
-                refuse_while_offloaded(self.engine, "model.state_dict()", ("lp_params",))
+                refuse_while_offloaded(self.engine.offloaded, "model.state_dict()", ("lp_params",))
             call = self._save = _Call(module)
             self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _comm/waits.py
         self._gather_for(call, module)
@@ -202,7 +202,7 @@ class ModuleStateHooks:
                 self._release(call, call.releasing_at(call.owner))
             _refuse_replacing_parameters(module, local_metadata)
             if self.engine.offloaded is not None:
-                refuse_while_offloaded(self.engine, "model.load_state_dict()", ("lp_params", "hp_params"))
+                refuse_while_offloaded(self.engine.offloaded, "model.load_state_dict()", ("lp_params", "hp_params"))
             call = self._load = _Call(module)
             if self._sharded_unit_of:
                 self.engine.comm.enter("load_state_dict")
@@ -269,6 +269,6 @@ def _refuse_replacing_parameters(module: nn.Module, local_metadata: dict) -> Non
 
 def register_module_state_hooks(engine: "ZeroEngine") -> list:
     """Route ``state_dict`` / ``load_state_dict`` of ``engine.model`` and its submodules
-    through the engine; returns the hook handles (removed with the engine's other hooks)."""
+    through the engine; returns the hook handles (_model/install.py removes them at teardown)."""
     return ModuleStateHooks(engine).register()
 
