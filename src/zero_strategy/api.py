@@ -217,7 +217,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:
     """Each managed parameter's unsharded shape (stage-3 parameters are empty at rest)."""
-    return {s.param: s.shape for g in engine_of(model).groups for s in g.slots}
+    return {slot.param: slot.shape for _, slot in engine_of(model).managed.values()}
 
 
 def zero_grad(model: nn.Module) -> None:

@@ -230,6 +230,10 @@ class ZeroEngine:
         self.comm = comm
         self.device = single_device(model, device)
         self.compute_dtype = config.compute_dtype
+        # what the hooks read of the config, as plain fields set once (the config is frozen)
+        self.cast_forward_inputs: bool = config.cast_forward_inputs
+        self.overlap_step: bool = config.overlap_step
+        self.prefetch: int = config.prefetch
         self.grad_dtype = config.gradient_reduce_dtype
         self._optimizer_group_of = optimizer_group_of
         self.transfers, self.swap = offload_services(model, config, comm, self.device)
@@ -243,6 +247,8 @@ class ZeroEngine:
             owned_optimizers=owned_optimizers, release_host_memory=config.release_host_memory,
         )
         self.root = self.units[0]
+        #: stage 3 with parameter shards on NVMe: backward's gathers read the swap file
+        self.backward_reads_swap: bool = self.plan.shards_parameters and isinstance(config.offload_params, NVMeOffload)
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
         if self.swap is not None:
             size_swap_pool(self.swap, self.units, config.prefetch)
@@ -406,7 +412,7 @@ class ZeroEngine:
         self._root_forward_depth += 1
         if self.plan.shards_parameters:
             self.root.gather(self.comm)
-        if self.config.cast_forward_inputs and self.compute_dtype != torch.float32:
+        if self.cast_forward_inputs and self.compute_dtype != torch.float32:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t  # noqa: E731
             return map_tensors(args, cast), map_tensors(kwargs, cast)
         return None
@@ -493,7 +499,7 @@ class ZeroEngine:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         if self.offloaded is not None:  # overlap_step steps during backward: it needs everything
-            refuse_while_offloaded(self.offloaded, "backward", None if self.config.overlap_step else (
+            refuse_while_offloaded(self.offloaded, "backward", None if self.overlap_step else (
                 "lp_params", "lp_grads", "contiguous_grad_buffer"))
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         self.training_state = TrainingState.PRE_BACKWARD
@@ -503,29 +509,16 @@ class ZeroEngine:
         for g in self.trainable_groups:  # new gradients: the last agreement no longer covers them
             g.grads.agreed = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self._backward_reads_parameters():
-            self._read_step_state_ahead()
-
-    def _backward_reads_parameters(self) -> bool:
-        """Stage 3 with parameter shards on NVMe: backward's gathers read the swap file."""
-        return self.plan.shards_parameters and isinstance(self.config.offload_params, NVMeOffload)
-
-    def _read_step_state_ahead(self) -> None:
-        """Backward needs nothing more from the disk: start reading the state the step needs
-        first. At the start of backward, or (when backward's gathers read parameters from
-        NVMe) once its last gathers have begun: read earlier, the step's large reads queue
-        ahead of the parameters backward waits for (measured: backward +35%, RESULTS.md).
-        See [Note: NVMe state read during backward] in _optim/offloaded_step.py."""
-        if self.swap is not None and self._sync_gradients and not self._overlapping():
-            for zopt in self.optimizers():
-                zopt.prefetch_step_state()
+        for zopt in self.optimizers():  # what to read ahead for the step is theirs to decide:
+            zopt.on_backward_started(self._sync_gradients)  # See [Note: NVMe state read during backward]
 
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
         with torch.profiler.record_function(f"zero::pre_backward::{unit.name}"):
             self.schedule.use(unit, self.comm)
-            if self.schedule.remaining() <= self.config.prefetch:  # the last gathers have begun
-                self._read_step_state_ahead()
+            if self.schedule.remaining() <= self.prefetch:  # the last gathers have begun
+                for zopt in self.optimizers():
+                    zopt.on_last_gathers_issued(self._sync_gradients)
             unit.wait_gather()
 
     def _post_backward(self, unit: Unit) -> None:
@@ -536,7 +529,7 @@ class ZeroEngine:
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         self._ensure_end_of_backward_callback()
         group, slot = self.managed[id(param)]
-        if self.config.overlap_step and any(z.stepped_early(group) for z in self.optimizers()):
+        if self.overlap_step and any(z.stepped_early(group) for z in self.optimizers()):
             if group.grads.reduced_this_backward and self._in_nested_backward():
                 raise RuntimeError(
                     f"zero_strategy: overlap_step=True already stepped {group.name} in this backward when "
@@ -584,7 +577,7 @@ class ZeroEngine:
                 zopt.group_reduced(group)
 
     def _overlapping(self) -> bool:
-        return self.config.overlap_step and self._sync_gradients
+        return self.overlap_step and self._sync_gradients
 
     def _end_of_backward(self) -> None:
         self._assert_state(TrainingState.PRE_BACKWARD)
@@ -653,6 +646,12 @@ class ZeroEngine:
 
     def unit_of(self, group: FlatGroup) -> Unit:
         return self._unit_of_group[id(group)]
+
+    def full_shape(self, t: torch.Tensor) -> torch.Size:
+        """``t``'s whole shape: its slot's where the engine holds it (a stage-3 parameter is empty
+        at rest), else its own."""
+        entry = self.managed.get(id(t))
+        return entry[1].shape if entry is not None else t.shape
 
     def group_of(self, param: nn.Parameter) -> FlatGroup | None:
         entry = self.managed.get(id(param))

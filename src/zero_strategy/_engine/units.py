@@ -302,11 +302,10 @@ def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError,
 class Unit:
     """A module subtree sharded together: its flat groups and its gather state."""
 
-    def __init__(self, name: str, module: nn.Module, groups: list[FlatGroup], is_root: bool):
+    def __init__(self, name: str, module: nn.Module, groups: list[FlatGroup]):
         self.name = name
         self.module = module
         self.groups = groups
-        self.is_root = is_root
         self.sharded_groups = [g for g in groups if g.shard_params]
         #: a gather is in flight: one all-gather of every sharded group (See [Note: coalesced
         #: collectives] in _comm/collectives.py), whose handle is None when all were gathered already
@@ -453,7 +452,7 @@ def build_units(
                 owned=trainable and opt_index in owned_optimizers, owner_load=owner_load,
             ))
         if groups or unit_name == ROOT:
-            units.append(Unit(unit_name, modules[unit_name], groups, is_root=unit_name == ROOT))
+            units.append(Unit(unit_name, modules[unit_name], groups))
     return units
 
 

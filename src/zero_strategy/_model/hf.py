@@ -232,8 +232,7 @@ def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict) -> d
     entries = dict(model.state_dict(keep_vars=True))
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         entries.pop(key, None)
-    shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
-    meta = {k: torch.empty(shapes.get(id(t), t.shape), dtype=t.dtype, device="meta") for k, t in entries.items()}
+    meta = {k: torch.empty(engine.full_shape(t), dtype=t.dtype, device="meta") for k, t in entries.items()}
     kept = remove_tied_weights_from_state_dict(dict(meta), model)
     if any(k not in meta or kept[k] is not meta[k] for k in kept):
         return None  # the library cloned or made something: not a plain selection
@@ -292,9 +291,8 @@ def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, t
                     main: bool, kwargs: dict, dtype: torch.dtype | None) -> None:
     """Split ``entries`` into files with the library's rule, in the order they arrive, and write them
     unit by unit (main only), with the index where there is more than one file."""
-    shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
     order = arrival_order(engine, entries)
-    specs = [(n, out_dtype(entries[n], dtype), list(shapes.get(id(entries[n]), entries[n].shape))) for n in order]
+    specs = [(n, out_dtype(entries[n], dtype), list(engine.full_shape(entries[n]))) for n in order]
     files = _shard_plan(specs, kwargs.get("max_shard_size", "50GB"))
     variant = kwargs.get("variant")
     weights = _add_variant(WEIGHTS_NAME, variant)
@@ -380,8 +378,7 @@ def adapter_state_dict(engine: "ZeroEngine", model: nn.Module, adapters: set[str
         elif (parts & adapters or t.requires_grad
               or (embeddings and any(e in parts for e in EMBEDDING_LAYER_NAMES))):
             wanted.setdefault(id(t), []).append(name)
-    grouped = {id(s.param) for g in engine.groups for s in g.slots}
-    for pid in [pid for pid in wanted if pid not in grouped]:  # integer parameters: not managed
+    for pid in [pid for pid in wanted if pid not in engine.managed]:  # integer parameters: not managed
         t = next(p for p in model.parameters() if id(p) == pid)
         for name in wanted.pop(pid):
             out[name] = t.detach().to("cpu", copy=True)

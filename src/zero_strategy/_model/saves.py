@@ -31,7 +31,7 @@ def out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 def arrival_order(engine: "ZeroEngine", entries: dict[str, torch.Tensor]) -> list[str]:
     """The names of ``entries`` in the order :func:`write_entries` has their values: the tensors the
     engine does not manage (buffers, integer parameters) first, then unit by unit."""
-    managed = {id(s.param) for g in engine.groups for s in g.slots}
+    managed = engine.managed
     by_param: dict[int, list[str]] = {}
     for name, t in entries.items():
         by_param.setdefault(id(t), []).append(name)
@@ -49,16 +49,15 @@ def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], direct
     ``files`` no entry falls in is written empty, as the library writes an empty state dict.
     Floating entries are written in ``dtype`` (None: the model's compute dtype, as ``state_dict()``
     gives), from the fp32 masters where a group trains. See [Note: streamed save_pretrained]."""
-    shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
     order = arrival_order(engine, entries)
-    managed = {id(entries[n]) for n in order} & shapes.keys()
+    managed = {id(entries[n]) for n in order} & engine.managed.keys()
     by_param: dict[int, list[str]] = {}
     for n in order:
         by_param.setdefault(id(entries[n]), []).append(n)
     specs: dict[str, list[tuple[str, torch.dtype, list[int]]]] = {f: [] for f in files}
     for n in order:
         t = entries[n]
-        specs.setdefault(file_of[n], []).append((n, out_dtype(t, dtype), list(shapes.get(id(t), t.shape))))
+        specs.setdefault(file_of[n], []).append((n, out_dtype(t, dtype), list(engine.full_shape(t))))
     left = {f: len(s) for f, s in specs.items()}
     writers: dict[str, StreamWriter] = {}
 

@@ -98,11 +98,10 @@ class ModuleStateHooks:
         self._load: _Call | None = None
         self._unit_of_module = {id(u.module): u for u in engine.units if u.sharded_groups}
         self._sharded_unit_of = {id(s.param): u for u in engine.units for g in u.sharded_groups for s in g.slots}
-        self._shape_of = {id(s.param): s.shape for g in engine.groups for s in g.slots}
 
     def register(self) -> list:
         """Hooks on every module holding managed parameters; returns their handles."""
-        managed = self._shape_of
+        managed = self.engine.managed
         after_save = lambda m, sd, prefix, meta: self.after_save(m, sd, prefix)  # noqa: E731
         handles = []
         for m in self.engine.model.modules():
@@ -235,7 +234,7 @@ class ModuleStateHooks:
             del call.loaded[pid]
             values = touched.setdefault(id(group), (group, {}))[1]
             value = sd.get(key)
-            if _loads_as(value, self._shape_of[pid]):
+            if _loads_as(value, self.engine.managed[pid][1].shape):
                 values[pid] = value.detach()
         for group, values in touched.values():
             unit = self.engine.unit_of(group)

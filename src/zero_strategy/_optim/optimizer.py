@@ -94,7 +94,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
-        self._zero_grad_profile_name = "zero::zero_grad"
         self._patch_step_function()  # torch's step-hook wrapper, as Optimizer.__init__ would install
         self._unhooked_step = _unhooked_step_of(optimizer)
         # the user's own object stepped directly would step masters without gradients: a silent
@@ -220,9 +219,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if group.optimizer_index == self.index:
             self.offloaded.group_reduced(group)
 
-    def prefetch_step_state(self) -> None:
-        """A synced backward began (See [Note: NVMe state read during backward])."""
-        self.offloaded.prefetch_step_state()
+    def on_backward_started(self, synced: bool) -> None:
+        """A backward began (``synced``: outside ``no_sync``, a step follows); See [Note: NVMe state
+        read during backward]."""
+        self.offloaded.on_backward_started(synced)
+
+    def on_last_gathers_issued(self, synced: bool) -> None:
+        """Backward's last stage-3 gathers have begun; See [Note: NVMe state read during backward]."""
+        self.offloaded.on_last_gathers_issued(synced)
 
     @property
     def steps_in_flight(self) -> bool:

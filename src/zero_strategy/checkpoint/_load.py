@@ -163,7 +163,7 @@ def _model_names(model, engine) -> tuple[dict[int, list[str]], list[str]]:
     from ._layout import param_names
 
     names = param_names(model)
-    managed = {id(s.param) for g in engine.groups for s in g.slots}
+    managed = engine.managed
     buffers = [k for k, t in model.state_dict(keep_vars=True).items() if id(t) not in managed]
     return {pid: n for pid, n in names.items() if pid in managed}, buffers
 

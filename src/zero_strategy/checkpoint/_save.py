@@ -39,7 +39,7 @@ from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, Check
 from ._metadata_io import metadata_json
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamWriter, sha256_file
-from ._sync import agree, all_gather_object, broadcast_object, describe
+from ._sync import agree, describe
 
 _rename = os.rename  # module-level so tests can interrupt a save between the renames
 
@@ -110,7 +110,7 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
     instead of each node keeping a part of the checkpoint that no node can load.
     """
     comm = engine.comm
-    kind, value = broadcast_object(comm, decision)
+    kind, value = comm.broadcast_object(decision, src_rank=0)
     if kind == "error":
         raise CheckpointError(value)
     token = value
@@ -134,7 +134,7 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = f"rank {comm.rank} could not write its checkpoint file in {tmp}: {describe(err)}"
     owned_state = {layout.index: layout.param_state for layout in groups if layout.owned}
-    gathered = all_gather_object(comm, (records, error, owned_state))
+    gathered = comm.all_gather_object((records, error, owned_state))
     errors = [e for _, e, _ in gathered if e]
     if errors:
         raise CheckpointError("; ".join(errors))  # rank 0 removes the directory on the way out
@@ -311,7 +311,7 @@ def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> Fil
 
 
 def _managed_ids(engine) -> set[int]:
-    return {id(s.param) for g in engine.groups for s in g.slots}
+    return set(engine.managed)
 
 
 def _buffers(model: torch.nn.Module, engine) -> list[tuple[str, torch.Tensor]]:
