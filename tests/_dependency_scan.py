@@ -10,7 +10,9 @@ rules, and why:
 * Implicit uses count too: ``tensor.numpy()`` and ``torch.from_numpy`` import numpy
   inside torch, which does not depend on numpy itself, so a plain install without
   numpy fails there with "Numpy is not available".
-* Imports under ``if TYPE_CHECKING:`` never run and are skipped.
+* Imports under ``if TYPE_CHECKING:`` never run and are skipped (``type_only=True`` keeps
+  them, marked: the layering test's import graph counts them, since a circle a type checker
+  must follow is still a circle in the design).
 * Optional imports: an import inside ``try:`` whose handler names ``ImportError``
   or ``ModuleNotFoundError`` is the code deciding what happens without the package
   (a fallback, or an error saying what to install). It is not required where it is
@@ -49,6 +51,7 @@ class Use:
     lazy: bool = False      # inside a function: needed when that function runs
     optional: bool = False  # guarded by ``except ImportError``
     implicit: bool = False  # not an import statement (``tensor.numpy()``)
+    type_only: bool = False  # under ``if TYPE_CHECKING:``: never runs (kept only when asked for)
 
     @property
     def top(self) -> str:
@@ -60,15 +63,18 @@ class Use:
 
 
 class _Visitor(ast.NodeVisitor):
-    def __init__(self, module: str, package: str):
+    def __init__(self, module: str, package: str, type_only: bool = False):
         self.module, self.package = module, package  # package: where relative imports start
+        self.keep_type_only = type_only
         self.uses: list[Use] = []
         self._function_depth = 0
         self._optional_depth = 0
+        self._type_checking_depth = 0
 
     def _add(self, name: str, node: ast.AST, implicit: bool = False) -> None:
         self.uses.append(Use(self.module, name, node.lineno, lazy=self._function_depth > 0,
-                             optional=self._optional_depth > 0, implicit=implicit))
+                             optional=self._optional_depth > 0, implicit=implicit,
+                             type_only=self._type_checking_depth > 0))
 
     def _function(self, node) -> None:
         self._function_depth += 1
@@ -81,6 +87,11 @@ class _Visitor(ast.NodeVisitor):
         test = node.test
         if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
                 isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            if self.keep_type_only:
+                self._type_checking_depth += 1
+                for child in node.body:
+                    self.visit(child)
+                self._type_checking_depth -= 1
             for child in node.orelse:
                 self.visit(child)
             return
@@ -130,21 +141,23 @@ def _names_import_error(expr: ast.expr | None) -> bool:
     return any(getattr(e, "id", getattr(e, "attr", None)) in _OPTIONAL_ERRORS for e in items)
 
 
-def scan_source(source: str, module: str, is_package: bool = False) -> list[Use]:
-    """Every use in one module's source (``module``: its dotted name)."""
-    visitor = _Visitor(module, module if is_package else module.rpartition(".")[0])
+def scan_source(source: str, module: str, is_package: bool = False, type_only: bool = False) -> list[Use]:
+    """Every use in one module's source (``module``: its dotted name); ``type_only``: also the
+    imports under ``if TYPE_CHECKING:``, marked ``Use.type_only``."""
+    visitor = _Visitor(module, module if is_package else module.rpartition(".")[0], type_only)
     visitor.visit(ast.parse(source))
     return visitor.uses
 
 
-def scan_package(root: Path) -> dict[str, list[Use]]:
-    """Dotted module name -> its uses, for every ``.py`` file of the package directory ``root``."""
+def scan_package(root: Path, type_only: bool = False) -> dict[str, list[Use]]:
+    """Dotted module name -> its uses, for every ``.py`` file of the package directory ``root``
+    (``type_only``: see :func:`scan_source`)."""
     modules = {}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root.parent).with_suffix("")
         is_package = rel.name == "__init__"
         name = ".".join(rel.parts[:-1] if is_package else rel.parts)
-        modules[name] = scan_source(path.read_text(encoding="utf-8"), name, is_package)
+        modules[name] = scan_source(path.read_text(encoding="utf-8"), name, is_package, type_only)
     return modules
 
 

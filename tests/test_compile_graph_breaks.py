@@ -7,7 +7,7 @@ the whole model compiled, exactly the engine's gather/release hooks.
   (release, registration of the pre-backward hook) run eagerly, outside any graph:
   traced, Dynamo lowers ``param.data = view`` to ``set_`` on a graph input and AOT
   autograd then fails the first backward (see [Note: torch.compile and the hooks] in
-  _engine/hook_tools.py). So a whole-model compile at stage 3 stops at the first unit's pre-hook;
+  _engine/engine.py). So a whole-model compile at stage 3 stops at the first unit's pre-hook;
   inside a ``for`` loop over the layers Dynamo cannot resume mid-loop, so the loop's
   frame runs eagerly and every frame it calls is compiled on its own. Measured on the
   tiny Llama: one graph per decoder layer (its whole forward, 59 ops), plus the

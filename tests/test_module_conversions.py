@@ -1,6 +1,6 @@
 """Module conversions and freezing on a set-up model behave as on a plain model, or end ZeRO
 with the trained weights, or raise at once with the fix. See [Note: conversions on a set-up
-model] in _engine/conversions.py.
+model] in _model/conversions.py.
 
 Issue #26: ``accelerator.unwrap_model(model).cpu()`` after training (Accelerate's own test
 idiom) raised from inside ``Module._apply``. Oracles: stock Accelerate (DDP) with the same

@@ -305,7 +305,7 @@ def test_with_overlap_step_backward_refuses_because_it_steps():
 
 
 def test_an_offload_that_fails_half_way_puts_back_what_it_moved(monkeypatch):
-    from zero_strategy._engine import offload_states as _offload_states
+    from zero_strategy._model import offload_states as _offload_states
     model, zopt = _setup(BF16_STAGE3)
     before = zs.full_state_dict(model)
     moves = []

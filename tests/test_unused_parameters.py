@@ -3,7 +3,7 @@ global batch (what DDP with ``find_unused_parameters=True`` computes), at every 
 and without CPU offload.
 
 Issue #26: before the reduce order and the gather schedule (see [Note: reduce order] in
-_engine/reduce.py, [Note: gather schedule] in _engine/schedule.py), a mixture of experts whose ranks'
+_engine/reduce.py, [Note: gather schedule] in _engine/units.py), a mixture of experts whose ranks'
 samples reach different experts trained 35% off at stage 2 (same-sized expert groups paired
 across ranks) and stages 2-3 hung on an image tower only one rank ran. A parameter no rank
 used must not move at all (DDP leaves its ``.grad`` None and the optimizer skips it): an

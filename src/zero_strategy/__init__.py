@@ -15,7 +15,7 @@ from .config import (
 )
 from ._comm.collectives import CollectiveDesync, CollectiveError, CollectiveTimeout
 from .estimate import MemoryEstimate, estimate_memory
-from ._engine.memory import MemoryReport
+from ._model.memory import MemoryReport
 from ._optim.optimizer import ZeroOptimizer
 from ._zero_auto import AvailableMemory
 from .api import (

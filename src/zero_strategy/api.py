@@ -27,18 +27,30 @@ from . import _zero_auto as _auto
 from ._comm.collectives import Collectives
 from ._comm.faults import failing_exception
 from ._comm.hybrid import hybrid_groups
-from ._engine import conversions, deferred_weights, gather, generation, streamed_saves
-from ._engine import integrations as model_integrations
-from ._engine import offload_states as offload_states_impl
-from ._engine.deferred_weights import DeferredWeights, defer_weights  # noqa: F401  (for the loaders above)
+from ._engine import deferred_weights
+from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
-from ._engine.memory import MemoryReport, measure
-from ._engine.passes import whole_model_pass
 from ._engine.placement import single_device
+from ._model import gather, generation, hf, saves
+from ._model import offload_states as offload_states_impl
+from ._model.gather import whole_model_pass
+from ._model.install import install
+from ._model.memory import MemoryReport, measure
 from ._mechanisms.host_memory import release_freed_host_memory
 from ._optim.layouts import layout_of
 from ._optim.optimizer import ZeroOptimizer
 from .config import ZeroConfig
+
+__all__ = [
+    "setup", "is_set_up", "engine_of", "teardown", "full_shapes", "zero_grad", "reset_iter_state", "no_sync",
+    "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
+    "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
+    "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
+    "choose_preset",
+    # for the front ends' loaders (zero_strategy.transformers.from_pretrained): See [Note: weights
+    # that arrive at setup] in _engine/deferred_weights.py
+    "DeferredWeights", "defer_weights",
+]
 
 # [Note: engine lookup without keeping models alive]
 # id(model) -> engine, weakly: the model's own hooks keep its engine alive, so both
@@ -103,8 +115,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
                         owned_optimizers=owned)
-    engine.undo_on_teardown = (model_integrations.install(model, engine)  # See [Note: conversions on a set-up model]
-                               + conversions.install(model, engine, end=lambda: teardown(model)))
+    engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
@@ -206,7 +217,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:
     """Each managed parameter's unsharded shape (stage-3 parameters are empty at rest)."""
-    return {s.param: s.shape for g in engine_of(model).groups for s in g.slots}
+    return {slot.param: slot.shape for _, slot in engine_of(model).managed.values()}
 
 
 def zero_grad(model: nn.Module) -> None:
@@ -285,7 +296,7 @@ def offload_states(model: nn.Module, optimizer=None, include=None, device: str =
     (forward with ``lp_params`` off; backward, ``zero_grad`` with gradients off; ``step``,
     checkpoints and state dicts), naming ``reload_states``. Exact: the bytes come back unchanged.
     ``non_blocking=True`` with pinned memory leaves the copies queued on the current CUDA stream.
-    Local to each rank (no collective). See [Note: what offload_states moves] in _engine/offload_states.py.
+    Local to each rank (no collective). See [Note: what offload_states moves] in _model/offload_states.py.
     """
     engine = engine_of(model)
     if str(getattr(device, "value", device)).lower() != "cpu":
@@ -360,7 +371,7 @@ def write_safetensors(model: nn.Module, directory: str | os.PathLike, file_of: d
     """
     engine = engine_of(model)
     with whole_model_pass(engine):  # See [Note: freed host memory]
-        streamed_saves.write_files(engine, os.fspath(directory), dict(file_of), list(files), write, dtype,
+        saves.write_files(engine, os.fspath(directory), dict(file_of), list(files), write, dtype,
                                    "write_safetensors")
 
 
@@ -372,10 +383,10 @@ def adapter_state_dict(model: nn.Module, adapters: Sequence[str] | None = None, 
     layers where ``save_embedding_layers`` may keep them, buffers), gathering only the units
     holding them; every rank calls it and gets them. Given to ``save_pretrained(state_dict=...)``
     it writes what the save of the whole ``state_dict()`` would (PEFT filters it the same way).
-    See [Note: streamed adapter saves] in _engine/streamed_saves.py.
+    See [Note: streamed adapter saves] in _model/hf.py.
     """
-    return streamed_saves.adapter_values(engine_of(model), list(adapters) if adapters else None,
-                                         save_embedding_layers, dtype, "adapter_state_dict")
+    return hf.adapter_values(engine_of(model), list(adapters) if adapters else None,
+                             save_embedding_layers, dtype, "adapter_state_dict")
 
 
 @contextlib.contextmanager
@@ -390,6 +401,16 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
     """
     with gather.gathered_parameters(engine_of(model), params, modifier_rank):
         yield
+
+
+def gathered_units(model: nn.Module, named: Iterable[tuple[str, nn.Parameter]] | None = None
+                   ) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """``(name, parameter)`` pairs (default: ``model.named_parameters()``) one unit at a time, each
+    list yielded while its unit is gathered (stage 3: the parameters hold their full values), then
+    the parameters the engine does not hold as one last list. For a consumer that streams the whole
+    model's current weights (the vLLM weight sync), holding one unit beyond the shards. Every rank
+    must iterate to the end (each unit is an all-gather)."""
+    yield from gather.gathered_units(engine_of(model), model.named_parameters() if named is None else named)
 
 
 def gathered_for_generation(model: nn.Module, budget_bytes: int | None = None):
@@ -407,7 +428,7 @@ def gathered_for_generation(model: nn.Module, budget_bytes: int | None = None):
     parameters exceed it on some rank, the block gathers per unit as training does (one
     log line). Default: 3/4 of the free device memory (CPU: of the host memory available
     to this rank). A no-op at stages 1-2. Every rank must enter it. See [Note: gathered
-    for generation] in _engine/generation.py.
+    for generation] in _model/generation.py.
     """
     return generation.gathered_for_generation(engine_of(model), budget_bytes)
 

@@ -48,7 +48,7 @@ left waiting in a collective (tests/test_subgroup_process_group.py).
 A backend pairs the k-th collective of every rank of a group, so each rank must issue
 its collectives in one order. At stage 3 backward issues two kinds: the all-gathers
 of units about to run backward (in the gather schedule's order, see [Note: gather
-schedule] in _engine/schedule.py) and the reduce-scatters of groups whose gradients are
+schedule] in _engine/units.py) and the reduce-scatters of groups whose gradients are
 complete (in the reduce order, see [Note: reduce order] in _engine/reduce.py). Each kind is
 in a fixed order on every rank, but how the two interleave depends on when this
 rank's gradients arrive, which depends on what its batch used (an expert its samples
@@ -312,7 +312,9 @@ class Collectives(ObjectCollectives):
             work = call()
         except RuntimeError as e:  # gloo may fail at launch when a peer is already gone
             raise self.failure(record, e) from e
-        handle = Handle(work, keep, self, record, unbounded=op == "reduce_scatter" and self.backend == "gloo")
+        handle = Handle(work, keep, record, unbounded=op == "reduce_scatter" and self.backend == "gloo",
+                        timeout=self.wait_timeout, bound=self.handle_timeout, gloo=self.backend == "gloo", failure=self.failure,
+                        check_desync=self.check_desync)
         if not async_op:
             handle.wait()
         return handle

@@ -28,14 +28,12 @@ only slow publishes nothing that differs, and the wait goes on to the bound.
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from .faults import CollectiveDesync, FlightRecorder, Record
-
-if TYPE_CHECKING:
-    from .collectives import Collectives
 
 #: seconds a gloo wait runs before it looks for a desync; See [Note: desync while waiting]
 DESYNC_CHECK_AFTER = 2.0
@@ -44,16 +42,24 @@ DESYNC_CHECK_AFTER = 2.0
 class Handle:
     """An in-flight collective. ``wait()`` is idempotent and keeps tensors alive until then."""
 
-    __slots__ = ("_work", "_keep", "_comm", "_record", "_unbounded")
+    __slots__ = ("_work", "_keep", "_record", "_unbounded", "_timeout", "_bound", "_gloo", "_failure", "_check_desync")
 
-    def __init__(self, work=None, keep: tuple = (), comm: "Collectives | None" = None,
-                 record: Record | None = None, unbounded: bool = False):
-        """``unbounded``: the work's own ``wait(timeout)`` ignores the timeout; See [Note: unbounded works]."""
+    def __init__(self, work=None, keep: tuple = (), record: Record | None = None, unbounded: bool = False, *,
+                 timeout: float | None = None, bound: datetime.timedelta | None = None, gloo: bool = False,
+                 failure: Callable[[Record | None, BaseException], BaseException] | None = None,
+                 check_desync: Callable[[], None] | None = None):
+        """``unbounded``: the work's own ``wait(timeout)`` ignores the timeout; See [Note: unbounded works].
+        ``timeout``: seconds the wait may take (None: unbounded), ``bound`` the same as the
+        timedelta torch's ``wait`` takes (converted once by the caller); ``gloo``: the work is gloo's (waited
+        on a thread where needed); ``failure(record, error)``: the error to raise for a failed wait;
+        ``check_desync()``: may raise while a gloo wait runs (See [Note: desync while waiting]). The
+        issuing ``Collectives`` passes its own: callables, so this module never imports it back."""
         self._work = work
         self._keep = keep
-        self._comm = comm
         self._record = record
         self._unbounded = unbounded
+        self._timeout, self._bound, self._gloo = timeout, bound, gloo
+        self._failure, self._check_desync = failure, check_desync
 
     def wait(self) -> None:
         """Wait for the collective; past the engine's bound, or when a peer is gone, raise
@@ -61,18 +67,18 @@ class Handle:
         if self._work is not None:
             work, self._work = self._work, None  # a failed operation is abandoned: never waited on again
             try:
-                if self._comm is None or self._comm.handle_timeout is None:
+                if self._failure is None or self._timeout is None:
                     work.wait()
-                elif self._comm.backend == "gloo" and (self._unbounded or not work.is_completed()):
-                    _wait_on_thread(work, self._comm.wait_timeout, self._comm.check_desync)
+                elif self._gloo and (self._unbounded or not work.is_completed()):
+                    _wait_on_thread(work, self._timeout, self._check_desync)
                 else:
-                    work.wait(self._comm.handle_timeout)
+                    work.wait(self._bound)
             except CollectiveDesync:
                 self._keep = ()
                 raise
             except RuntimeError as e:
                 self._keep = ()
-                raise self._comm.failure(self._record, e) from e
+                raise self._failure(self._record, e) from e
             FlightRecorder.finish(self._record, ok=True)
         self._keep = ()
 

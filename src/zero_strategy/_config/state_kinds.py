@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 #: DeepSpeed's names, in the order states are moved (one storage is moved once, under the
-#: first kind that names it: see [Note: what offload_states moves] in _engine/offload_states.py)
+#: first kind that names it: see [Note: what offload_states moves] in _model/offload_states.py)
 KINDS: tuple[str, ...] = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 
 #: our words (memory_report categories and plain names) -> the DeepSpeed kinds they mean

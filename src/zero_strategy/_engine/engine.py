@@ -18,7 +18,7 @@ step      (optimizer) stage 1 reduces here; see ``_optim/optimizer.py``.
 Every collective is issued in the same order on every rank, also when the ranks use
 different parameters (mixture-of-experts routing, an image tower some batches skip):
 reduce-scatters in the reduce order (See [Note: reduce order] in _engine/reduce.py), stage-3
-gathers in the gather schedule (See [Note: gather schedule] in _engine/schedule.py), the two
+gathers in the gather schedule (See [Note: gather schedule] in _engine/units.py), the two
 on streams of their own (See [Note: two streams of collectives] in _comm/collectives.py),
 and everything deferred to the step in a fixed group order. A parameter no rank used
 in a step does not move, as in DDP with ``find_unused_parameters=True`` (See [Note: no
@@ -28,7 +28,9 @@ gradient on any rank] in _engine/untouched.py).
 from __future__ import annotations
 
 import contextlib
+import enum
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -37,19 +39,177 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from .._comm.collectives import Collectives
 from .._config.policies import NVMeOffload
-from .conversions import unfrozen_names
+from .._config.state_kinds import KINDS
 from .flat import FlatGroup, ParamSlot, ShardState
-from .generation import GenerationGathers, refuse_grad_forward
-from .hook_tools import TrainingState, UnitBackwardDone, compile_boundary, drop_grad, gradient_hooks, in_backward
-from .module_state import register_module_state_hooks
-from .offload_states import OffloadedStates, refuse_while_offloaded
 from .placement import offload_services, single_device, size_swap_pool
 from .plan import ShardingPlan, plan_for
 from .reduce import MAX_IN_FLIGHT, ReduceQueue
-from .schedule import GatherSchedule, Pass
-from .tree import map_tensors, tensors_in
-from .units import Unit, build_units, refuse_replaced_units
-from .untouched import StepAgreements
+from .units import GatherSchedule, Pass, Unit, build_units, refuse_replaced_units
+from .untouched import StepAgreements, unfrozen_names
+
+
+# ------------------------------------------------------------ the pieces hooks are made of
+def compile_boundary(hook):
+    """``hook``, run eagerly even when torch.compile traces the module it is on.
+
+    [Note: torch.compile and the hooks]
+    The forward hooks gather and release units: collectives, ``param.data = view`` swaps
+    between the flat buffer and the placeholder, ``resize_`` of the buffer's storage,
+    autograd hooks on the unit's outputs, Python bookkeeping of the step. Traced, none
+    of it is faithful: Dynamo lowers ``param.data = t`` to ``Tensor.set_`` on a graph
+    input, which AOT autograd treats as an in-place mutation of that input and which
+    bumps the parameter's version counter, so the first backward of a stage-3 unit
+    (the parameter saved for backward, then swapped by the release) fails with "modified
+    by an inplace operation ... is at version 2; expected version 1". So every forward
+    hook is excluded from tracing (``torch.compiler.disable``, recursive, as FSDP2 does
+    for its own hooks): Dynamo graph-breaks at the hook, runs it eagerly, and the
+    compiled region in between starts with the unit gathered; its parameters enter the
+    graph as ordinary inputs (views of the gathered flat buffer). The backward hooks
+    (gradient hooks, the pre-backward and end-of-backward callbacks) run in the
+    autograd engine, outside any compiled graph, as they do in eager mode.
+    """
+    return torch.compiler.disable(hook, recursive=True, reason="zero_strategy gather/release hook")
+
+
+def in_backward() -> bool:
+    """Inside an autograd backward pass (a hook or a recomputation run by the engine)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class TrainingState(enum.Enum):
+    """Where the model is in an iteration.
+
+
+    [Note: training state]
+    One enum says where the model is in an iteration: ``IDLE`` between iterations,
+    ``FORWARD`` inside the root forward, ``PRE_BACKWARD`` once backward has started
+    (units regathered, gradients arriving), ``POST_BACKWARD`` while the end-of-backward
+    callback reduces and releases. Transitions are asserted (an illegal one names both
+    states). An exception can abandon an iteration anywhere: forward hooks are
+    ``always_call`` (a raising forward still releases and returns to ``IDLE``), the
+    end-of-backward callback never runs for a backward that raised, so a forward, a
+    zero_grad or a step that finds the engine out of ``IDLE`` outside backward calls
+    ``reset_iter_state()``: in-flight collectives are waited for, units released and the
+    per-backward bookkeeping cleared. The abandoned backward's partial gradients stay,
+    as torch's stay in ``.grad``, until the retry loop's zero_grad drops them.
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+class UnitBackwardDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def drop_grad(param: nn.Parameter) -> None:
+    """A frozen parameter's post-accumulate hook: its gradient is not kept."""
+    param.grad = None
+
+
+def gradient_hooks(engine, keep_full: bool):
+    """(post-accumulate hook for every trainable parameter, factory of the pre-accumulate hook
+    of one slot) for ``engine``, which they hold weakly.
+
+    [Note: weak self in tensor hooks] tensor hooks live in C++, where Python's garbage
+    collector cannot see the cycle parameter -> hook -> engine -> parameter; a strong
+    reference here would keep every set-up model alive forever.
+    """
+    engine_ref = weakref.ref(engine)
+
+    def on_grad(param, engine_ref=engine_ref):
+        engine = engine_ref()
+        if engine is not None:
+            engine._on_grad_accumulated(param)
+
+    def before_grad(group, slot, engine_ref=engine_ref):
+        def hook(grad):
+            if engine_ref() is not None:
+                group.grads.before_accumulate(slot, keep_full)  # See [Note: param.grad after backward]
+        return hook
+
+    return on_grad, before_grad
+
+
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside nested tuples/lists/dicts (including Hugging Face ModelOutput)."""
+    out: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out
+
+
+def map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict) and type(obj) is dict:
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+# ------------------------------------------------------ what the hooks consult outside the step
+class GenerationGathers:
+    """One engine's generation policy and the state of a ``gathered_for_generation`` block (See
+    [Note: gathered for generation] in _model/generation.py): the root's pre-forward reads it."""
+
+    def __init__(self) -> None:
+        #: every ``generate()`` of the model's transformers modules runs inside the block
+        #: (``gather_once_in_generate``; the TRL front end turns it on)
+        self.once_in_generate = False
+        #: the budget those blocks use (None: measured, See [Note: gathered for generation])
+        self.budget_bytes: int | None = None
+        self.depth = 0  # nesting: an inner block (PEFT's generate calling the base model's) is a no-op
+        self.fallback_logged = False
+
+    @property
+    def active(self) -> bool:
+        """Inside a block that holds the units gathered (not one that fell back to per-unit)."""
+        return self.depth > 0
+
+
+def refuse_grad_forward() -> None:
+    """Called by the root's pre-forward inside a ``gathered_for_generation`` block when gradients are enabled."""
+    raise RuntimeError(
+        "zero_strategy: a forward with gradients enabled inside gathered_for_generation(model); the block "
+        "releases the parameters at its end, before such a forward's backward would run. Run the forward "
+        "under torch.no_grad() (generate() does), or leave the block to train")
+
+
+def refuse_while_offloaded(record, what: str, kinds=KINDS) -> None:
+    """Raise if any of ``kinds`` (None: any kind) is offloaded in ``record`` (``engine.offloaded``, an
+    ``OffloadedStates`` of _model/offload_states.py, or None: nothing offloaded): ``what`` needs them.
+    Takes the record, not the engine, so every caller below the model surface can ask."""
+    if record is None:
+        return
+    blocking = sorted(record.kinds.intersection(KINDS if kinds is None else kinds), key=KINDS.index)
+    if blocking:
+        raise RuntimeError(
+            f"zero_strategy: {what} while {', '.join(blocking)} are offloaded to the host by "
+            "zero_strategy.offload_states(model); call zero_strategy.reload_states(model) first (as "
+            "DeepSpeed's engine.reload_states() before training again)")
 
 
 class ZeroEngine:
@@ -70,6 +230,10 @@ class ZeroEngine:
         self.comm = comm
         self.device = single_device(model, device)
         self.compute_dtype = config.compute_dtype
+        # what the hooks read of the config, as plain fields set once (the config is frozen)
+        self.cast_forward_inputs: bool = config.cast_forward_inputs
+        self.overlap_step: bool = config.overlap_step
+        self.prefetch: int = config.prefetch
         self.grad_dtype = config.gradient_reduce_dtype
         self._optimizer_group_of = optimizer_group_of
         self.transfers, self.swap = offload_services(model, config, comm, self.device)
@@ -83,11 +247,15 @@ class ZeroEngine:
             owned_optimizers=owned_optimizers, release_host_memory=config.release_host_memory,
         )
         self.root = self.units[0]
+        #: stage 3 with parameter shards on NVMe: backward's gathers read the swap file
+        self.backward_reads_swap: bool = self.plan.shards_parameters and isinstance(config.offload_params, NVMeOffload)
         self.groups: list[FlatGroup] = [g for u in self.units for g in u.groups]
         if self.swap is not None:
             size_swap_pool(self.swap, self.units, config.prefetch)
         self.trainable_groups = [g for g in self.groups if g.trainable]
-        self._slot_of: dict[int, tuple[FlatGroup, ParamSlot]] = {
+        #: id(param) -> (its flat group, its slot) for every parameter the engine holds: the one
+        #: answer to "is this parameter managed, and where" (its full shape is ``slot.shape``)
+        self.managed: dict[int, tuple[FlatGroup, ParamSlot]] = {
             id(s.param): (g, s) for g in self.groups for s in g.slots
         }
         self._unit_of_group = {id(g): u for u in self.units for g in u.groups}
@@ -108,13 +276,15 @@ class ZeroEngine:
         self._root_forward_depth = 0
         self.last_step_comm: dict = {}
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
-        self.undo_on_teardown: list = []  # what setup adjusted on library models (_engine/integrations.py)
-        #: generate() policy and the gathered_for_generation block (_engine/generation.py)
+        #: what setup put on the user's model (_model/install.py), undone by teardown
+        self.undo_on_teardown: list = []
+        #: generate() policy and the gathered_for_generation block (_model/generation.py)
         self.generation = GenerationGathers()
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step
         self.ended: str | None = None
-        #: what zero_strategy.offload_states moved to the host (None: nothing offloaded)
-        self.offloaded: OffloadedStates | None = None
+        #: what zero_strategy.offload_states moved to the host: an OffloadedStates of
+        #: _model/offload_states.py (None: nothing offloaded); the hooks only read its kinds
+        self.offloaded = None
         self._register_hooks()
 
     def __repr__(self) -> str:
@@ -200,8 +370,6 @@ class ZeroEngine:
             for m in self.model.modules():
                 if m is not self.model and any(id(p) in root_params for p in m.parameters(recurse=False)):
                     self._handles.append(m.register_forward_pre_hook(self._gather_root_on_demand))
-        # model.state_dict() / load_state_dict() see full weights and reach the shards and masters
-        self._handles.extend(register_module_state_hooks(self))
         dropped = []
         on_grad, before_grad = gradient_hooks(self, self.plan.keeps_full_gradients)
         for g in self.groups:
@@ -232,9 +400,9 @@ class ZeroEngine:
             self._recover_if_abandoned()
             self._assert_state(TrainingState.IDLE)
             if self.offloaded is not None:
-                refuse_while_offloaded(self, "forward (or generate)", ("lp_params",))
+                refuse_while_offloaded(self.offloaded, "forward (or generate)", ("lp_params",))
             if self.generation.active and torch.is_grad_enabled():
-                refuse_grad_forward()  # See [Note: gathered for generation] in _engine/generation.py
+                refuse_grad_forward()  # See [Note: gathered for generation] in _model/generation.py
             refuse_replaced_units(self.model, self.units[1:])
             self.training_state = TrainingState.FORWARD
             if not self.generation.active:  # held gathered, a forward issues no collective
@@ -244,7 +412,7 @@ class ZeroEngine:
         self._root_forward_depth += 1
         if self.plan.shards_parameters:
             self.root.gather(self.comm)
-        if self.config.cast_forward_inputs and self.compute_dtype != torch.float32:
+        if self.cast_forward_inputs and self.compute_dtype != torch.float32:
             cast = lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t  # noqa: E731
             return map_tensors(args, cast), map_tensors(kwargs, cast)
         return None
@@ -268,7 +436,7 @@ class ZeroEngine:
             return None
         self.training_state = TrainingState.IDLE
         if self.plan.shards_parameters and output is not None:  # a raising forward leaves no pass to finish
-            self.schedule.finish(self.comm)  # See [Note: gather schedule] in _engine/schedule.py
+            self.schedule.finish(self.comm)  # See [Note: gather schedule] in _engine/units.py
         outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if outputs:  # See [Note: end of backward in the outermost graph task]
             register_multi_grad_hook(outputs, lambda grads: self._ensure_end_of_backward_callback(), mode="any")
@@ -331,7 +499,7 @@ class ZeroEngine:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         if self.offloaded is not None:  # overlap_step steps during backward: it needs everything
-            refuse_while_offloaded(self, "backward", None if self.config.overlap_step else (
+            refuse_while_offloaded(self.offloaded, "backward", None if self.overlap_step else (
                 "lp_params", "lp_grads", "contiguous_grad_buffer"))
         self._assert_state(TrainingState.IDLE, TrainingState.FORWARD)
         self.training_state = TrainingState.PRE_BACKWARD
@@ -341,29 +509,16 @@ class ZeroEngine:
         for g in self.trainable_groups:  # new gradients: the last agreement no longer covers them
             g.grads.agreed = False
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self._backward_reads_parameters():
-            self._read_step_state_ahead()
-
-    def _backward_reads_parameters(self) -> bool:
-        """Stage 3 with parameter shards on NVMe: backward's gathers read the swap file."""
-        return self.plan.shards_parameters and isinstance(self.config.offload_params, NVMeOffload)
-
-    def _read_step_state_ahead(self) -> None:
-        """Backward needs nothing more from the disk: start reading the state the step needs
-        first. At the start of backward, or (when backward's gathers read parameters from
-        NVMe) once its last gathers have begun: read earlier, the step's large reads queue
-        ahead of the parameters backward waits for (measured: backward +35%, RESULTS.md).
-        See [Note: NVMe state read during backward] in _optim/offloaded_step.py."""
-        if self.swap is not None and self._sync_gradients and not self._overlapping():
-            for zopt in self.optimizers():
-                zopt.prefetch_step_state()
+        for zopt in self.optimizers():  # what to read ahead for the step is theirs to decide:
+            zopt.on_backward_started(self._sync_gradients)  # See [Note: NVMe state read during backward]
 
     def _pre_backward(self, unit: Unit) -> None:
         self._ensure_end_of_backward_callback()
         with torch.profiler.record_function(f"zero::pre_backward::{unit.name}"):
             self.schedule.use(unit, self.comm)
-            if self.schedule.remaining() <= self.config.prefetch:  # the last gathers have begun
-                self._read_step_state_ahead()
+            if self.schedule.remaining() <= self.prefetch:  # the last gathers have begun
+                for zopt in self.optimizers():
+                    zopt.on_last_gathers_issued(self._sync_gradients)
             unit.wait_gather()
 
     def _post_backward(self, unit: Unit) -> None:
@@ -373,8 +528,8 @@ class ZeroEngine:
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         self._ensure_end_of_backward_callback()
-        group, slot = self._slot_of[id(param)]
-        if self.config.overlap_step and any(z.stepped_early(group) for z in self.optimizers()):
+        group, slot = self.managed[id(param)]
+        if self.overlap_step and any(z.stepped_early(group) for z in self.optimizers()):
             if group.grads.reduced_this_backward and self._in_nested_backward():
                 raise RuntimeError(
                     f"zero_strategy: overlap_step=True already stepped {group.name} in this backward when "
@@ -422,7 +577,7 @@ class ZeroEngine:
                 zopt.group_reduced(group)
 
     def _overlapping(self) -> bool:
-        return self.config.overlap_step and self._sync_gradients
+        return self.overlap_step and self._sync_gradients
 
     def _end_of_backward(self) -> None:
         self._assert_state(TrainingState.PRE_BACKWARD)
@@ -459,7 +614,7 @@ class ZeroEngine:
         """
         self._recover_if_abandoned(outside_forward=True)
         if self.offloaded is not None:
-            refuse_while_offloaded(self, "optimizer.step() (or gradient clipping)")
+            refuse_while_offloaded(self.offloaded, "optimizer.step() (or gradient clipping)")
         self.reduces.wait_all()
         groups = self.trainable_groups if groups is None else groups
         for g in self.agreements.for_step(groups, self._unfrozen):
@@ -469,13 +624,13 @@ class ZeroEngine:
             g.grads.clear_arrivals()  # the step-time reduce (stage 1) is not a late gradient next time
 
     def _unfrozen(self) -> list[str]:
-        return unfrozen_names(self)  # See [Note: conversions on a set-up model] in _engine/conversions.py
+        return unfrozen_names(self.groups)  # See [Note: conversions on a set-up model] in _model/conversions.py
 
     def zero_grad(self, groups: list[FlatGroup] | None = None) -> None:
         """Drop the gradients of ``groups`` (default: all); also ends an abandoned iteration."""
         self._recover_if_abandoned(outside_forward=True)
         if self.offloaded is not None:
-            refuse_while_offloaded(self, "zero_grad()", ("lp_grads", "contiguous_grad_buffer"))
+            refuse_while_offloaded(self.offloaded, "zero_grad()", ("lp_grads", "contiguous_grad_buffer"))
         for g in self.groups if groups is None else groups:
             g.zero_grad(keep_full=self.plan.keeps_full_gradients)
 
@@ -492,6 +647,12 @@ class ZeroEngine:
     def unit_of(self, group: FlatGroup) -> Unit:
         return self._unit_of_group[id(group)]
 
+    def full_shape(self, t: torch.Tensor) -> torch.Size:
+        """``t``'s whole shape: its slot's where the engine holds it (a stage-3 parameter is empty
+        at rest), else its own."""
+        entry = self.managed.get(id(t))
+        return entry[1].shape if entry is not None else t.shape
+
     def group_of(self, param: nn.Parameter) -> FlatGroup | None:
-        entry = self._slot_of.get(id(param))
+        entry = self.managed.get(id(param))
         return entry[0] if entry else None

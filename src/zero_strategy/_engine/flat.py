@@ -26,7 +26,7 @@ the few methods that need one and get handles back.
   stride 0). ``p.shape``, ``p.numel()``, ``p.device`` and ``model.device`` stay true;
   a value read outside forward/backward and outside ``gathered_parameters`` is NaN
   (never a plausible zero, as an empty tensor summed would give), and an in-place
-  write raises. ``model.state_dict()`` gathers for real (``_engine/module_state.py``).
+  write raises. ``model.state_dict()`` gathers for real (``_model/state_dict.py``).
   Never a view of the zero-byte ``full``: reading one crashes the process.
 
 [Note: the ownership layout]
@@ -409,7 +409,7 @@ class FlatGroup:
 
         ``loaded=None`` (anything may have changed): the whole master takes the gathered
         values. ``loaded``: id(parameter) -> a tensor with that parameter's new elements
-        (``load_state_dict``, _engine/module_state.py): only those parameters' master elements
+        (``load_state_dict``, _model/state_dict.py): only those parameters' master elements
         change, to the tensors' own values, so an fp32 state dict loaded into a bf16 model
         keeps fp32 masters and the parameters it lacks keep theirs.
         """

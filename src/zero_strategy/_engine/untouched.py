@@ -55,7 +55,6 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .conversions import unfrozen_error
 
 
 class GradientAgreement:
@@ -225,3 +224,22 @@ def _warn_if_back(g, untouched: frozenset[int]) -> None:
         "them exact, give the module flat groups of its own: put it in an nn.ModuleList or nn.ModuleDict "
         "with the other modules of its class, or outside the blocks. See 'Ranks that use different "
         "parameters' in the how-it-works guide (docs/how-it-works.md).", stacklevel=2)
+
+
+def unfrozen_names(groups: list) -> list[str]:
+    """Parameters frozen at setup that have a gradient now (``requires_grad_(True)`` after setup: See
+    [Note: conversions on a set-up model] in _model/conversions.py)."""
+    return [s.fqn for g in groups if not g.trainable for s in g.slots
+            if s.param.requires_grad and s.param.grad is not None]
+
+
+def unfrozen_error(names: list[str]) -> RuntimeError:
+    """Raised on every rank once the step agreement says some rank has such gradients."""
+    which = (f"{names[:4]}{' and more' if len(names) > 4 else ''}" if names
+             else "parameters of this model (on another rank)")
+    return RuntimeError(
+        f"zero_strategy: {which} got gradients but were frozen (requires_grad=False, or in no optimizer) "
+        "when the model was set up, so the engine holds no gradient shard, fp32 master or optimizer state "
+        "for them and the step would leave them untrained. Unfreeze before zero_strategy.setup / "
+        "accelerator.prepare / Trainer.fit (gradual unfreezing: give them requires_grad=True and a param "
+        "group with lr=0 until their turn), or call zero_strategy.teardown(model) and set the model up again.")

@@ -1,7 +1,7 @@
 """How much memory this process may still take: the host's, and the share a plan may use.
 
 Shared by ``zero_auto``'s preset choice (_zero_auto.py) and the gather-once budget of
-generation (_engine/generation.py), so both read the host the same way and keep the
+generation (_model/generation.py), so both read the host the same way and keep the
 same headroom.
 """
 

@@ -4,7 +4,7 @@
 built from the shapes and dtypes known up front, then tensor bytes are appended one piece
 after another (a piece can be part of a tensor), hashed on the way. Checkpoint
 consolidation (checkpoint/_consolidate.py) streams a checkpoint's pieces through it and
-the engine's streamed ``save_pretrained`` (_engine/streamed_saves.py) a stage-3 model's
+the engine's streamed ``save_pretrained`` (_model/hf.py) a stage-3 model's
 units, so neither holds the whole model.
 
 Format (https://github.com/huggingface/safetensors): 8-byte little-endian header

@@ -36,9 +36,8 @@ from typing import Any
 
 import torch
 
-from .._engine.engine import ZeroEngine
+from .._engine.engine import ZeroEngine, refuse_while_offloaded
 from .._engine.group_gathers import publish_masters
-from .._engine.offload_states import refuse_while_offloaded
 from .._engine.untouched import keep_untouched
 from .._mechanisms.host_memory import release_freed_host_memory, release_if_large
 from .._mechanisms.transfers import device_step_batches
@@ -95,7 +94,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks: dict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: dict = OrderedDict()
-        self._zero_grad_profile_name = "zero::zero_grad"
         self._patch_step_function()  # torch's step-hook wrapper, as Optimizer.__init__ would install
         self._unhooked_step = _unhooked_step_of(optimizer)
         # the user's own object stepped directly would step masters without gradients: a silent
@@ -221,9 +219,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if group.optimizer_index == self.index:
             self.offloaded.group_reduced(group)
 
-    def prefetch_step_state(self) -> None:
-        """A synced backward began (See [Note: NVMe state read during backward])."""
-        self.offloaded.prefetch_step_state()
+    def on_backward_started(self, synced: bool) -> None:
+        """A backward began (``synced``: outside ``no_sync``, a step follows); See [Note: NVMe state
+        read during backward]."""
+        self.offloaded.on_backward_started(synced)
+
+    def on_last_gathers_issued(self, synced: bool) -> None:
+        """Backward's last stage-3 gathers have begun; See [Note: NVMe state read during backward]."""
+        self.offloaded.on_last_gathers_issued(synced)
 
     @property
     def steps_in_flight(self) -> bool:
@@ -394,7 +397,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"but this is rank {self.engine.comm.rank} of {self.engine.comm.world_size}; use the "
                 "zero_strategy checkpoint API to resume on another world size")
         if self.engine.offloaded is not None:
-            refuse_while_offloaded(self.engine, "optimizer.load_state_dict()", ("optim_states", "hp_params"))
+            refuse_while_offloaded(self.engine.offloaded, "optimizer.load_state_dict()", ("optim_states", "hp_params"))
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
             g.masters.track_optimizer_state(self.swappable_state(g), replace=True)

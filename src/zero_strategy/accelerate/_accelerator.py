@@ -238,7 +238,7 @@ class ZeroAccelerator(Accelerator):
         with ``use_regional_compilation``, ``block.compile()`` on each repeated block
         (Accelerate's own in-place variant for DeepSpeed). Compilation is lazy: tracing
         starts at the first forward, after setup, with the engine's hooks run eagerly
-        around the compiled code (See [Note: torch.compile and the hooks] in _engine/hook_tools.py).
+        around the compiled code (See [Note: torch.compile and the hooks] in _engine/engine.py).
         """
         plugin = self.state.dynamo_plugin
         if plugin.backend == DynamoBackend.NO or is_compiled_module(model):

@@ -5,7 +5,7 @@ Stock ``Accelerator.save_model`` starts from ``get_state_dict(model)``, which he
 ``full_state_dict(model, rank0_only=True)``: the main process holds the whole model's
 fp32 weights on the host before the first byte is written. At stage 3 the same files are
 written from one unit at a time instead (the machinery of ``save_pretrained``'s streamed
-save: See [Note: streamed save_pretrained] in _engine/streamed_saves.py): the device holds
+save: See [Note: streamed save_pretrained] in _model/hf.py): the device holds
 one group beyond its shards, the main process one unit's host copies, the others nothing.
 
 What is written is what stock ``save_model`` writes from ``get_state_dict``:

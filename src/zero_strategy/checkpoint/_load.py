@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .._engine.offload_states import refuse_while_offloaded
-from .._engine.passes import whole_model_pass
+from .._engine.engine import refuse_while_offloaded
+from .._model.gather import whole_model_pass
 from ..api import engine_of
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
@@ -112,7 +112,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     side (with a warning) instead of raising.
     """
     engine = engine_of(model)
-    refuse_while_offloaded(engine, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
+    refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     with whole_model_pass(engine):  # See [Note: freed host memory]
         return _load(path, model, engine, optimizer, strict)
 
@@ -163,7 +163,7 @@ def _model_names(model, engine) -> tuple[dict[int, list[str]], list[str]]:
     from ._layout import param_names
 
     names = param_names(model)
-    managed = {id(s.param) for g in engine.groups for s in g.slots}
+    managed = engine.managed
     buffers = [k for k, t in model.state_dict(keep_vars=True).items() if id(t) not in managed]
     return {pid: n for pid, n in names.items() if pid in managed}, buffers
 

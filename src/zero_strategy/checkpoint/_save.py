@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from .._engine.offload_states import refuse_while_offloaded
+from .._engine.engine import refuse_while_offloaded
 from .._mechanisms import nvme_stream
-from .._engine.passes import whole_model_pass
+from .._model.gather import whole_model_pass
 from .._version import __version__
 from ..api import engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord, GroupLayout,
@@ -39,7 +39,7 @@ from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, Check
 from ._metadata_io import metadata_json
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamWriter, sha256_file
-from ._sync import agree, all_gather_object, broadcast_object, describe
+from ._sync import agree, describe
 
 _rename = os.rename  # module-level so tests can interrupt a save between the renames
 
@@ -56,7 +56,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     replaced atomically; any other existing file or directory there is refused.
     """
     engine = engine_of(model)
-    refuse_while_offloaded(engine, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
+    refuse_while_offloaded(engine.offloaded, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     with whole_model_pass(engine):  # See [Note: freed host memory]
         _save_across_groups(path, model, engine, optimizer, extra_state)
 
@@ -110,7 +110,7 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
     instead of each node keeping a part of the checkpoint that no node can load.
     """
     comm = engine.comm
-    kind, value = broadcast_object(comm, decision)
+    kind, value = comm.broadcast_object(decision, src_rank=0)
     if kind == "error":
         raise CheckpointError(value)
     token = value
@@ -134,7 +134,7 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = f"rank {comm.rank} could not write its checkpoint file in {tmp}: {describe(err)}"
     owned_state = {layout.index: layout.param_state for layout in groups if layout.owned}
-    gathered = all_gather_object(comm, (records, error, owned_state))
+    gathered = comm.all_gather_object((records, error, owned_state))
     errors = [e for _, e, _ in gathered if e]
     if errors:
         raise CheckpointError("; ".join(errors))  # rank 0 removes the directory on the way out
@@ -311,7 +311,7 @@ def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> Fil
 
 
 def _managed_ids(engine) -> set[int]:
-    return {id(s.param) for g in engine.groups for s in g.slots}
+    return set(engine.managed)
 
 
 def _buffers(model: torch.nn.Module, engine) -> list[tuple[str, torch.Tensor]]:

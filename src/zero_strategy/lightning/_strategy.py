@@ -364,7 +364,7 @@ class ZeroStrategy(DDPStrategy):
         if not state_dict:
             return  # a sharded checkpoint: loaded in load_checkpoint
         # a full state dict from a plain .ckpt (e.g. a DDP run), read by every rank: load_state_dict
-        # on a set-up model writes each rank's slices into the shards and fp32 masters (_engine/module_state.py)
+        # on a set-up model writes each rank's slices into the shards and fp32 masters (_model/state_dict.py)
         self.lightning_module.load_state_dict(state_dict, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:

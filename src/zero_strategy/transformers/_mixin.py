@@ -50,7 +50,7 @@ of these two methods are not called on a ZeRO model.
   process writes them with ``save_pretrained``, so ``from_pretrained(checkpoint-N)`` works,
   also under stage 3. There a transformers model's weights are streamed unit by unit
   (``save_pretrained(..., dtype=torch.float32)``, See [Note: streamed save_pretrained] in
-  _engine/streamed_saves.py), so no rank holds the whole model. A PEFT model (or one with
+  _model/hf.py), so no rank holds the whole model. A PEFT model (or one with
   adapters loaded) is given to the stock ``_save`` with a state dict of the entries its
   adapter save keeps (``api.adapter_state_dict``: only the units holding the adapter are
   gathered, at every stage; See [Note: streamed adapter saves]), so it writes what the stock
@@ -226,12 +226,12 @@ class ZeroTrainerMixin:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self._streams_save():
-            # See [Note: streamed save_pretrained] in _engine/streamed_saves.py: the Trainer's own files
+            # See [Note: streamed save_pretrained] in _model/hf.py: the Trainer's own files
             # (configuration, tokenizer, arguments) from the main process, then the fp32 weights unit by unit
             self._save(output_dir, state_dict={})
             self.model.save_pretrained(output_dir, is_main_process=self.args.should_save, dtype=torch.float32)
         elif self._saves_adapter():
-            # See [Note: streamed adapter saves] in _engine/streamed_saves.py: the units holding the adapter
+            # See [Note: streamed adapter saves] in _model/hf.py: the units holding the adapter
             # are gathered (fp32, as full_state_dict gives), the library keeps the adapter from them
             self._save(output_dir, state_dict=api.adapter_state_dict(self.model))
         else:

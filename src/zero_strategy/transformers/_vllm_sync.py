@@ -163,26 +163,12 @@ def stream_named_parameters(model: nn.Module, fix_name: Callable[..., str]) -> I
     Every process must iterate to the end (each unit is an all-gather). Tied weights come
     once, under their first name, as vLLM expects. See [Note: weight sync to vLLM at stage 3].
     """
-    engine = api.engine_of(model)
     peft = _peft_view(model)
-    by_unit: dict[int, list[tuple[str, nn.Parameter]]] = {}
-    replicated: list[tuple[str, nn.Parameter]] = []  # not managed (non-floating): always whole
-    for name, p in model.named_parameters():
-        group = engine.group_of(p)
-        if group is None:
-            replicated.append((name, p))
-        else:
-            by_unit.setdefault(id(engine.unit_of(group)), []).append((name, p))
-    for members in by_unit.values():
-        with api.gathered_parameters(model, [p for _, p in members]):
-            for name, p in members:
-                item = _vllm_item(name, p, peft, fix_name)
-                if item is not None:
-                    yield item
-    for name, p in replicated:
-        item = _vllm_item(name, p, peft, fix_name)
-        if item is not None:
-            yield item
+    for members in api.gathered_units(model):  # the last list: parameters not managed, always whole
+        for name, p in members:
+            item = _vllm_item(name, p, peft, fix_name)
+            if item is not None:
+                yield item
 
 
 def _vllm_item(name: str, p: nn.Parameter, peft, fix_name) -> tuple[str, torch.Tensor] | None:

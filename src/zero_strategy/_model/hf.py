@@ -1,4 +1,45 @@
-"""``save_pretrained`` of a set-up transformers or PEFT model at stage 3, unit by unit.
+"""The one module below the front ends that names Hugging Face transformers and PEFT.
+
+What ``setup`` puts on their models, and why: each adjustment wraps the library's own
+method with an instance attribute (the class is untouched, other models are unaffected);
+_model/install.py applies them and ``teardown`` removes them. The engine never imports
+these libraries: a model of theirs exists only if the user imported them, so they are
+looked up in ``sys.modules`` (tests/test_layering.py holds this module to being the only one).
+
+[Note: generate() under stage 3]
+``generate()`` runs one forward per new token until every sequence of *this rank* is
+done, so ranks whose prompts end (EOS, a shorter ``max_new_tokens``) at different
+steps run different numbers of forwards. At stage 3 each forward all-gathers, so the
+rank that finishes first leaves the others blocked in a gather until the process
+group's timeout. transformers has the cure, ``synced_gpus=True`` (a finished rank
+keeps running dummy forwards until all are done; each step costs one scalar
+all-reduce), and turns it on by itself only for DeepSpeed ZeRO-3 and FSDP. We make it
+the default of every ``GenerationMixin`` module in a set-up model whose parameters
+are sharded over more than one rank; an explicit ``synced_gpus=False`` is kept (and
+a mismatch then ends in :class:`~zero_strategy.CollectiveTimeout`, not a hang). The
+same wrapper runs ``generate()`` inside ``gathered_for_generation`` when
+``gather_once_in_generate(model)`` asked for it (the TRL front end does). Inside that
+block (also one the user opened) every unit stays gathered and a forward issues no
+collective, so ranks may stop at different steps: ``synced_gpus`` is left off there,
+which saves one all-reduce and one wait for the slowest rank per token.
+
+[Note: PEFT merges under stage 3]
+``merge_and_unload()``, ``merge_adapter()`` and ``unmerge_adapter()`` rewrite base
+weights in place from the adapter weights. At rest a stage-3 parameter is a
+placeholder that refuses writes, so they are run with the units they touch gathered
+and every rank writes its own slice back (the merge is deterministic, so every rank
+computed the same values: nothing is broadcast). ``safe_merge=True`` replaces
+``weight.data`` instead of writing into it; that is taken back into the flat buffer.
+The merged model stays set up: save it with ``save_pretrained`` on every rank (at stage 3
+it streams unit by unit: See [Note: streamed save_pretrained]).
+
+[Note: resize_token_embeddings after setup]
+Resizing replaces the embedding's data by a tensor of another shape, while its flat
+buffer, shards, fp32 master and optimizer state were sized at setup (and at stage 3
+the old rows are not even on this rank). Rather than let the next gather undo the
+resize, or train a tensor the optimizer does not hold, a set-up model refuses it with
+the fix: resize before ``setup`` / ``accelerator.prepare`` / ``Trainer(...)``, as
+DeepSpeed-ZeRO-3 and FSDP users do.
 
 [Note: streamed save_pretrained]
 transformers' ``save_pretrained`` starts from ``self.state_dict()``: at stage 3 that is
@@ -38,55 +79,115 @@ only the units holding those are gathered, one at a time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import sys
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
-from .passes import whole_model_pass
-from .._mechanisms.safetensors_writer import StreamWriter
-from .gather import full_state_dict, group_values
-from .offload_states import refuse_while_offloaded
+from .._engine.engine import refuse_while_offloaded
+from .gather import full_state_dict, modified_on_every_rank, unit_values, whole_model_pass
+from .generation import around_generate
+from .saves import arrival_order, out_dtype, write_entries
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
-    from .units import Unit
+    from .._engine.engine import ZeroEngine
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def unit_values(engine: "ZeroEngine", wanted: set[int], keep: bool,
-                dtype: Callable[[object], torch.dtype | None],
-                to: int | None = None) -> Iterator[tuple["Unit", dict[int, torch.Tensor]]]:
-    """For each unit holding a parameter in ``wanted`` (ids), in the engine's order: the unit and
-    id(param) -> host copy of those of its parameters (``{}`` where not ``keep``). The caller
-    drops each dict before asking for the next; ``dtype(group)``: the dtype to copy it in;
-    ``to``: the one rank that keeps (``gather.group_values``)."""
-    for unit in engine.units:
-        groups = [g for g in unit.groups if any(id(s.param) in wanted for s in g.slots)]
-        if not groups:
-            continue
-        values: dict[int, torch.Tensor] = {}
-        for g in groups:
-            values.update((pid, t) for pid, t in group_values(engine, g, keep, dtype(g), to).items()
-                          if pid in wanted)
-        yield unit, values
-        del values  # before the next unit is gathered (the caller drops its reference too)
+_PEFT_MERGES = ("merge_and_unload", "merge_adapter", "unmerge_adapter")
 
 
-def install_saves(module: nn.Module, engine: "ZeroEngine", pretrained, peft_model, shadow) -> list:
-    """Shadow ``save_pretrained`` of a transformers or PEFT model at stage 3; returns the undo callbacks."""
+def library_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Module, str, Callable]]:
+    """What to shadow on the transformers / PEFT modules inside ``model``: (module, method name,
+    ``make(original) -> wrapper``), in the order _model/install.py applies them."""
+    transformers = sys.modules.get("transformers")
+    peft_tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if transformers is None and peft_tuners is None:
+        return []
+    peft_model = getattr(sys.modules.get("peft.peft_model"), "PeftModel", None)
+    generation_mixin = getattr(transformers, "GenerationMixin", None) if transformers else None
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    base_tuner = getattr(peft_tuners, "BaseTuner", None) if peft_tuners else None
+    shadows: list[tuple[nn.Module, str, Callable]] = []
+    for module in model.modules():
+        wraps_generate = engine.plan.shards_parameters or engine.config.offload_states_during_generation
+        if wraps_generate and generation_mixin is not None and isinstance(module, generation_mixin):
+            shadows.append((module, "generate", functools.partial(_engine_generate, engine)))
+        if pretrained is not None and isinstance(module, pretrained):
+            shadows.append((module, "resize_token_embeddings", _refuse_resize))
+        if engine.plan.shards_parameters:  # See [Note: streamed save_pretrained]
+            shadows.extend(_save_shadows(module, engine, pretrained, peft_model))
+        if base_tuner is not None and isinstance(module, base_tuner):
+            for name in _PEFT_MERGES:
+                if hasattr(module, name):
+                    shadows.append((module, name, functools.partial(_merge_gathered, engine)))
+    return shadows
+
+
+
+
+def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
+    """See [Note: generate() under stage 3]; gathers once when the engine's policy says so (See
+    [Note: gathered for generation] in _model/generation.py), with the training state the config names
+    (``offload_states_during_generation``) off the device meanwhile, at every stage."""
+    engine_ref = weakref.ref(engine)  # the model holds the wrapper: no cycle through the engine
+
+    def generate(*args, **kwargs):
+        engine = engine_ref()
+        if engine is None or engine.ended:
+            return original(*args, **kwargs)
+        with around_generate(engine):
+            if kwargs.get("synced_gpus") is None and engine.plan.shards_parameters:  # held gathered: no collective
+                kwargs["synced_gpus"] = engine.comm.world_size > 1 and not engine.generation.active
+            return original(*args, **kwargs)
+    return generate
+
+
+def _merge_gathered(engine: "ZeroEngine", original: Callable) -> Callable:
+    """See [Note: PEFT merges under stage 3]."""
+    engine_ref = weakref.ref(engine)  # as in _engine_generate: no cycle through the engine
+
+    def merge(*args, **kwargs):
+        engine = engine_ref()
+        if engine is None or engine.ended:
+            return original(*args, **kwargs)
+        with modified_on_every_rank(engine):
+            return original(*args, **kwargs)
+    return merge
+
+
+def _refuse_resize(original: Callable) -> Callable:
+    """See [Note: resize_token_embeddings after setup]."""
+    def resize_token_embeddings(new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
+        if new_num_tokens is None and pad_to_multiple_of is None:
+            return original(new_num_tokens, pad_to_multiple_of, *args, **kwargs)  # only returns the module
+        raise RuntimeError(
+            "zero_strategy: resize_token_embeddings() on a model that is already set up: the embedding's "
+            "flat buffer, shards, fp32 master and optimizer state were sized at setup, so a resize cannot "
+            "be kept. Resize first, then set up: call model.resize_token_embeddings(len(tokenizer)) "
+            "before zero_strategy.setup(...), accelerator.prepare(...), the Trainer(...) or "
+            "trainer.fit(...) (in a LightningModule: in __init__ or configure_model); for PEFT, before "
+            "get_peft_model. To resize a set-up model, zero_strategy.teardown(model) it first.")
+    return resize_token_embeddings
+
+
+# -------------------------------------------------------------- the streamed saves
+def _save_shadows(module: nn.Module, engine: "ZeroEngine", pretrained, peft_model) -> list:
+    """The ``save_pretrained`` shadow of a transformers or PEFT model at stage 3, if ``module`` is one."""
     if not any(u.sharded_groups for u in engine.units):
         return []
     if peft_model is not None and isinstance(module, peft_model):
-        return [shadow(module, "save_pretrained", lambda original: _peft_save(engine, module, original))]
+        return [(module, "save_pretrained", lambda original: _peft_save(engine, module, original))]
     if pretrained is not None and isinstance(module, pretrained):
-        return [shadow(module, "save_pretrained", lambda original: _pretrained_save(engine, module, original))]
+        return [(module, "save_pretrained", lambda original: _pretrained_save(engine, module, original))]
     return []
 
 
@@ -105,7 +206,7 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
                                      "is only supported where the save is streamed")
                 kwargs["state_dict"] = full_state_dict(engine, False, dtype)  # the library's path, in dtype
             return original(save_directory, *args, **kwargs)
-        refuse_while_offloaded(engine, "save_pretrained()", ("lp_params", "hp_params"))
+        refuse_while_offloaded(engine.offloaded, "save_pretrained()", ("lp_params", "hp_params"))
         engine.comm.enter("save_pretrained")  # See [Note: bounded waits] in _comm/waits.py
         original(save_directory, **{**kwargs, "state_dict": {}})  # config files, clean-up of an older save
         main = kwargs.get("is_main_process", True)
@@ -131,8 +232,7 @@ def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict) -> d
     entries = dict(model.state_dict(keep_vars=True))
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         entries.pop(key, None)
-    shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
-    meta = {k: torch.empty(shapes.get(id(t), t.shape), dtype=t.dtype, device="meta") for k, t in entries.items()}
+    meta = {k: torch.empty(engine.full_shape(t), dtype=t.dtype, device="meta") for k, t in entries.items()}
     kept = remove_tied_weights_from_state_dict(dict(meta), model)
     if any(k not in meta or kept[k] is not meta[k] for k in kept):
         return None  # the library cloned or made something: not a plain selection
@@ -191,9 +291,8 @@ def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, t
                     main: bool, kwargs: dict, dtype: torch.dtype | None) -> None:
     """Split ``entries`` into files with the library's rule, in the order they arrive, and write them
     unit by unit (main only), with the index where there is more than one file."""
-    shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
     order = arrival_order(engine, entries)
-    specs = [(n, out_dtype(entries[n], dtype), list(shapes.get(id(entries[n]), entries[n].shape))) for n in order]
+    specs = [(n, out_dtype(entries[n], dtype), list(engine.full_shape(entries[n]))) for n in order]
     files = _shard_plan(specs, kwargs.get("max_shard_size", "50GB"))
     variant = kwargs.get("variant")
     weights = _add_variant(WEIGHTS_NAME, variant)
@@ -213,93 +312,6 @@ def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, t
         fh.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def out_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype an entry is written in: ``dtype`` for floating tensors where given, else its own."""
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-
-def arrival_order(engine: "ZeroEngine", entries: dict[str, torch.Tensor]) -> list[str]:
-    """The names of ``entries`` in the order :func:`write_entries` has their values: the tensors the
-    engine does not manage (buffers, integer parameters) first, then unit by unit."""
-    managed = {id(s.param) for g in engine.groups for s in g.slots}
-    by_param: dict[int, list[str]] = {}
-    for name, t in entries.items():
-        by_param.setdefault(id(t), []).append(name)
-    loose = [n for n, t in entries.items() if id(t) not in managed]
-    return loose + [n for u in engine.units for g in u.groups for s in g.slots for n in by_param.get(id(s.param), ())]
-
-
-def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], directory: str, main: bool,
-                  file_of: dict[str, str], files: list[str], dtype: torch.dtype | None) -> None:
-    """Gather unit by unit and append each entry (name -> parameter or buffer) to the safetensors
-    file ``file_of[name]`` names in ``directory`` (main only: the other ranks take part in the
-    gathers, sending their shards to the one that writes, and keep nothing). Each file's header
-    lists its tensors in the order they arrive
-    (:func:`arrival_order`); a file is closed once its last tensor is written, and a name in
-    ``files`` no entry falls in is written empty, as the library writes an empty state dict.
-    Floating entries are written in ``dtype`` (None: the model's compute dtype, as ``state_dict()``
-    gives), from the fp32 masters where a group trains. See [Note: streamed save_pretrained]."""
-    shapes = {id(s.param): s.shape for g in engine.groups for s in g.slots}
-    order = arrival_order(engine, entries)
-    managed = {id(entries[n]) for n in order} & shapes.keys()
-    by_param: dict[int, list[str]] = {}
-    for n in order:
-        by_param.setdefault(id(entries[n]), []).append(n)
-    specs: dict[str, list[tuple[str, torch.dtype, list[int]]]] = {f: [] for f in files}
-    for n in order:
-        t = entries[n]
-        specs.setdefault(file_of[n], []).append((n, out_dtype(t, dtype), list(shapes.get(id(t), t.shape))))
-    left = {f: len(s) for f, s in specs.items()}
-    writers: dict[str, StreamWriter] = {}
-
-    def write(name: str, t: torch.Tensor) -> None:
-        f = file_of[name]
-        if f not in writers:
-            writers[f] = StreamWriter(os.path.join(directory, f), specs[f], {"format": "pt"})
-        writers[f].write(name, t.contiguous())
-        left[f] -= 1
-        if left[f] == 0:
-            writers[f].close()
-
-    try:
-        for n in (n for n in order if id(entries[n]) not in managed) if main else ():
-            write(n, entries[n].detach().to("cpu", out_dtype(entries[n], dtype)))
-        to = sole_keeper(engine.comm, main)
-        for unit, values in unit_values(engine, managed, main, lambda g: dtype or g.compute_dtype, to):
-            for s in (s for g in unit.groups for s in g.slots):
-                for n in by_param.get(id(s.param), ()) if main else ():
-                    write(n, values[id(s.param)])
-            del values  # See [Note: streamed save_pretrained]: one unit's copies at a time
-        for f in (f for f, s in specs.items() if not s) if main else ():
-            writers[f] = StreamWriter(os.path.join(directory, f), [], {"format": "pt"})
-            writers[f].close()
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-
-
-def sole_keeper(comm, keep: bool) -> int | None:
-    """The group rank a gather should go to when at most one rank keeps what it gathers (a save
-    that one rank writes; the rank of the lowest number where none does), so the others hold
-    nothing beyond their shards; None when several keep. One small collective."""
-    if comm.world_size == 1:
-        return None
-    keepers = [r for r, k in enumerate(comm.all_gather_object(bool(keep), label="keepers")) if k]
-    return keepers[0] if len(keepers) == 1 else (0 if not keepers else None)
-
-
-def write_files(engine: "ZeroEngine", directory: str, file_of: dict[str, str], files: list[str], write: bool,
-                dtype: torch.dtype | None, what: str) -> None:
-    """``zero_strategy.api.write_safetensors``: the entries of ``engine.model.state_dict()`` that
-    ``file_of`` names, written unit by unit into the files it assigns them (``write``: this rank
-    writes; the others only send their shards to it)."""
-    refuse_while_offloaded(engine, what, ("lp_params", "hp_params"))
-    engine.comm.enter(what)  # See [Note: bounded waits] in _comm/waits.py
-    named = engine.model.state_dict(keep_vars=True)
-    write_entries(engine, {n: named[n] for n in file_of}, directory, write, file_of, files, dtype)
-
-
 # ---------------------------------------------------------------------------- PEFT
 def _peft_save(engine: "ZeroEngine", module: nn.Module, original: Callable) -> Callable:
     """See [Note: streamed adapter saves]."""
@@ -309,7 +321,7 @@ def _peft_save(engine: "ZeroEngine", module: nn.Module, original: Callable) -> C
         engine, model = engine_ref(), module_ref()
         if engine is None or engine.ended or args or kwargs.get("state_dict") is not None:
             return original(save_directory, *args, **kwargs)
-        refuse_while_offloaded(engine, "PeftModel.save_pretrained()", ("lp_params", "hp_params"))
+        refuse_while_offloaded(engine.offloaded, "PeftModel.save_pretrained()", ("lp_params", "hp_params"))
         engine.comm.enter("save_pretrained")
         selected = kwargs.get("selected_adapters") or list(getattr(model, "peft_config", {}) or ["default"])
         embeddings = may_save_embeddings(model, selected, kwargs.get("save_embedding_layers", "auto"))
@@ -322,7 +334,7 @@ def adapter_values(engine: "ZeroEngine", adapters: list[str] | None, save_embedd
                    dtype: torch.dtype | None, what: str) -> dict[str, torch.Tensor]:
     """``zero_strategy.api.adapter_state_dict``: :func:`adapter_state_dict` of the set-up model for
     ``adapters`` (None: all it has), with the embeddings where the save may keep them."""
-    refuse_while_offloaded(engine, what, ("lp_params", "hp_params"))
+    refuse_while_offloaded(engine.offloaded, what, ("lp_params", "hp_params"))
     engine.comm.enter(what)
     model = engine.model
     selected = list(adapters or getattr(model, "peft_config", {}) or ["default"])
@@ -366,8 +378,7 @@ def adapter_state_dict(engine: "ZeroEngine", model: nn.Module, adapters: set[str
         elif (parts & adapters or t.requires_grad
               or (embeddings and any(e in parts for e in EMBEDDING_LAYER_NAMES))):
             wanted.setdefault(id(t), []).append(name)
-    grouped = {id(s.param) for g in engine.groups for s in g.slots}
-    for pid in [pid for pid in wanted if pid not in grouped]:  # integer parameters: not managed
+    for pid in [pid for pid in wanted if pid not in engine.managed]:  # integer parameters: not managed
         t = next(p for p in model.parameters() if id(p) == pid)
         for name in wanted.pop(pid):
             out[name] = t.detach().to("cpu", copy=True)

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._config.state_kinds import KINDS, parse_kinds
+from .._config.state_kinds import parse_kinds
 from .._mechanisms.transfers import HOST
 
 #: the memory report category of each kind's bytes
@@ -114,20 +114,6 @@ class OffloadedStates:
 
     def is_host_copy(self, t: torch.Tensor) -> bool:
         return _key(t) in self._host_keys
-
-
-# ------------------------------------------------------------------- the refusals
-def refuse_while_offloaded(engine, what: str, kinds=KINDS) -> None:
-    """Raise if any of ``kinds`` (None: any kind) is offloaded on ``engine``: ``what`` needs them."""
-    record = engine.offloaded
-    if record is None:
-        return
-    blocking = sorted(record.kinds.intersection(KINDS if kinds is None else kinds), key=KINDS.index)
-    if blocking:
-        raise RuntimeError(
-            f"zero_strategy: {what} while {', '.join(blocking)} are offloaded to the host by "
-            "zero_strategy.offload_states(model); call zero_strategy.reload_states(model) first (as "
-            "DeepSpeed's engine.reload_states() before training again)")
 
 
 # ---------------------------------------------------------------------- offload

@@ -63,12 +63,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from .flat import FlatGroup, ShardState
-from .offload_states import refuse_while_offloaded
-from .units import Unit
+from .._engine.engine import refuse_while_offloaded
+from .._engine.flat import FlatGroup, ShardState
+from .._engine.units import Unit
 
-if TYPE_CHECKING:  # the engine imports this module
-    from .engine import ZeroEngine
+if TYPE_CHECKING:
+    from .._engine.engine import ZeroEngine
 
 
 class _Call:
@@ -98,11 +98,10 @@ class ModuleStateHooks:
         self._load: _Call | None = None
         self._unit_of_module = {id(u.module): u for u in engine.units if u.sharded_groups}
         self._sharded_unit_of = {id(s.param): u for u in engine.units for g in u.sharded_groups for s in g.slots}
-        self._shape_of = {id(s.param): s.shape for g in engine.groups for s in g.slots}
 
     def register(self) -> list:
         """Hooks on every module holding managed parameters; returns their handles."""
-        managed = self._shape_of
+        managed = self.engine.managed
         after_save = lambda m, sd, prefix, meta: self.after_save(m, sd, prefix)  # noqa: E731
         handles = []
         for m in self.engine.model.modules():
@@ -149,7 +148,7 @@ class ModuleStateHooks:
             if call is not None:  # the last call died half way: its entries are gone with it
                 self._release(call, call.releasing_at(call.owner))
             if self.engine.offloaded is not None and self._sharded_unit_of:  # stage 3 would gather
-                refuse_while_offloaded(self.engine, "model.state_dict()", ("lp_params",))
+                refuse_while_offloaded(self.engine.offloaded, "model.state_dict()", ("lp_params",))
             call = self._save = _Call(module)
             self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _comm/waits.py
         self._gather_for(call, module)
@@ -202,7 +201,7 @@ class ModuleStateHooks:
                 self._release(call, call.releasing_at(call.owner))
             _refuse_replacing_parameters(module, local_metadata)
             if self.engine.offloaded is not None:
-                refuse_while_offloaded(self.engine, "model.load_state_dict()", ("lp_params", "hp_params"))
+                refuse_while_offloaded(self.engine.offloaded, "model.load_state_dict()", ("lp_params", "hp_params"))
             call = self._load = _Call(module)
             if self._sharded_unit_of:
                 self.engine.comm.enter("load_state_dict")
@@ -235,7 +234,7 @@ class ModuleStateHooks:
             del call.loaded[pid]
             values = touched.setdefault(id(group), (group, {}))[1]
             value = sd.get(key)
-            if _loads_as(value, self._shape_of[pid]):
+            if _loads_as(value, self.engine.managed[pid][1].shape):
                 values[pid] = value.detach()
         for group, values in touched.values():
             unit = self.engine.unit_of(group)
@@ -269,6 +268,6 @@ def _refuse_replacing_parameters(module: nn.Module, local_metadata: dict) -> Non
 
 def register_module_state_hooks(engine: "ZeroEngine") -> list:
     """Route ``state_dict`` / ``load_state_dict`` of ``engine.model`` and its submodules
-    through the engine; returns the hook handles (removed with the engine's other hooks)."""
+    through the engine; returns the hook handles (_model/install.py removes them at teardown)."""
     return ModuleStateHooks(engine).register()
 

@@ -15,7 +15,7 @@ placement and the units may as well stay gathered for the whole call:
   and their gathers find the unit gathered and issue no collective. A forward inside
   the block communicates nothing, so ranks may run different numbers of them: a
   ``generate()`` inside leaves ``synced_gpus`` off (See [Note: generate() under stage 3]
-  in _engine/integrations.py), and such forwards are not counted as calls that issue
+  in _model/hf.py), and such forwards are not counted as calls that issue
   collectives (See [Note: naming the rank that failed] in _comm/faults.py);
 * on exit, also when the block raised, the hold ends and the units that were sharded
   at entry are released again (those gathered before, inside ``gathered_parameters``,
@@ -53,28 +53,10 @@ import torch
 
 from .._logging import rank_zero_logger
 from .._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
-from .flat import ShardState
+from .._engine.flat import ShardState
 from .offload_states import offloaded_for_generation
 
 logger = rank_zero_logger("zero_strategy")
-
-
-class GenerationGathers:
-    """One engine's generation policy and the state of a ``gathered_for_generation`` block."""
-
-    def __init__(self) -> None:
-        #: every ``generate()`` of the model's transformers modules runs inside the block
-        #: (``gather_once_in_generate``; the TRL front end turns it on)
-        self.once_in_generate = False
-        #: the budget those blocks use (None: measured, See [Note: gathered for generation])
-        self.budget_bytes: int | None = None
-        self.depth = 0  # nesting: an inner block (PEFT's generate calling the base model's) is a no-op
-        self.fallback_logged = False
-
-    @property
-    def active(self) -> bool:
-        """Inside a block that holds the units gathered (not one that fell back to per-unit)."""
-        return self.depth > 0
 
 
 def gather_bytes(engine) -> int:
@@ -109,14 +91,6 @@ def _check_idle(engine) -> None:
             f"zero_strategy.gathered_for_generation: the model is in the middle of an iteration "
             f"({engine.training_state.value}); enter it between iterations (before the forward or after "
             "backward), e.g. around model.generate(...), not inside a forward")
-
-
-def refuse_grad_forward() -> None:
-    """Called by the root's pre-forward inside a block when gradients are enabled."""
-    raise RuntimeError(
-        "zero_strategy: a forward with gradients enabled inside gathered_for_generation(model); the block "
-        "releases the parameters at its end, before such a forward's backward would run. Run the forward "
-        "under torch.no_grad() (generate() does), or leave the block to train")
 
 
 @contextlib.contextmanager

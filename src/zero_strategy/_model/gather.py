@@ -4,25 +4,28 @@ The engine gathers a unit for its forward and backward and releases it after; th
 are the other times a caller needs whole tensors at stage 3: ``gathered_parameters``
 (read, or change on one rank and broadcast), ``modified_on_every_rank`` (a change
 every rank makes identically, such as a PEFT merge) and ``full_state_dict`` (the
-fp32 weights, group by group to the host). They take the engine, not the model, so
-both the public API (api.py) and the model integrations (integrations.py) use them.
+fp32 weights, group by group to the host), and the same unit by unit for the streamed
+saves (:func:`unit_values`). They take the engine, not the model, so both the public API
+(api.py) and the library shadows (_model/hf.py) use them. :func:`whole_model_pass` is what
+the engine gives back around any such pass over the whole model.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from .._mechanisms import nvme_stream
+from .._mechanisms import host_memory, nvme_stream
 from .._mechanisms.host_memory import release_if_large
-from .flat import ShardState
-from .offload_states import refuse_while_offloaded
+from .._engine.engine import refuse_while_offloaded
+from .._engine.flat import ShardState
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from .._engine.engine import ZeroEngine
+    from .._engine.units import Unit
 
 
 @torch.no_grad()
@@ -36,7 +39,7 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
     ``memory_report`` shows what a consolidation costs. With ``rank0_only`` the other
     ranks send their shards to rank 0 and hold nothing more.
     """
-    refuse_while_offloaded(engine, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
+    refuse_while_offloaded(engine.offloaded, "zero_strategy.full_state_dict()", ("lp_params", "hp_params"))
     comm = engine.comm
     comm.enter("full_state_dict")  # See [Note: naming the rank that failed] in _comm/faults.py
     keep = not (rank0_only and comm.rank != 0)
@@ -194,6 +197,27 @@ def gathered_parameters(engine: "ZeroEngine", params: Iterable[nn.Parameter] | N
                         g.write_back_gathered()
 
 
+def gathered_units(engine: "ZeroEngine", named: Iterable[tuple[str, nn.Parameter]]
+                   ) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    """``named`` (name, parameter) pairs one unit at a time: each unit's pairs, in the order they
+    first appear, yielded while that unit is gathered (:func:`gathered_parameters`), then the
+    pairs the engine does not hold (non-floating: always whole) as one last list. Every rank must
+    iterate to the end (each unit is an all-gather)."""
+    by_unit: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    loose: list[tuple[str, nn.Parameter]] = []
+    for name, p in named:
+        group = engine.group_of(p)
+        if group is None:
+            loose.append((name, p))
+        else:
+            by_unit.setdefault(id(engine.unit_of(group)), []).append((name, p))
+    for members in by_unit.values():
+        with gathered_parameters(engine, [p for _, p in members]):
+            yield members
+    if loose:
+        yield loose
+
+
 @contextlib.contextmanager
 def modified_on_every_rank(engine: "ZeroEngine", params: Iterable[nn.Parameter] | None = None) -> Iterator[None]:
     """Like ``gathered_parameters(modifier_rank=...)`` for a change every rank makes identically
@@ -212,7 +236,7 @@ def modified_on_every_rank(engine: "ZeroEngine", params: Iterable[nn.Parameter] 
 @contextlib.contextmanager
 def gathered(engine: "ZeroEngine", params: Iterable[nn.Parameter] | None, kind: str):
     """Gather the units holding ``params`` (all: None) for the block; release those that were sharded."""
-    refuse_while_offloaded(engine, kind, ("lp_params", "hp_params") if kind == "modify" else ("lp_params",))
+    refuse_while_offloaded(engine.offloaded, kind, ("lp_params", "hp_params") if kind == "modify" else ("lp_params",))
     groups = engine.groups if params is None else _groups_holding(engine, params)
     units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
     was_sharded = {id(u): u.state is ShardState.SHARDED for u in units}
@@ -239,3 +263,43 @@ def _groups_holding(engine: "ZeroEngine", params: Iterable[nn.Parameter]):
             seen.add(id(g))
             out.append(g)
     return out
+
+
+def unit_values(engine: "ZeroEngine", wanted: set[int], keep: bool,
+                dtype: Callable[[object], torch.dtype | None],
+                to: int | None = None) -> Iterator[tuple["Unit", dict[int, torch.Tensor]]]:
+    """For each unit holding a parameter in ``wanted`` (ids), in the engine's order: the unit and
+    id(param) -> host copy of those of its parameters (``{}`` where not ``keep``). The caller
+    drops each dict before asking for the next; ``dtype(group)``: the dtype to copy it in;
+    ``to``: the one rank that keeps (:func:`group_values`)."""
+    for unit in engine.units:
+        groups = [g for g in unit.groups if any(id(s.param) in wanted for s in g.slots)]
+        if not groups:
+            continue
+        values: dict[int, torch.Tensor] = {}
+        for g in groups:
+            values.update((pid, t) for pid, t in group_values(engine, g, keep, dtype(g), to).items()
+                          if pid in wanted)
+        yield unit, values
+        del values  # before the next unit is gathered (the caller drops its reference too)
+
+
+def sole_keeper(comm, keep: bool) -> int | None:
+    """The group rank a gather should go to when at most one rank keeps what it gathers (a save
+    that one rank writes; the rank of the lowest number where none does), so the others hold
+    nothing beyond their shards; None when several keep. One small collective."""
+    if comm.world_size == 1:
+        return None
+    keepers = [r for r, k in enumerate(comm.all_gather_object(bool(keep), label="keepers")) if k]
+    return keepers[0] if len(keepers) == 1 else (0 if not keepers else None)
+
+
+@contextlib.contextmanager
+def whole_model_pass(engine: "ZeroEngine") -> Iterator[None]:
+    """Around a pass over the whole model outside training (a save, a load, a full state dict):
+    freed host memory released and idle NVMe staging dropped, before the block and after it
+    (``release_host_memory=False``: neither). See [Note: freed host memory] and [Note: staging
+    between passes] in _mechanisms/host_memory.py."""
+    drop = engine.swap.pool.drop_idle if engine.swap is not None else None
+    with host_memory.whole_model_pass(engine.config.release_host_memory, drop):
+        yield

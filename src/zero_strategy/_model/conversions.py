@@ -7,7 +7,7 @@ buffers (stage 3: placeholders at rest), their gradients live in shards (``param
 is a marker that refuses conversions) and the fp32 masters and optimizer state were
 placed at setup, so no conversion can move or cast them in place. ``setup`` shadows
 ``_apply`` on every module of the model with an instance attribute (removed by
-``teardown``; ``shadow`` of _engine/integrations.py, as its transformers/PEFT wrappers):
+``teardown``; applied by _model/install.py, as the transformers/PEFT shadows of _model/hf.py):
 
 * a conversion that leaves the parameters as they are (``.to(its device)``, which
   Lightning, Accelerate and the HF Trainer call after setup, ``.float()`` of an fp32
@@ -29,7 +29,7 @@ placed at setup, so no conversion can move or cast them in place. ``setup`` shad
 plain model (a parameter that gets no gradient is not stepped: See [Note: no gradient
 on any rank] in _engine/untouched.py). ``requires_grad_(True)`` on a parameter that was frozen
 at setup cannot train it (the engine holds no gradient buffer, master or optimizer
-state for it): :func:`unfrozen_error` is raised at the next step on every rank (the step agreement
+state for it): ``unfrozen_error`` (_engine/untouched.py) is raised at the next step on every rank (the step agreement
 carries whether any rank has such a gradient), naming it.
 """
 
@@ -41,21 +41,20 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from .integrations import shadow
-
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from .._engine.engine import ZeroEngine
 
 
-def install(model: nn.Module, engine: "ZeroEngine", end: Callable[[], None]) -> list[Callable[[], None]]:
-    """Shadow ``_apply`` on every module of ``model``; ``end()`` tears the engine down. Returns
-    the undo callbacks."""
-    managed = {id(s.param) for g in engine.groups for s in g.slots}
-    return [shadow(module, "_apply", functools.partial(_converter, module, model, engine, managed, end))
+def apply_shadows(model: nn.Module, engine: "ZeroEngine", end: Callable[[], None]
+                  ) -> list[tuple[nn.Module, str, Callable]]:
+    """The ``_apply`` shadow of every module of ``model`` as (module, "_apply", ``make(original)``),
+    for _model/install.py to apply; ``end()`` tears the engine down."""
+    managed = engine.managed.keys()
+    return [(module, "_apply", functools.partial(_converter, module, model, engine, managed, end))
             for module in model.modules()]
 
 
-def _converter(module: nn.Module, root: nn.Module, engine: "ZeroEngine", managed: set[int],
+def _converter(module: nn.Module, root: nn.Module, engine: "ZeroEngine", managed,
                end: Callable[[], None], original: Callable) -> Callable:
     def _apply(fn, recurse: bool = True):
         probe = torch.empty(0, dtype=engine.compute_dtype, device=engine.device)
@@ -83,7 +82,7 @@ def _asks_for_the_weights(fn) -> bool:
     return getattr(fn, "__qualname__", "").startswith("Module.cpu.")
 
 
-def _convert_the_rest(module: nn.Module, fn, managed: set[int], recurse: bool) -> None:
+def _convert_the_rest(module: nn.Module, fn, managed, recurse: bool) -> None:
     """``fn`` on the buffers and the parameters the engine does not hold, as torch would."""
     with torch.no_grad():
         for m in module.modules() if recurse else [module]:
@@ -95,21 +94,3 @@ def _convert_the_rest(module: nn.Module, fn, managed: set[int], recurse: bool) -
                     p.data = fn(p.data)
                     if p.grad is not None:
                         p.grad = fn(p.grad)
-
-
-def unfrozen_names(engine: "ZeroEngine") -> list[str]:
-    """Parameters frozen at setup that have a gradient now (``requires_grad_(True)`` after setup)."""
-    return [s.fqn for g in engine.groups if not g.trainable for s in g.slots
-            if s.param.requires_grad and s.param.grad is not None]
-
-
-def unfrozen_error(names: list[str]) -> RuntimeError:
-    """Raised on every rank once the step agreement says some rank has such gradients."""
-    which = (f"{names[:4]}{' and more' if len(names) > 4 else ''}" if names
-             else "parameters of this model (on another rank)")
-    return RuntimeError(
-        f"zero_strategy: {which} got gradients but were frozen (requires_grad=False, or in no optimizer) "
-        "when the model was set up, so the engine holds no gradient shard, fp32 master or optimizer state "
-        "for them and the step would leave them untrained. Unfreeze before zero_strategy.setup / "
-        "accelerator.prepare / Trainer.fit (gradual unfreezing: give them requires_grad=True and a param "
-        "group with lr=0 until their turn), or call zero_strategy.teardown(model) and set the model up again.")

@@ -1,0 +1,50 @@
+"""The one installer: everything ``setup`` puts on the user's model, and the one undo list teardown runs.
+
+Three kinds of thing go onto a set-up model, each so that the user's own calls keep working:
+the module state-dict hooks (``model.state_dict()`` / ``load_state_dict()`` see full weights
+and reach the shards and masters: _model/state_dict.py), the ``_apply`` shadow on every module
+(``.cpu()``, ``.to()``, ``.half()``: _model/conversions.py) and the shadows of transformers'
+and PEFT's methods (``generate``, ``save_pretrained``, the merges: _model/hf.py). They are put
+on here and nowhere else, and :func:`install` returns the callbacks that take each off again:
+``engine.undo_on_teardown``, which ``zero_strategy.teardown`` runs after the engine's own
+hooks are removed. The engine never sees any of it: it imports nothing of _model/.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+from torch import nn
+
+from .conversions import apply_shadows
+from .hf import library_shadows
+from .state_dict import register_module_state_hooks
+
+if TYPE_CHECKING:
+    from .._engine.engine import ZeroEngine
+
+
+def install(model: nn.Module, engine: "ZeroEngine", end: Callable[[], None]) -> list[Callable[[], None]]:
+    """Put the state-dict hooks, the library shadows and the ``_apply`` shadows on ``model``;
+    ``end()`` tears the engine down (a conversion that asks for the trained weights calls it).
+    Returns the undo callbacks, in the order they were put on."""
+    undo: list[Callable[[], None]] = [h.remove for h in register_module_state_hooks(engine)]
+    # See [Note: conversions on a set-up model] in _model/conversions.py
+    for module, name, make in library_shadows(model, engine) + apply_shadows(model, engine, end):
+        undo.append(shadow(module, name, make))
+    return undo
+
+
+def shadow(module: nn.Module, name: str, make: Callable) -> Callable[[], None]:
+    """Shadow ``module.<name>`` by ``make(original)`` (an instance attribute: the class and other
+    models are untouched); the returned callback removes it."""
+    original = getattr(module, name)
+    wrapper = make(original)
+    functools.update_wrapper(wrapper, original)
+    module.__dict__[name] = wrapper
+
+    def remove() -> None:
+        if module.__dict__.get(name) is wrapper:
+            del module.__dict__[name]
+    return remove
