@@ -103,6 +103,27 @@ def _holder(base, mode):
     return proc, path
 
 
+def _until_unlocked(path: Path, timeout: float = 60.0) -> None:
+    """Wait until no process holds ``path``'s lock: a killed holder releases it when the kernel
+    has finished it off, which on a loaded machine comes a while after ``kill`` returns (its
+    parent, ``unshare``, can be reaped first). The test then asks about a dead job, not a dying one."""
+    import fcntl
+    deadline = time.monotonic() + timeout
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{path} is still locked {timeout} s after its holder was killed"
+                time.sleep(0.05)
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.multiprocess
 def test_a_live_directory_of_another_job_is_kept_a_dead_ones_removed(tmp_path):
     proc, live = _holder(tmp_path, "hold")
@@ -112,9 +133,9 @@ def test_a_live_directory_of_another_job_is_kept_a_dead_ones_removed(tmp_path):
         assert (live / "swap.bin").read_bytes() == b"live state of another job"
         zs.teardown(model, keep_weights=False)
     finally:
-        proc.kill()
+        _procs.kill_group(proc)  # unshare and the holder it forked: one process group
         proc.wait()
-    time.sleep(0.1)
+    _until_unlocked(live)
     with pytest.warns(UserWarning, match=r"removed stale NVMe swap directories .*" + live.name):
         model, zopt = make(tmp_path)
     assert not live.exists()

@@ -62,13 +62,23 @@ def make_model() -> LlamaForCausalLM:
 
 
 def model_path(out: Path) -> str:
-    """The tiny Llama saved once per rank, given by path as TRL's docs give a hub id (GRPO loads
-    its reference model from the same path when ``beta > 0``)."""
+    """The tiny Llama saved once, by rank 0, given by path as TRL's docs give a hub id (GRPO loads
+    its reference model from the same path when ``beta > 0``).
+
+    Every rank enters the barrier on its first call, whatever the file system shows: when each
+    rank asked ``path.exists()``, a rank that looked while rank 0 was writing skipped the barrier,
+    read a half-written model and met rank 0's barrier with DDP's first collective ("Connection
+    closed by peer" on a loaded machine)."""
     path = out / "tiny-llama"
-    if not path.exists():
-        make_model().save_pretrained(path)  # written by rank 0 (the process group exists: GRPOConfig made it)
+    if not SAVED:
+        if torch.distributed.get_rank() == 0:  # the process group exists: GRPOConfig made it
+            make_model().save_pretrained(path)
         torch.distributed.barrier()
+        SAVED.append(path)
     return str(path)
+
+
+SAVED: list[Path] = []  # the model's directory once rank 0 has written it and every rank has waited
 
 
 def prompts() -> datasets.Dataset:
