@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 
 import zero_strategy as zs
@@ -21,20 +20,17 @@ def habit_reports(scenarios: tuple[str, ...], policies: tuple[tuple[int, str | N
     return launch("habits.py", 2, {"cases": cases}, timeout=240)
 
 
-def results_of(reports: list[dict], scenario: str):
-    """(rank, result) of ``scenario`` on every rank and policy, failing on a worker error; each
-    result already compared with the plain model: weights within 1e-5 relative, losses too."""
-    found = 0
+def results_of(reports: list[dict], scenario: str) -> list[tuple[int, dict]]:
+    """(rank, result) of ``scenario`` on every rank and policy, in launch order; a worker error in
+    any case fails here. The test asserts what each result must show (weights and losses against
+    the plain model the worker trained beside it)."""
+    found = []
     for rank, rep in enumerate(reports):
         for res in rep["results"]:
             assert "error" not in res, res["error"]
-            if res["case"]["scenario"] != scenario:
-                continue
-            found += 1
-            assert res["weight_rel_diff"] < 1e-5, (rank, res["case"], res["weight_rel_diff"])
-            assert res["losses_zero"] == pytest.approx(res["losses_ref"], rel=1e-5), res["case"]
-            yield rank, res
-    assert found, f"no result for {scenario}"
+            if res["case"]["scenario"] == scenario:
+                found.append((rank, res))
+    return found
 
 
 def train(model, optimizer, steps) -> None:

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import functools
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from test_accelerate_zero import HERE, _reports, accelerate_launch, run_single  # noqa: E402
+from _accelerate_launch import accelerate_launch, run_single  # noqa: E402
 
-WORKER = HERE / "workers" / "accelerate_save_model.py"
+WORKER = "accelerate_save_model.py"
 SAVES = ["whole", "split"]
 TOL = 1e-5  # fp32: relative to each tensor's largest magnitude (tests/_compare.py)
 PAD = 64 * 4  # a flat group is padded to a multiple of the world size
@@ -39,9 +41,9 @@ SLACK = 12 << 20  # Python, torch and safetensors working memory beside the tens
 @functools.lru_cache(maxsize=None)
 def runs():
     """(ZeRO run's directory, its per-rank reports, the stock run's directory)."""
-    out, log = accelerate_launch(WORKER, {"mode": "zero"}, timeout=300)
-    reports = _reports(out, 2, log)
-    stock, stock_log = run_single(WORKER, {"mode": "stock"}, timeout=240)
+    out, stock = Path(tempfile.mkdtemp(prefix="zs_acc_")), Path(tempfile.mkdtemp(prefix="zs_acc1_"))
+    reports, _ = accelerate_launch(WORKER, {"mode": "zero"}, timeout=300, out=out, use_cpu=False)
+    stock_log = run_single(WORKER, {"mode": "stock"}, stock, timeout=240, use_cpu=False)
     assert (stock / "rank0.json").is_file(), stock_log[-3000:]
     return out, sorted(reports, key=lambda r: r["rank"]), stock
 

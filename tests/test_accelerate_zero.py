@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 import _procs  # noqa: E402
-from _accelerate_launch import CPU_CONFIG, accelerate_run  # noqa: E402
+from _accelerate_launch import accelerate_launch, accelerate_run, launch_env, run_single  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -28,40 +28,14 @@ PRESETS = ["zero1", "zero2", "zero3", "zero2_offload"]
 COMMON = {"gas": 2, "clip": 0.3, "steps": 4, "resume_at": 2}
 
 
-def _env() -> dict:
-    return _procs.child_env(drop=("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZERO_STRATEGY_CONFIG",
-                                  "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"))
-
-
-def _reports(out: Path, ranks: int, log: str) -> list[dict]:
-    return _procs.read_reports(out, ranks, "the launch", log)
-
-
-def accelerate_launch(script: Path, args: dict | None, ranks: int = 2, timeout: float = 180.0,
-                      script_args: list[str] | None = None, launch_args: tuple[str, ...] = ()) -> tuple[Path, str]:
-    """``accelerate launch --config_file cpu_2proc.yaml script OUT``; returns (OUT, combined log)."""
-    out = Path(tempfile.mkdtemp(prefix="zs_acc_"))
-    if args is not None:
-        (out / "args.json").write_text(json.dumps(args))
-    log = accelerate_run(script, script_args if script_args is not None else [str(out)], CPU_CONFIG, ranks,
-                         timeout, env=_env(), launch_args=launch_args)
-    return out, log
-
-
-def run_single(script: Path, args: dict | None, timeout: float = 120.0) -> tuple[Path, str]:
-    out = Path(tempfile.mkdtemp(prefix="zs_acc1_"))
-    if args is not None:
-        (out / "args.json").write_text(json.dumps(args))
-    proc = _procs.run([sys.executable, str(script), str(out)], timeout, env=_env())
-    return out, proc.stdout + proc.stderr
-
-
 @pytest.fixture(scope="module")
-def launched():
+def launched(tmp_path_factory):
+    """Launched as a user's shell does (no ACCELERATE_USE_CPU: ZeroAccelerator sets it)."""
     args = {"mode": "launch", "presets": PRESETS, "resume_save_preset": "zero3", "resume_load_preset": "zero2",
             **COMMON}
-    out, log = accelerate_launch(HERE / "workers" / "accelerate_parity.py", args)
-    return out, _reports(out, 2, log)
+    out = tmp_path_factory.mktemp("accelerate_parity")
+    reports, _ = accelerate_launch("accelerate_parity.py", args, timeout=180, out=out, use_cpu=False)
+    return out, reports
 
 
 # ----------------------------------------------------------------------- 2 processes
@@ -104,8 +78,9 @@ def test_save_state_then_load_state_resumes_across_stages(launched):
 def test_load_state_on_one_process(launched):
     out, _ = launched
     args = {"mode": "resume", "from": str(out), "resume_load_preset": "zero1", **COMMON}
-    one, log = run_single(HERE / "workers" / "accelerate_parity.py", args)
-    (r,) = _reports(one, 1, log)
+    one = Path(tempfile.mkdtemp(prefix="zs_acc1_"))
+    log = run_single("accelerate_parity.py", args, one, use_cpu=False)
+    (r,) = _procs.read_reports(one, 1, "accelerate_parity.py", log)
     assert r["num_processes"] == 1
     assert r["resume_loaded_rel"] == 0.0
     assert r["resume_final_rel"] < 1e-5
@@ -116,9 +91,9 @@ def test_load_state_on_one_process(launched):
 def test_example_script_with_the_shipped_cpu_config():
     """The command of docs/front-ends/accelerate.md, with bf16 chosen on the launch command line (Accelerate's one precision setting)."""
     out = Path(tempfile.mkdtemp(prefix="zs_example_"))
-    _, log = accelerate_launch(ROOT / "recipes" / "accelerate" / "train_example.py", None,
-                               script_args=["--zero-config", "zero3", "--steps", "2", "--out", str(out)],
-                               launch_args=("--mixed_precision", "bf16"))
+    log = accelerate_run(ROOT / "recipes" / "accelerate" / "train_example.py",
+                         ["--zero-config", "zero3", "--steps", "2", "--out", str(out)], timeout=180,
+                         launch_args=("--mixed_precision", "bf16"), use_cpu=False)
     assert "step 2: loss" in log, log[-4000:]
     assert "ZeRO stage 3, precision bf16, 2 processes: saved to" in log, log[-4000:]
     assert (out / "model" / "model.safetensors").exists()
@@ -130,7 +105,8 @@ def test_example_script_with_the_shipped_cpu_config():
 def _after_setup() -> tuple[dict | None, str]:
     """One run of workers/accelerate_errors.py (Accelerate's state is per process): its raw report,
     or None and the log; each test below asserts its own behaviour on it."""
-    out, log = run_single(HERE / "workers" / "accelerate_errors.py", None)
+    out = Path(tempfile.mkdtemp(prefix="zs_acc1_"))
+    log = run_single("accelerate_errors.py", None, out, use_cpu=False)
     path = out / "rank0.json"
     return (json.loads(path.read_text()) if path.exists() else None), log
 
@@ -296,5 +272,5 @@ def test_deepspeed_auto_values_are_resolved_from_accelerate():
 def test_import_zero_strategy_does_not_import_accelerate():
     code = ("import sys, zero_strategy; assert 'accelerate' not in sys.modules; "
             "zero_strategy.ZeroAccelerator; assert 'accelerate' in sys.modules")
-    proc = _procs.run([sys.executable, "-c", code], 60, env=_env())
+    proc = _procs.run([sys.executable, "-c", code], 60, env=launch_env(use_cpu=False))
     assert proc.returncode == 0, proc.stderr[-3000:]

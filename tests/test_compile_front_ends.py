@@ -14,7 +14,8 @@ as test_parity_ddp.py). Each compiled run also reports that compilation was appl
 
 from __future__ import annotations
 
-import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from _launch import launch
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
 
-from test_accelerate_zero import HERE, _reports, accelerate_launch  # noqa: E402
+from _accelerate_launch import accelerate_launch  # noqa: E402
 
 TOL = 1e-5
 ZERO3 = {"stage": 3, "param_persistence_threshold": 0}
@@ -73,14 +74,12 @@ def accelerate_runs():
     runs = {}
     for name, flags in (("eager", ()), ("model", ("--dynamo_backend", "aot_eager")),
                         ("regional", ("--dynamo_backend", "aot_eager", "--dynamo_use_regional_compilation"))):
-        out, log = accelerate_launch(HERE / "workers" / "accelerate_compile.py",
-                                     {"name": name, "reference": name == "eager"}, launch_args=flags, timeout=240)
-        try:
-            reps = _reports(out, 2, log)
+        with tempfile.TemporaryDirectory(prefix="zs_acc_") as tmp:
+            out = Path(tmp)
+            reps, _ = accelerate_launch("accelerate_compile.py", {"name": name, "reference": name == "eager"},
+                                        timeout=240, out=out, launch_args=flags, use_cpu=False)
             runs[name] = (reps, torch.load(out / f"{name}.pt"),
                           torch.load(out / "ddp.pt") if name == "eager" else None)
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
     return runs
 
 

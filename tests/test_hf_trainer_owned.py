@@ -10,15 +10,14 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from test_accelerate_zero import HERE, _reports, accelerate_launch  # noqa: E402
+from _accelerate_launch import accelerate_launch  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
 def reports():
-    out, log = accelerate_launch(HERE / "workers" / "hf_trainer_owned.py", {}, timeout=240)
-    return _reports(out, 2, log)
+    return accelerate_launch("hf_trainer_owned.py", {}, timeout=240, use_cpu=False)[0]
 
 
 @pytest.mark.parametrize("name,optimizer", [("optimizers_arg", "torch.optim.Adafactor"),

@@ -13,14 +13,13 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from test_accelerate_zero import HERE, _reports, accelerate_launch  # noqa: E402
+from _accelerate_launch import accelerate_launch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def reports():
-    out, log = accelerate_launch(HERE / "workers" / "accelerate_hf_trainer.py",
-                                 {"save_preset": "zero3", "load_preset": "zero2"}, timeout=240)
-    return _reports(out, 2, log)
+    return accelerate_launch("accelerate_hf_trainer.py", {"save_preset": "zero3", "load_preset": "zero2"},
+                             timeout=240, use_cpu=False)[0]
 
 
 @pytest.mark.multiprocess

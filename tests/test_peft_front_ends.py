@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from _launch import launch  # noqa: E402
 from _peft_models import PROBE, assert_same_files, tiny_llama  # noqa: E402
-from test_accelerate_zero import HERE, _reports, accelerate_launch  # noqa: E402
+from _accelerate_launch import accelerate_launch  # noqa: E402
 
 STAGES = ["stage1", "stage2", "stage3"]
 TOL = 1e-5
@@ -42,15 +42,15 @@ def lightning_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def accelerate_run():
-    out, log = accelerate_launch(HERE / "workers" / "peft_accelerate.py", {}, timeout=300)
-    return _reports(out, 2, log)
+def accelerate_run(tmp_path_factory):
+    return accelerate_launch("peft_accelerate.py", {}, timeout=300, out=tmp_path_factory.mktemp("peft_accelerate"),
+                             use_cpu=False)[0]
 
 
 @pytest.fixture(scope="module")
-def trainer_run():
-    out, log = accelerate_launch(HERE / "workers" / "peft_hf_trainer.py", {}, timeout=300)
-    return _reports(out, 2, log)
+def trainer_run(tmp_path_factory):
+    return accelerate_launch("peft_hf_trainer.py", {}, timeout=300, out=tmp_path_factory.mktemp("peft_hf_trainer"),
+                             use_cpu=False)[0]
 
 
 def runs(request, front_end: str, stage: str) -> list[dict]:

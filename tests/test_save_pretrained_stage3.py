@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from test_accelerate_zero import HERE, _reports, accelerate_launch  # noqa: E402
+from _accelerate_launch import accelerate_launch  # noqa: E402
 
 SAVES = ["accelerate", "plain"]
 TIES = ["tied", "untied"]
@@ -25,9 +25,9 @@ TOL = 1e-5  # fp32, absolute on weights of magnitude ~1 (as tests/test_transform
 
 
 @pytest.fixture(scope="module")
-def launched():
-    out, log = accelerate_launch(HERE / "workers" / "accelerate_save_pretrained.py", {}, timeout=240)
-    return out, _reports(out, 2, log)
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("accelerate_save_pretrained")
+    return out, accelerate_launch("accelerate_save_pretrained.py", {}, timeout=240, out=out, use_cpu=False)[0]
 
 
 def tensors_in(directory) -> dict:

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("peft")
 pytest.importorskip("trl")
 
-import _procs  # noqa: E402
-from test_accelerate_zero import HERE, _env, _reports, accelerate_launch  # noqa: E402
+from _accelerate_launch import accelerate_launch, run_single  # noqa: E402
 
-WORKER = HERE / "workers" / "trainer_adapter_save.py"
+WORKER = "trainer_adapter_save.py"
 CLASSES = ["trainer", "sft"]
 PAD = 64 * 4  # a flat group is padded to a multiple of the world size
 
@@ -36,11 +36,10 @@ PAD = 64 * 4  # a flat group is padded to a multiple of the world size
 @functools.lru_cache(maxsize=None)
 def runs():
     """(the directory both runs wrote into, the ZeRO run's per-rank reports)."""
-    out, log = accelerate_launch(WORKER, {"mode": "zero"}, timeout=300)
-    reports = _reports(out, 2, log)
-    (out / "args.json").write_text(json.dumps({"mode": "stock"}))
-    proc = _procs.run([sys.executable, str(WORKER), str(out)], 240, env=_env())
-    assert (out / "stock.json").is_file(), (proc.stdout + proc.stderr)[-3000:]
+    out = Path(tempfile.mkdtemp(prefix="zs_acc_"))
+    reports, _ = accelerate_launch(WORKER, {"mode": "zero"}, timeout=300, out=out, use_cpu=False)
+    log = run_single(WORKER, {"mode": "stock"}, out, timeout=240, use_cpu=False)
+    assert (out / "stock.json").is_file(), log[-3000:]
     return out, reports
 
 

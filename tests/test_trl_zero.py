@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from test_accelerate_zero import HERE, _reports, accelerate_launch  # noqa: E402
+from _accelerate_launch import accelerate_launch  # noqa: E402
 
 DS_CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True},
              "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -26,9 +26,8 @@ CASES = ["sft", "sft_lora", "dpo_zero3", "dpo_zero2", "dpo_sync_refused"]
 
 @pytest.fixture(scope="module")
 def reports():
-    out, log = accelerate_launch(HERE / "workers" / "accelerate_trl.py", {"cases": CASES, "ds_config": DS_CONFIG},
-                                 timeout=300)
-    reps = _reports(out, 2, log)
+    reps, _ = accelerate_launch("accelerate_trl.py", {"cases": CASES, "ds_config": DS_CONFIG}, timeout=300,
+                                use_cpu=False)
     for r in reps:
         for case in CASES:
             assert "error" not in r.get(case, {}), r.get(case, {}).get("error", f"{case} missing")

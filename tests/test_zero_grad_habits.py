@@ -24,4 +24,8 @@ POLICIES = ((1, None), (2, None), (3, None), (2, "cpu"), (3, "cpu"))
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_clearing_gradients_the_users_way_matches_a_plain_model(scenario):
-    assert len(list(results_of(habit_reports(SCENARIOS, POLICIES), scenario))) == 2 * len(POLICIES)
+    results = results_of(habit_reports(SCENARIOS, POLICIES), scenario)
+    assert len(results) == 2 * len(POLICIES)  # every policy on both ranks
+    for rank, res in results:
+        assert res["weight_rel_diff"] < 1e-5, (rank, res["case"], res["weight_rel_diff"])
+        assert res["losses_zero"] == pytest.approx(res["losses_ref"], rel=1e-5), (rank, res["case"])

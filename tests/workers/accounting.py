@@ -3,7 +3,9 @@
 args["cases"]: list of {stage, precision}. Per case: two training steps of TinyLM
 with AdamW; the memory report is taken after the second backward (every kind of
 model state exists then: parameters, reduced gradients, masters, Adam moments),
-the communication counters cover the second step (forward, backward, step).
+the communication counters cover the second step (forward, backward, step): the engine's own
+(``comm``) and, counted outside the package by wrapping ``torch.distributed``'s collectives
+(workers/_dist_counter.py), what every call moved (``outside``).
 Parameter counts come from the unsharded model, before setup.
 """
 
@@ -15,10 +17,12 @@ import gc
 import torch
 import torch.distributed as dist
 
+import _dist_counter
 from _worker import finish, start
 from _models import TinyLM, batch, loss_fn, param_groups
 
-import zero_strategy as zs
+_dist_counter.install()  # before zero_strategy is imported: it binds collectives at import
+import zero_strategy as zs  # noqa: E402
 
 
 def counts(model: torch.nn.Module) -> dict:
@@ -44,18 +48,22 @@ def run_case(case: dict) -> dict:
     report = None
     accum = case.get("accum", 1)
     for step in range(2):
+        if step == 1:
+            _dist_counter.reset()
         for micro in range(accum):
             tokens, targets = batch(rank, step, micro)
             quiet = case.get("no_sync") and micro < accum - 1
             with zs.no_sync(model) if quiet else contextlib.nullcontext():
                 zopt.backward(loss_fn(model(tokens), targets) / accum)
         if step == 1:
-            report = zs.memory_report(model)
+            with _dist_counter.paused():  # a report, no part of the step
+                report = zs.memory_report(model)
         zopt.step()
         zopt.zero_grad()
+    outside = _dist_counter.counts()
     largest_shard = max(g.shard_numel for g in zs.engine_of(model).groups)
     return dict(case=case, counts=numbers, memory=report.by_category, placement=report.by_placement,
-                comm=zs.comm_stats(model), largest_shard=largest_shard)
+                comm=zs.comm_stats(model), outside=outside, largest_shard=largest_shard)
 
 
 class Wide(torch.nn.Module):
