@@ -124,7 +124,7 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | str
     output's tail; whatever the command left running when it returned is killed too.
     ``merge_stderr``: stderr into stdout (one log in order).
     """
-    what = " ".join(Path(str(a)).name if os.sep in str(a) else str(a) for a in cmd[:4])
+    what = " ".join(Path(str(a)).name if os.sep in str(a) else str(a) for a in cmd[:4])[:80]  # a -c program: its start
     started = time.monotonic()
     proc = start(cmd, env, cwd, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
     try:
