@@ -5,13 +5,18 @@ Measured in tests/workers/freed_host_memory.py: a 4-layer Llama (21M parameters)
 bf16, six AdamW steps then ``save_checkpoint``; the growth of anonymous RSS since before the
 model was built against the engine's own accounting (``memory_report``): its resting model
 states plus the peak of its working set (gathered units, gradient buffers, staging), which is
-what the last pass may have left in the allocator's free lists. 48 MiB of slack covers the
+what the last pass may have left in the allocator's free lists. 56 MiB of slack covers the
 interpreter's and torch's own working memory.
 
-Without the release (``release_host_memory=False``: glibc keeps freed heap memory, see
-[Note: freed host memory] in _mechanisms/host_memory.py) the same runs held 481-605 MiB after
-their first step, 70-200 MiB above the bound, so the bound tells the two apart; with it,
-330-435 MiB, 30-70 MiB below it.
+Measured on 2026-12-07 (torch 2.13.0, transformers 5.25.0; growth after each of the six steps,
+against the bound with 48 MiB of slack): with the release, zero1 329 MiB (bound 409), zero2 329
+(361), zero3 330 (361), and zero3_offload 330 and 361-363 on alternate steps (361): the
+offloaded step sometimes leaves about 31 MiB, the fp32 copy of the root's gradients, in the
+allocator, which put that case at its bound, 1.4 MiB over it in one suite run of four. So the
+slack is 56 MiB, 6 MiB above the worst seen. Without the release (``release_host_memory=False``:
+glibc keeps freed heap memory, see [Note: freed host memory] in _mechanisms/host_memory.py) the
+same runs held zero1 432-448, zero2 477-501, zero3 497-513, zero3_offload 541-595 MiB, 15-226 MiB
+above the 56 MiB bound, so the bound still tells the two apart.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")]
 
 MiB = 1 << 20
-SLACK = 48 * MiB
+SLACK = 56 * MiB
 
 
 @pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "zero3_offload"])
