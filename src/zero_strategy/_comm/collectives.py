@@ -109,7 +109,7 @@ from .faults import (LOCAL, MAIN, CollectiveDesync, CollectiveError, CollectiveT
 from .gloo_gathers import all_gather_by_broadcasts, gather_to, pieces_to
 from .objects import ObjectCollectives
 from .stats import CommStats, OpCounter
-from .waits import DESYNC_CHECK_AFTER, Handle, Then
+from .waits import DESYNC_CHECK_AFTER, Handle, Then, WaitPolicy
 
 __all__ = ["CollectiveDesync", "CollectiveError", "CollectiveTimeout", "Collectives", "CommStats", "Handle",
            "OpCounter", "DESYNC_CHECK_AFTER"]
@@ -163,6 +163,9 @@ class Collectives(ObjectCollectives):
         self.wait_timeout = wait_timeout
         #: the bound every handle waits with, converted once (handles are made per collective)
         self.handle_timeout = None if wait_timeout is None else datetime.timedelta(seconds=wait_timeout)
+        #: how every handle of this group waits, built once (handles are made per collective)
+        self.wait_policy = WaitPolicy(wait_timeout, self.handle_timeout, self.backend == "gloo", self.failure,
+                                      self.check_desync)
         self.stats = CommStats()
         self.recorder = FlightRecorder()
         #: set once a collective failed here: the group must not be used again (no teardown gather)
@@ -313,8 +316,7 @@ class Collectives(ObjectCollectives):
         except RuntimeError as e:  # gloo may fail at launch when a peer is already gone
             raise self.failure(record, e) from e
         handle = Handle(work, keep, record, unbounded=op == "reduce_scatter" and self.backend == "gloo",
-                        timeout=self.wait_timeout, bound=self.handle_timeout, gloo=self.backend == "gloo", failure=self.failure,
-                        check_desync=self.check_desync)
+                        policy=self.wait_policy)
         if not async_op:
             handle.wait()
         return handle

@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from .faults import CollectiveDesync, FlightRecorder, Record
@@ -39,46 +40,59 @@ from .faults import CollectiveDesync, FlightRecorder, Record
 DESYNC_CHECK_AFTER = 2.0
 
 
+@dataclass(frozen=True)
+class WaitPolicy:
+    """How a group's collectives are waited on, built once by the issuing ``Collectives`` and
+    shared by every handle it makes (handles are made per collective: one reference each, not
+    five fields and two bound methods). ``timeout``: seconds a wait may take (None: unbounded);
+    ``bound``: the same as the timedelta torch's ``wait`` takes; ``gloo``: the works are gloo's
+    (waited on a thread where needed); ``failure(record, error)``: the error to raise for a failed
+    wait; ``check_desync()``: may raise while a gloo wait runs (See [Note: desync while waiting]).
+    Callables, so this module never imports ``collectives`` back."""
+
+    timeout: float | None
+    bound: datetime.timedelta | None
+    gloo: bool
+    failure: Callable[[Record | None, BaseException], BaseException]
+    check_desync: Callable[[], None]
+
+
 class Handle:
     """An in-flight collective. ``wait()`` is idempotent and keeps tensors alive until then."""
 
-    __slots__ = ("_work", "_keep", "_record", "_unbounded", "_timeout", "_bound", "_gloo", "_failure", "_check_desync")
+    __slots__ = ("_work", "_keep", "_record", "_unbounded", "_policy")
 
-    def __init__(self, work=None, keep: tuple = (), record: Record | None = None, unbounded: bool = False, *,
-                 timeout: float | None = None, bound: datetime.timedelta | None = None, gloo: bool = False,
-                 failure: Callable[[Record | None, BaseException], BaseException] | None = None,
-                 check_desync: Callable[[], None] | None = None):
+    def __init__(self, work=None, keep: tuple = (), record: Record | None = None, unbounded: bool = False,
+                 policy: WaitPolicy | None = None):
         """``unbounded``: the work's own ``wait(timeout)`` ignores the timeout; See [Note: unbounded works].
-        ``timeout``: seconds the wait may take (None: unbounded), ``bound`` the same as the
-        timedelta torch's ``wait`` takes (converted once by the caller); ``gloo``: the work is gloo's (waited
-        on a thread where needed); ``failure(record, error)``: the error to raise for a failed wait;
-        ``check_desync()``: may raise while a gloo wait runs (See [Note: desync while waiting]). The
-        issuing ``Collectives`` passes its own: callables, so this module never imports it back."""
+        ``policy``: how to wait (None: an unbounded ``work.wait()``)."""
         self._work = work
         self._keep = keep
         self._record = record
         self._unbounded = unbounded
-        self._timeout, self._bound, self._gloo = timeout, bound, gloo
-        self._failure, self._check_desync = failure, check_desync
+        self._policy = policy
 
     def wait(self) -> None:
         """Wait for the collective; past the engine's bound, or when a peer is gone, raise
         :class:`CollectiveTimeout` / :class:`CollectiveError` (see [Note: bounded waits])."""
         if self._work is not None:
             work, self._work = self._work, None  # a failed operation is abandoned: never waited on again
+            policy = self._policy
             try:
-                if self._failure is None or self._timeout is None:
+                if policy is None or policy.timeout is None:
                     work.wait()
-                elif self._gloo and (self._unbounded or not work.is_completed()):
-                    _wait_on_thread(work, self._timeout, self._check_desync)
+                elif policy.gloo and (self._unbounded or not work.is_completed()):
+                    _wait_on_thread(work, policy.timeout, policy.check_desync)
                 else:
-                    work.wait(self._bound)
+                    work.wait(policy.bound)
             except CollectiveDesync:
                 self._keep = ()
                 raise
             except RuntimeError as e:
                 self._keep = ()
-                raise self._failure(self._record, e) from e
+                if policy is None:
+                    raise
+                raise policy.failure(self._record, e) from e
             FlightRecorder.finish(self._record, ok=True)
         self._keep = ()
 
