@@ -341,11 +341,18 @@ class FlatGroup:
         self.state = ShardState.SHARDED
 
     # ------------------------------------------------------------------ step
-    def master_grad(self) -> torch.Tensor | None:
+    def master_grad(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The fp32 gradient the optimizer sees, next to the master (host when offloaded): a copy
-        of the whole group when the reduce dtype is lower. See [Note: fp32 gradients only for the
-        groups being stepped] in storage.py."""
-        return self.masters.grad_for_step(self.grads.grad_shard, self.grads.version)
+        of the whole group when the reduce dtype is lower, into ``out`` when given (``out``:
+        :attr:`master_grad_cast_numel` elements). See [Note: fp32 gradients only for the groups
+        being stepped] in storage.py."""
+        return self.masters.grad_for_step(self.grads.grad_shard, self.grads.version, out)
+
+    @property
+    def master_grad_cast_numel(self) -> int:
+        """Elements :meth:`master_grad` copies to the master's dtype (0: the gradient is used as it is)."""
+        shard = self.grads.grad_shard
+        return 0 if shard is None or self.master is None or shard.dtype == self.master.dtype else shard.numel()
 
     def master_grad_source(self) -> torch.Tensor | None:
         """The reduced gradient next to the master, still in the reduce dtype (a streamed step

@@ -53,12 +53,16 @@ from .._mechanisms import nvme_stream
 from .._mechanisms.transfers import HOST, Transfers
 
 
-def fp32_grad(grad: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """``grad`` (or a chunk of it) as the master's dtype: itself when it already is, else a copy.
-    See [Note: fp32 gradients only for the groups being stepped]."""
+def fp32_grad(grad: torch.Tensor | None, dtype: torch.dtype = torch.float32,
+              out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``grad`` (or a chunk of it) as the master's dtype: itself when it already is, else a copy
+    (into ``out`` when given: See [Note: the step's casts reuse their buffers] in
+    _mechanisms/cast_scratch.py). See [Note: fp32 gradients only for the groups being stepped]."""
     if grad is None or grad.dtype == dtype:
         return grad
-    return grad.to(dtype)
+    if out is None:
+        return grad.to(dtype)
+    return out.view(grad.shape).copy_(grad)
 
 
 # ------------------------------------------------------------------ parameter shard
@@ -173,11 +177,12 @@ class DeviceMaster:
         """The reduced gradient next to the master, in the reduce dtype (no fp32 copy yet)."""
         return grad_shard
 
-    def grad_for_step(self, grad_shard: torch.Tensor | None, version: int) -> torch.Tensor | None:
+    def grad_for_step(self, grad_shard: torch.Tensor | None, version: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The fp32 gradient the optimizer sees, next to the master (aliases the shard when it
-        can). A cast is a copy of the whole group: See [Note: fp32 gradients only for the groups
-        being stepped]."""
-        return fp32_grad(self.grad_source(grad_shard, version), self.master.dtype)
+        can). A cast is a copy of the whole group (into ``out`` when given): See [Note: fp32
+        gradients only for the groups being stepped]."""
+        return fp32_grad(self.grad_source(grad_shard, version), self.master.dtype, out)
 
     def drop_grad(self) -> None:
         self.master.grad = None

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cast_scratch import CastScratch
 from .worker_threads import WorkerThreads
 from .working_set import WorkingSet
 
@@ -81,6 +82,8 @@ class Transfers:
         #: what the engine holds beyond its resting state, now and at its peak (See [Note: the working set])
         self.working_set = WorkingSet()
         self._staging = _StagingRing(STAGING_SLOTS, self.host_empty, self.working_set)
+        #: host buffers the step casts gradients into (See [Note: the step's casts reuse their buffers])
+        self.cast_scratch = CastScratch(self.working_set)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
@@ -243,8 +246,7 @@ DEVICE_CAST_BATCH_NUMEL = 1 << 24
 
 def _cast_numel(g) -> int:
     """Elements of group ``g``'s gradient the device step copies to fp32 (0: used as it is)."""
-    shard = g.grads.grad_shard
-    return 0 if shard is None or shard.dtype == g.master.dtype else shard.numel()
+    return g.master_grad_cast_numel
 
 
 def device_step_batches(groups: list) -> list[list]:

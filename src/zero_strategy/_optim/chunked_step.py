@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from .._engine.storage import fp32_grad
+from .._mechanisms.cast_scratch import CastScratch
 from .._mechanisms.nvme import NVMeError
 
 
@@ -44,13 +45,33 @@ def stopped_part_way(masters, what: str, e: BaseException) -> NVMeError:
     return err
 
 
-def chunk_grad(grad: torch.Tensor, dtype: torch.dtype, factor: float) -> torch.Tensor:
-    """One chunk's gradient as the optimizer takes it: cast to the master's ``dtype``, scaled by
-    ``factor``. An fp32 chunk is scaled where it is, as the whole shard was before chunks."""
-    out = fp32_grad(grad, dtype)
+def chunk_grad(grad: torch.Tensor, dtype: torch.dtype, factor: float, into: torch.Tensor | None = None) -> torch.Tensor:
+    """One chunk's gradient as the optimizer takes it: cast to the master's ``dtype`` (into
+    ``into`` when given), scaled by ``factor``. An fp32 chunk is scaled where it is, as the
+    whole shard was before chunks."""
+    out = fp32_grad(grad, dtype, into)
     if factor != 1.0:
         out.mul_(factor)
     return out
+
+
+def _step_chunk(group, a: int, b: int, views: dict, fresh: bool, swapped, before: dict, state, states: dict,
+                step_masters: Callable[..., None]) -> None:
+    """One chunk [a, b) of ``group``'s shard stepped, its master and ``.grad`` already set: the
+    optimizer state viewing the chunk (or, at the first step, the chunk's new state kept)."""
+    master, masters = group.master, group.masters
+    if fresh:
+        states.pop(master, None)  # the optimizer starts this chunk as it starts a shard
+    else:
+        for k in swapped:
+            state[k].data = views[f"state.{k}"]
+        if a:
+            state.update(copy.deepcopy(before))
+    step_masters([group], window=(a, b))
+    if fresh:
+        for k, v in states[master].items():
+            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == b - a:
+                masters.keep_state_chunk(k, v, a, views)
 
 
 class _Events:
@@ -70,12 +91,13 @@ class _Events:
 
 @torch.no_grad()
 def step_in_chunks(group, grad: torch.Tensor, factor: float, step_masters: Callable[..., None],
-                   states: dict) -> _Events:
+                   states: dict, scratch: CastScratch | None = None) -> _Events:
     """Step ``group`` (its reduced gradient ``grad`` [shard] in the reduce dtype, to be scaled by
     ``factor``) chunk by chunk, and write each chunk's new parameter shard. Each chunk's gradient
     is cast to fp32 and scaled on its own (See [Note: fp32 gradients only for the groups being
-    stepped] in _engine/storage.py); the values are those of a cast and scale of the whole shard.
-    See [Note: a step in chunks is the step]."""
+    stepped] in _engine/storage.py), into a buffer leased from ``scratch`` when given (See [Note:
+    the step's casts reuse their buffers] in _mechanisms/cast_scratch.py); the values are those
+    of a cast and scale of the whole shard. See [Note: a step in chunks is the step]."""
     masters, master = group.masters, group.master
     masters.cancel_prefetch()  # a whole-set read started before the set outgrew a slot: not used
     state = states.get(master)
@@ -89,19 +111,10 @@ def step_in_chunks(group, grad: torch.Tensor, factor: float, step_masters: Calla
         with contextlib.closing(chunks):
             for a, b, views in chunks:
                 master.data = views["master"]
-                master.grad = chunk_grad(grad[a:b], master.dtype, factor)
-                if fresh:
-                    states.pop(master, None)  # the optimizer starts this chunk as it starts a shard
-                else:
-                    for k in swapped:
-                        state[k].data = views[f"state.{k}"]
-                    if a:
-                        state.update(copy.deepcopy(before))
-                step_masters([group], window=(a, b))
-                if fresh:
-                    for k, v in states[master].items():
-                        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == b - a:
-                            masters.keep_state_chunk(k, v, a, views)
+                casts = b - a if grad.dtype != master.dtype else 0
+                with scratch.lease(casts, master.dtype) if scratch is not None else contextlib.nullcontext() as into:
+                    master.grad = chunk_grad(grad[a:b], master.dtype, factor, into)
+                    _step_chunk(group, a, b, views, fresh, swapped, before, state, states, step_masters)
                 events.append(group.params.take_master(views["master"], group.transfers, start=a))
     except BaseException as e:
         raise stopped_part_way(masters, f"flat group {group.name!r}, streamed in chunks", e) from e

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._engine.group_gathers import gather_replicated_groups
-from .._mechanisms.host_memory import release_if_large
+from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import step_batches
 from .chunked_step import step_in_chunks
 from .owned_runs import step_owned_runs
@@ -177,34 +177,40 @@ class OffloadedStep:
 
     def _cpu_step_groups(self, batch, factor: float, upcoming=()) -> list:
         """On the CPU worker: one optimizer step over ``batch``'s masters (state read ahead
-        for ``upcoming`` groups), then what it freed released (See [Note: freed host memory]
-        in _mechanisms/host_memory.py). Returns each group's upload event (or None)."""
-        uploads = self._cpu_step_batch(batch, factor, upcoming)
-        release_if_large(self.engine.config.release_host_memory, 4 * sum(g.shard_numel for g in batch))
-        return uploads
+        for ``upcoming`` groups). Returns each group's upload event (or None). What it frees it
+        keeps for the next step: See [Note: releases where a phase ends] in
+        _mechanisms/host_memory.py."""
+        chunked = batch[0].masters.streams and not batch[0].owned  # casts chunk by chunk, in step_in_chunks
+        casts = 0 if chunked else sum(g.master_grad_cast_numel for g in batch)
+        with self.engine.transfers.cast_scratch.lease(casts, torch.float32) as scratch:
+            return self._cpu_step_batch(batch, factor, upcoming, scratch)
 
     @torch.no_grad()
-    def _cpu_step_batch(self, batch, factor: float, upcoming=()) -> list:
+    def _cpu_step_batch(self, batch, factor: float, upcoming=(), scratch: torch.Tensor | None = None) -> list:
+        """``scratch``: where the batch's gradient casts go (See [Note: the step's casts reuse
+        their buffers] in _mechanisms/cast_scratch.py)."""
+        take = carve(scratch)
+        cast_into = lambda g: take(g.master_grad_cast_numel)  # noqa: E731
         with torch.profiler.record_function(f"zero::cpu_step::{batch[0].name}+{len(batch) - 1}"):
             for nxt in upcoming:  # read-ahead: the next groups' state loads while this one steps
                 nxt.masters.prefetch()
             if batch[0].masters.streams:  # larger than a staging slot: one group, chunk by chunk
                 if batch[0].owned:  # See [Note: the ownership layout on NVMe] in owned_runs.py
-                    grad = batch[0].master_grad()
+                    grad = batch[0].master_grad(cast_into(batch[0]))
                     if factor != 1.0:
                         grad.mul_(factor)
                     return [step_owned_runs(batch[0], grad, self._owned_views(batch[0]), self._step_masters,
                                             self._optimizer())]
                 # cast (and scaled) chunk by chunk: See [Note: fp32 gradients only for the groups being stepped]
                 return [step_in_chunks(batch[0], batch[0].master_grad_source(), factor, self._step_masters,
-                                       self._states())]
+                                       self._states(), self.engine.transfers.cast_scratch)]
             begun = []
             try:
                 for g in batch:
                     g.masters.begin_step()
                     begun.append(g)
                 for g in batch:
-                    grad = g.master_grad()  # waits for this group's download only
+                    grad = g.master_grad(cast_into(g))  # waits for this group's download only
                     if factor != 1.0:
                         grad.mul_(factor)
                     self._set_grad(g, grad)
@@ -221,3 +227,4 @@ class OffloadedStep:
             for g in batch:
                 g.masters.end_step(self._group_state(g))
             return uploads
+
