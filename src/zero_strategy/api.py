@@ -352,7 +352,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     ``dtype=None`` keeps each tensor's stored dtype.
     """
     engine = engine_of(model)
-    with whole_model_pass(engine):  # See [Note: freed host memory]
+    with whole_model_pass(engine):  # See [Note: releases where a phase ends]
         return gather.full_state_dict(engine, rank0_only, dtype)
 
 
@@ -370,7 +370,7 @@ def write_safetensors(model: nn.Module, directory: str | os.PathLike, file_of: d
     ends' saves (See [Note: streamed save_model] in accelerate/_saving.py).
     """
     engine = engine_of(model)
-    with whole_model_pass(engine):  # See [Note: freed host memory]
+    with whole_model_pass(engine):  # See [Note: releases where a phase ends]
         saves.write_files(engine, os.fspath(directory), dict(file_of), list(files), write, dtype,
                                    "write_safetensors")
 

@@ -123,11 +123,12 @@ class ZeroConfig:
             (the *ownership layout*, See [Note: the ownership layout] in _engine/flat.py).
             ``"owned"``: every optimizer steps whole parameters, for an optimizer of your
             own that reads only its own parameter's gradient and state.
-        release_host_memory: give the host memory freed by a pass back to the operating
-            system at the end of each optimizer step and around each save, load and full
-            state dict (glibc's ``malloc_trim``; a no-op without glibc), so the process holds
-            what it uses rather than what it once freed. See [Note: freed host memory] in
-            _mechanisms/host_memory.py for the figures and the cost (tens of ms per step).
+        release_host_memory: give the host memory freed by training back to the operating
+            system where a phase ends (the first evaluation or generation forward after a
+            step; around each save, load and full state dict; the end of setup), never
+            between steps, whose next step would take it again (glibc's ``malloc_trim``; a
+            no-op without glibc), so the process holds what it uses rather than what it once
+            freed. See [Note: releases where a phase ends] in _mechanisms/host_memory.py.
     """
 
     stage: int = 3

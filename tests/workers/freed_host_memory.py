@@ -1,9 +1,10 @@
 """One process trains a small Llama with glibc's allocator at its defaults, as a user's process
 runs, and reports its anonymous RSS beside the engine's own accounting (tests/test_freed_host_memory.py).
 
-argv: preset, release_host_memory (1/0), checkpoint directory. Prints one JSON line: per optimizer
-step and after a checkpoint save, the growth of anonymous RSS since before the model was built,
-the engine's resting model states (``memory_report().total``) and its peak working set.
+argv: preset, release_host_memory (1/0), checkpoint directory. Prints one JSON line: after each
+of six optimizer steps, after an evaluation forward (``model.eval()`` and ``torch.no_grad()``) and
+after a checkpoint save, the growth of anonymous RSS since before the model was built, the
+engine's resting model states (``memory_report().total``) and its peak working set.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def main(preset: str, release: bool, ckpt: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         samples.append(sample(f"step {step}"))
+    model.eval()  # evaluation after training, as a user's loop does it
+    with torch.no_grad():
+        ids = torch.randint(0, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(99))
+        model(input_ids=ids, labels=ids)
+    samples.append(sample("eval"))
+    model.train()
     zs.save_checkpoint(ckpt, model, optimizer)
     samples.append(sample("save_checkpoint"))
     print(json.dumps(samples))

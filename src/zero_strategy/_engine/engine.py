@@ -40,6 +40,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .._comm.collectives import Collectives
 from .._config.policies import NVMeOffload
 from .._config.state_kinds import KINDS
+from .._mechanisms.host_memory import ReleasePoints
 from .flat import FlatGroup, ParamSlot, ShardState
 from .placement import offload_services, single_device, size_swap_pool
 from .plan import ShardingPlan, plan_for
@@ -253,6 +254,8 @@ class ZeroEngine:
         if self.swap is not None:
             size_swap_pool(self.swap, self.units, config.prefetch)
         self.trainable_groups = [g for g in self.groups if g.trainable]
+        #: where freed host memory goes back to the OS (See [Note: releases where a phase ends])
+        self.host_releases = ReleasePoints(config.release_host_memory, self._drop_idle_buffers)
         #: id(param) -> (its flat group, its slot) for every parameter the engine holds: the one
         #: answer to "is this parameter managed, and where" (its full shape is ``slot.shape``)
         self.managed: dict[int, tuple[FlatGroup, ParamSlot]] = {
@@ -404,6 +407,8 @@ class ZeroEngine:
             if self.generation.active and torch.is_grad_enabled():
                 refuse_grad_forward()  # See [Note: gathered for generation] in _model/generation.py
             refuse_replaced_units(self.model, self.units[1:])
+            if not torch.is_grad_enabled():
+                self.host_releases.on_no_grad_forward()  # eval after training: See [Note: releases where a phase ends]
             self.training_state = TrainingState.FORWARD
             if not self.generation.active:  # held gathered, a forward issues no collective
                 self.comm.enter("forward")  # See [Note: naming the rank that failed] in _comm/faults.py
@@ -603,6 +608,12 @@ class ZeroEngine:
         self.training_state = TrainingState.IDLE
 
     # --------------------------------------------------------------- utilities
+    def _drop_idle_buffers(self) -> None:
+        """Where a phase ends: the buffers kept from one step to the next that no one holds now."""
+        self.transfers.cast_scratch.release()
+        if self.swap is not None:
+            self.swap.pool.drop_idle()  # See [Note: staging between passes] in _mechanisms/host_memory.py
+
     def release_all(self) -> None:
         for u in self.units:
             u.release()

@@ -1,4 +1,4 @@
-"""Giving freed host memory back to the operating system at the end of each whole-model pass.
+"""Giving freed host memory back to the operating system where a phase ends, never inside the training cycle.
 
 [Note: freed host memory]
 The engine frees what it gathers (stage-3 units, full gradients, staging, the copies a save
@@ -12,40 +12,53 @@ the engine holds 281-361 MiB at rest while the process grew 481-605 MiB by the e
 first step, and kept it through every later phase (eval, save, state dict) and against the
 NVMe offload, whose point is to hold little.
 
-So at the end of every whole-model pass (each optimizer step; the start and end of a
-checkpoint save or load, ``full_state_dict``, a streamed ``save_pretrained``; the end of setup)
-the engine asks glibc to return its free pages (``malloc_trim(0)``: it unmaps the free top of
-each arena and ``madvise``s free pages inside them, and frees nothing still in use). The same
-runs then hold 330-435 MiB, the engine's accounting plus at most its peak working set. In
+So where a phase ends (See [Note: releases where a phase ends] for each place and why) the
+engine asks glibc to return its free pages (``malloc_trim(0)``: it unmaps the free top of each
+arena and ``madvise``s free pages inside them, and frees nothing still in use). In
 benchmarks/memory_lifecycle.py (a 143M Llama, W = 0.57 GB, 2 ranks, bf16,
-``zero3_offload_nvme``), the per-rank peaks fell from 4.5/3.9 W to 3.2/3.1 W in training, from
-4.4/4.0 W to 2.3 W in eval and from 4.4/4.0 W to 2.4/2.1 W in the sharded save. A call costs
-20-50 ms on that model, against a 1.6-s CPU step at ``zero3``. It runs once per optimizer step,
-not per forward, so gradient accumulation adds nothing.
+``zero3_offload_nvme``), releasing after each step and around each whole-model pass took the
+per-rank peaks from 4.4/4.0 W to 2.3 W in eval and to 2.4/2.1 W in the sharded save.
 
-What it does not do: lower the step's own peak as far as returning every free block at once
-would. glibc's ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` environment variables, fixed
-at 64 KiB, bring the benchmark's training peak above to 2.3 W, but they slowed each CPU step by
-35-70% through the page faults of fresh mappings. A user who wants that trade sets them before
-starting Python.
-
-Inside the step, too, when the host does its work: the optimizer steps group after group
-(a step batch, or a streamed group chunk by chunk), each leaving behind the fp32 gradient
-copies and the optimizer's temporaries it freed, many of them in the step worker's own arena.
-Without a release between them the process grew by 40-140 MiB per group through the step, on
-top of the gradient shards: on the 748M Llama at ``zero3_offload_nvme`` (2 ranks, bf16) the
-step's peak was 0.70-0.94 W above the process's baseline. :func:`release_if_large` releases
-after each batch of at least :data:`RELEASE_MIN_BYTES` of master whose step ran in host memory; the
-same step's peak is then 0.44-0.48 W, and its time did not rise measurably (6.8-6.9 s against
-7.0-8.6 s; 13 groups). At setup, before each unit is materialized from the meta device
-(a whole unit in fp32, initialized, sharded and freed, one after another): the load of that
-model (``from_pretrained`` + ``setup``) peaked at 0.43-0.48 W, and at 0.20-0.24 W with it. And
-after ``zero_grad`` frees the gradient shards, which the step's own
-release came too early for: they would otherwise stay in the heap into the next phase
-(245 MiB per rank after training on that model).
+glibc's ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` environment variables, fixed at
+64 KiB, return every large block as it is freed; they slowed each CPU step by 35-70% through the
+page faults of fresh mappings. A user who wants that trade sets them before starting Python.
 
 Where there is no glibc (macOS, musl) this is a no-op. ``ZeroConfig(release_host_memory=False)``
 turns it off.
+
+[Note: releases where a phase ends]
+A release is not free: it costs the call (walking every arena, 2-30 ms) and, worse, every page
+it returns is faulted in again (and zeroed by the kernel) by whoever allocates it next. Inside
+the training cycle (forward, backward, step, ``zero_grad``) that is always the next iteration:
+what a step frees (activations, autograd's gradients, the gradient shards ``zero_grad`` drops)
+is what the next one allocates, size for size. Released after each step (as from 2026-12-04 to
+2026-12-07), the offloaded step ran at 0.43-0.54x torch's fused AdamW on the same tensors
+(36M parameters, stage 2; 0.91-0.98x without the release), and a whole iteration of a 21M
+Llama at ``zero3_offload`` took 446 ms against 217 ms. So the cycle releases nothing: what it
+frees stays in the allocator for the next iteration, and the process holds the training
+phase's level while it trains (tests/test_freed_host_memory.py holds that it does not grow
+from step to step). What would grow from step to step, the step's fp32 gradient copies,
+reuses buffers instead (See [Note: the step's casts reuse their buffers] in cast_scratch.py).
+
+The releases are where what training freed will not be needed again:
+- **A forward without autograd after a step** (``torch.no_grad``/``inference_mode``: an
+  evaluation, a generation): training has stopped, and its activations and gradients will not
+  come back before the next step. Once per such phase: a second no-grad forward releases
+  nothing. Not when no-grad forwards are part of the training cycle itself (a reference
+  model's logits computed with the policy's own weights, as DPO with PEFT does): if the cycle
+  before the last step ran one, the next one is taken for the cycle again.
+- **Around a whole-model pass** (a checkpoint save or load, ``full_state_dict``, a streamed
+  ``save_pretrained``): before, so the pass does not start on top of what training freed;
+  after, so what it built and dropped is not held. And inside such a pass, after each large
+  group it gathers or copies (:func:`release_if_large`): the pass is one-off, so nothing
+  faults those pages back in on the next step.
+- **The end of setup**, and before each unit setup materializes from the meta device (a whole
+  unit in fp32, initialized, sharded and freed, one after another): setup happens once. The
+  load of the 748M Llama (``from_pretrained`` + ``setup``) peaked at 0.43-0.48 W without it and
+  at 0.20-0.24 W with it.
+Each release also frees the engine's buffers kept from step to step that no one holds (the
+step's cast buffers, the idle NVMe staging slots), so the phase after it starts from the
+engine's resting state.
 
 [Note: staging between passes]
 The NVMe staging pool keeps its buffers from one step to the next (``buffer_count`` slots of
@@ -66,7 +79,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
-from typing import Callable
+from typing import Callable, Iterator
 
 
 @functools.cache
@@ -93,36 +106,63 @@ def release_freed_host_memory() -> bool:
     return True
 
 
-#: the fewest bytes a piece of work inside a pass must have allocated and freed (a step batch's
-#: fp32 master, the gradient shards ``zero_grad`` drops, a unit setup materialized, a gathered
-#: group) for a release after it: below it, the call would cost more than the leftovers weigh
-#: (most of a small model's steps, and most of the test suite's)
+#: the fewest bytes a piece of work inside a one-off pass must have allocated and freed (a unit
+#: setup materialized, a group a save gathered) for a release after it: below it, the call would
+#: cost more than the leftovers weigh (most of the test suite's)
 RELEASE_MIN_BYTES = 64 * 2**20
 
 
 def release_if_large(enabled: bool, nbytes: int, on_host: bool = True) -> None:
-    """Inside a pass: release what a piece of work of ``nbytes`` (in host memory when ``on_host``)
-    freed, before the next one allocates on top of it. See [Note: freed host memory].
+    """Inside a one-off pass (setup, a save, a load; never the training cycle): release what a
+    piece of work of ``nbytes`` (in host memory when ``on_host``) freed, before the next one
+    allocates on top of it. See [Note: releases where a phase ends].
     ``enabled``: the config's ``release_host_memory``."""
     if enabled and on_host and nbytes >= RELEASE_MIN_BYTES:
         release_freed_host_memory()
 
 
-@contextlib.contextmanager
-def whole_model_pass(enabled: bool, drop_idle_staging: Callable[[], None] | None = None):
-    """Release freed host memory before and after a pass over the whole model (a save, a load,
-    a full state dict): before, so the pass does not start on top of what the last one freed;
-    after, so what it built and dropped is not held on. ``enabled``: the config's
-    ``release_host_memory``. ``drop_idle_staging``: frees the NVMe staging buffers no one holds,
-    first (See [Note: staging between passes])."""
-    def release():
-        if drop_idle_staging is not None:
-            drop_idle_staging()
+class ReleasePoints:
+    """Where the engine gives freed host memory back: the ends of phases, never inside the
+    training cycle (See [Note: releases where a phase ends]).
+
+    ``enabled``: the config's ``release_host_memory``. ``drop_idle``: frees the engine's idle
+    buffers first (the NVMe staging slots no one holds, the step's cast buffers)."""
+
+    def __init__(self, enabled: bool, drop_idle: Callable[[], None] | None = None):
+        self.enabled = enabled
+        self._drop_idle = drop_idle
+        self._stepped = False  # an optimizer step since the last release
+        self._no_grad_since_step = False
+        self._no_grad_in_cycle = False  # the last cycle (step to step) ran a no-grad forward
+
+    def release(self) -> None:
+        """A phase ends here: release now."""
+        self._stepped = False
+        if not self.enabled:
+            return
+        if self._drop_idle is not None:
+            self._drop_idle()
         release_freed_host_memory()
-    if enabled:
-        release()
-    try:
-        yield
-    finally:
-        if enabled:
-            release()
+
+    def on_step(self) -> None:
+        """An optimizer step ended: the training cycle goes on (nothing released)."""
+        self._stepped = True
+        self._no_grad_in_cycle, self._no_grad_since_step = self._no_grad_since_step, False
+
+    def on_no_grad_forward(self) -> None:
+        """A forward without autograd begins (eval, generation): the end of training, unless
+        such forwards are part of the training cycle itself (a reference model's logits)."""
+        if self._stepped and not self._no_grad_in_cycle and not self._no_grad_since_step:
+            self.release()
+        self._no_grad_since_step = True
+
+    @contextlib.contextmanager
+    def around_pass(self) -> Iterator[None]:
+        """A pass over the whole model outside training (a save, a load, a full state dict):
+        released before, so it does not start on top of what training freed, and after, so what
+        it built and dropped is not held on."""
+        self.release()
+        try:
+            yield
+        finally:
+            self.release()

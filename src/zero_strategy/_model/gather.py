@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from .._mechanisms import host_memory, nvme_stream
+from .._mechanisms import nvme_stream
 from .._mechanisms.host_memory import release_if_large
 from .._engine.engine import refuse_while_offloaded
 from .._engine.flat import ShardState
@@ -99,7 +99,7 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None,
         full = None  # freed here, before the next group is gathered
         engine.transfers.working_set.remove("gathered", counted)
         # and what the gather and the copies freed, before the next group allocates on top of it
-        release_if_large(engine.config.release_host_memory, 4 * g.padded_numel)  # See [Note: freed host memory]
+        release_if_large(engine.config.release_host_memory, 4 * g.padded_numel)  # See [Note: releases where a phase ends]
 
 
 def _values_at_one_rank(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None,
@@ -117,7 +117,7 @@ def _values_at_one_rank(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype 
             source = source.to(out_dtype)
             sends = [source[where] for _, _, _, where in g.slot_ranges_in_shard()]
             comm.pieces_to(sends, None, to, g.padded_numel, label=g.name).wait()
-        release_if_large(engine.config.release_host_memory, 4 * g.shard_numel)  # See [Note: freed host memory]
+        release_if_large(engine.config.release_host_memory, 4 * g.shard_numel)  # See [Note: releases where a phase ends]
         return {}
     flat = [torch.empty(s.numel, dtype=out_dtype, device="cpu") for s in g.slots]
     receives = {k: [flat[s.index][lo:hi] for s, lo, hi, _ in g.slot_ranges_in_shard(k)]
@@ -297,9 +297,8 @@ def sole_keeper(comm, keep: bool) -> int | None:
 @contextlib.contextmanager
 def whole_model_pass(engine: "ZeroEngine") -> Iterator[None]:
     """Around a pass over the whole model outside training (a save, a load, a full state dict):
-    freed host memory released and idle NVMe staging dropped, before the block and after it
-    (``release_host_memory=False``: neither). See [Note: freed host memory] and [Note: staging
-    between passes] in _mechanisms/host_memory.py."""
-    drop = engine.swap.pool.drop_idle if engine.swap is not None else None
-    with host_memory.whole_model_pass(engine.config.release_host_memory, drop):
+    freed host memory released and the engine's idle buffers dropped, before the block and after
+    it (``release_host_memory=False``: neither). See [Note: releases where a phase ends] and
+    [Note: staging between passes] in _mechanisms/host_memory.py."""
+    with engine.host_releases.around_pass():
         yield

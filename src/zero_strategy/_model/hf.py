@@ -212,7 +212,7 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
         main = kwargs.get("is_main_process", True)
         should = getattr(model, "should_save_on_this_rank", None)
         main = should(main) if callable(should) else main
-        with whole_model_pass(engine):  # See [Note: freed host memory]
+        with whole_model_pass(engine):  # See [Note: releases where a phase ends]
             _write_streamed(engine, model, names, os.fspath(save_directory), main, kwargs, dtype)
     return save_pretrained
 

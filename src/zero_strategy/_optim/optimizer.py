@@ -39,7 +39,7 @@ import torch
 from .._engine.engine import ZeroEngine, refuse_while_offloaded
 from .._engine.group_gathers import publish_masters
 from .._engine.untouched import keep_untouched
-from .._mechanisms.host_memory import release_freed_host_memory, release_if_large
+from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import device_step_batches
 from .loss_scale import LossScaler
 from .offloaded_step import OffloadedStep
@@ -285,8 +285,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.engine.last_step_comm = self.engine.comm.stats.as_dict()
             self.engine.comm.stats.reset()
             self.engine.comm.on_step()
-            if self.config.release_host_memory:  # See [Note: freed host memory]
-                release_freed_host_memory()
+            self.engine.host_releases.on_step()  # kept for the next step: See [Note: releases where a phase ends]
 
     def _device_step(self) -> None:
         """The step on the device, in batches bounded by the fp32 gradient copies they make (one
@@ -295,19 +294,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = self.groups
         factor = None if isinstance(self._factor, float) and self._factor == 1.0 else self._factor
         for batch in device_step_batches(groups):
-            for g in batch:
-                mg = g.master_grad()
-                if mg is not None and factor is not None:
-                    mg.mul_(factor)
-                self._set_grad(g, mg)
-            self._step_masters(batch)
-            for g in batch:
-                if g.owned:
-                    self._set_grad(g, None)
-                elif g.master.grad is not g.grads.grad_shard:
-                    g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
-            release_if_large(self.config.release_host_memory, 4 * sum(g.shard_numel for g in batch),
-                             batch[0].master.device.type == "cpu")  # See [Note: freed host memory]
+            # host memory: the casts reuse one buffer from step to step (See [Note: the step's casts
+            # reuse their buffers] in _mechanisms/cast_scratch.py); a GPU's caching allocator does so itself
+            on_host = batch[0].master.device.type == "cpu"
+            casts = sum(g.master_grad_cast_numel for g in batch) if on_host else 0
+            with self.engine.transfers.cast_scratch.lease(casts, torch.float32) as scratch:
+                take = carve(scratch)
+                for g in batch:
+                    mg = g.master_grad(take(g.master_grad_cast_numel))
+                    if mg is not None and factor is not None:
+                        mg.mul_(factor)
+                    self._set_grad(g, mg)
+                self._step_masters(batch)
+                for g in batch:
+                    if g.owned:
+                        self._set_grad(g, None)
+                    elif g.master.grad is not g.grads.grad_shard:
+                        g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
         for h in publish_masters(groups, self.engine.comm):  # coalesced where small
             h.wait()
 
@@ -353,13 +356,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
         self.offloaded.collect_early()  # never drop gradients a worker is still stepping on
-        held = [g.grads.grad_shard for g in self.groups if g.grads.grad_shard is not None]
-        freed = sum(t.untyped_storage().nbytes() for t in held if t.device.type == "cpu")
-        del held
-        self.engine.zero_grad(self.groups)
+        self.engine.zero_grad(self.groups)  # what it frees, the next backward takes again: nothing released
         self._prepared = False
         self._found_inf = False
-        release_if_large(self.config.release_host_memory, freed)  # the gradient shards: See [Note: freed host memory]
 
     def add_param_group(self, param_group: dict) -> None:
         raise NotImplementedError(

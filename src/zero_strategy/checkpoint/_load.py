@@ -113,7 +113,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     """
     engine = engine_of(model)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
-    with whole_model_pass(engine):  # See [Note: freed host memory]
+    with whole_model_pass(engine):  # See [Note: releases where a phase ends]
         return _load(path, model, engine, optimizer, strict)
 
 

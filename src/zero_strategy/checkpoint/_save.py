@@ -57,7 +57,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = engine_of(model)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
-    with whole_model_pass(engine):  # See [Note: freed host memory]
+    with whole_model_pass(engine):  # See [Note: releases where a phase ends]
         _save_across_groups(path, model, engine, optimizer, extra_state)
 
 
