@@ -61,7 +61,8 @@ def main() -> None:
         ref = _two_steps(stage, None)
         for name in DAMAGES:
             got = _two_steps(stage, str(root / name))
-            same = got["loss"] == ref["loss"] and all(torch.equal(got["weights"][k], v) for k, v in ref["weights"].items())
+            same = got["loss"] == ref["loss"] and all(torch.equal(got["weights"][k], v)
+                                                      for k, v in ref["weights"].items())
             results[f"z{stage}-{name}"] = {"message": got["message"], "changed": got["changed"],
                                            "trains_on_as_if_never_loaded": same}
         intact = _two_steps(stage, str(root / "intact"))  # the control: an intact load changes the state
