@@ -145,6 +145,18 @@ def test_a_misuse_after_setup_is_refused_with_its_own_error(case):
 
 
 @pytest.mark.multiprocess
+def test_a_refused_load_state_restores_nothing():
+    """Issue 38: every ZeRO checkpoint of the directory is checked before Accelerate restores its own
+    objects and before any model is loaded; the second model's damaged file left the first model
+    and a registered object restored before."""
+    r = _report()
+    assert r["refused_load_state"]["type"] == "CheckpointError", r["refused_load_state"]
+    assert "zero_model_1" in r["refused_load_state"]["message"] and "is corrupted" in r["refused_load_state"]["message"]
+    assert r["refused_load_state_changed"] == [[], []]
+    assert r["refused_load_state_counter"] == 5  # not the saved 0
+
+
+@pytest.mark.multiprocess
 def test_a_model_prepared_before_its_optimizer_waits_for_it():
     r = _report()
     assert r["pending_before_optimizer"] == 1 and r["pending_after_optimizer"] == 0

@@ -24,6 +24,7 @@ def run(tmp_path_factory):
              save=str(root / "fabric-ckpt")),
         dict(name="ddp_bf16", strategy="ddp", precision="bf16-mixed", steps=2),
         dict(name="zero2_bf16", strategy="zero2", precision="bf16-mixed", steps=2),
+        dict(name="zero3_refused", strategy="zero3", refused=str(root / "fabric-refused")),
     ]
     for c in cases:
         c["save_dir"] = str(root)
@@ -61,3 +62,13 @@ def test_fabric_bf16_matches_ddp_in_bf16(run):
         zero, ddp = r["zero2_bf16"]["losses"], r["ddp_bf16"]["losses"]
         assert len(zero) == len(ddp) > 0
         assert zero == pytest.approx(ddp, rel=1e-2)  # measured: 2.5e-3 at most
+
+
+def test_fabric_load_refused_by_its_strict_check_changes_nothing(run):
+    """Issue 38: a key the checkpoint lacks raises Fabric's KeyError before anything is loaded, on
+    every rank (before, the weights and optimizer state were already the checkpoint's)."""
+    reports, _ = run
+    for rank, r in enumerate(reports):
+        got = r["zero3_refused"]
+        assert got["raised"] and got["raised"].startswith("KeyError") and "'absent'" in got["raised"], got
+        assert got["changed"] == [], f"rank {rank}: the refused load changed {got['changed'][:8]}"

@@ -120,7 +120,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
     deferred_weights.load_deferred_weights(model)
-    if cfg.release_host_memory:  # what materializing and reading the weights freed: See [Note: freed host memory]
+    if cfg.release_host_memory:  # what materializing and reading the weights freed: See [Note: releases where a phase ends]
         release_freed_host_memory()
     if several:
         return model, zero_opts

@@ -29,6 +29,39 @@ def attempt(fn) -> dict:
     return {"type": None, "message": ""}
 
 
+class _Counter:
+    """An object Accelerate saves and restores itself (``register_for_checkpointing``)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, sd):
+        self.value = sd["value"]
+
+
+def _refused_load_state(acc, pairs, out: Path, report: dict) -> None:
+    """``load_state`` of a directory whose second ZeRO model's file is damaged: before, Accelerate's
+    objects and the first model were restored when the second refused; now nothing is."""
+    from _refused_load import differences, flip_a_byte, snapshot
+
+    counter = _Counter()
+    acc.register_for_checkpointing(counter)
+    acc.save_state(str(out / "state"))
+    counter.value = 5
+    for m, o in pairs:  # the state moves on past the checkpoint
+        acc.backward(m(torch.randint(0, 37, (2, 8))).float().pow(2).mean())
+        o.step()
+        o.zero_grad()
+    before = [snapshot(m, o) for m, o in pairs]
+    flip_a_byte(out / "state" / "zero_model_1" / "rank00000-of-00001.safetensors")
+    report["refused_load_state"] = attempt(lambda: acc.load_state(str(out / "state")))
+    report["refused_load_state_changed"] = [differences(b, snapshot(m, o)) for b, (m, o) in zip(before, pairs)]
+    report["refused_load_state_counter"] = counter.value
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -61,6 +94,8 @@ def main() -> None:
     report["pending_after_optimizer"] = len(acc.pending_models)
     report["late_is_zero"] = acc.is_zero_model(late)
     report["late_optimizer"] = type(late_opt).__name__
+
+    _refused_load_state(acc, [(model, opt), (late, late_opt)], out, report)
 
     acc.free_memory()
     report["after_free_is_zero"] = acc.is_zero_model(model)

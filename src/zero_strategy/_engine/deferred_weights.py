@@ -89,15 +89,27 @@ def load_deferred_weights(model: torch.nn.Module) -> None:
     for name, _ in pending:
         _DEFERRED.pop(model.get_submodule(name), None)
     by_prefix = sorted(((f"{name}." if name else "", w) for name, w in pending), key=lambda pw: -len(pw[0]))
-
-    def read(names, start, end):
-        for prefix, w in by_prefix:
-            own = [n[len(prefix):] for n in names if n.startswith(prefix)]
-            if own:
-                return w.read(own, start, end)
-        return None
-
-    missing = by_prefix[0][1].fill(model, read)
+    missing = by_prefix[0][1].fill(model, _PrefixedReader(by_prefix))
     for prefix, w in by_prefix:
         if w.loaded is not None:
             w.loaded([m[len(prefix):] for m in missing if m.startswith(prefix)])
+
+
+class _PrefixedReader:
+    """The readers of several loaders as one, each for the names under its module's prefix. It has
+    ``shape_of`` (the shapes the checkpoint code compares before copying) where all of them do."""
+
+    def __init__(self, by_prefix: list[tuple[str, DeferredWeights]]):
+        self.by_prefix = by_prefix
+        if all(callable(getattr(w.read, "shape_of", None)) for _, w in by_prefix):
+            self.shape_of = lambda names: self._ask(names, lambda read, own: read.shape_of(own))
+
+    def _ask(self, names: list[str], ask):
+        for prefix, w in self.by_prefix:
+            own = [n[len(prefix):] for n in names if n.startswith(prefix)]
+            if own:
+                return ask(w.read, own)
+        return None
+
+    def __call__(self, names: list[str], start: int, end: int):
+        return self._ask(names, lambda read, own: read(own, start, end))

@@ -27,7 +27,8 @@ import os
 import re
 from pathlib import Path
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import save_checkpoint
+from ..checkpoint._load import prepare_load
 
 STATE_FILE = "zero_strategy_accelerate.json"
 FORMAT = 1
@@ -87,10 +88,17 @@ def load_state(acc, super_load_state, input_dir, load_kwargs, kwargs) -> None:
             f"ZeroAccelerator has prepared {len(acc.zero_models)}; prepare the same models (with their "
             "optimizers) before load_state"
             + ("" if info is not None else f" (no {STATE_FILE}: was it saved by a ZeroAccelerator?)"))
-    with _accelerate_lists_without_zero(acc):
-        super_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-    for i, record in enumerate(acc.zero_models):
-        load_checkpoint(Path(input_dir) / zero_dir_name(i), record.model, _optimizer_arg(record))
+    with contextlib.ExitStack() as stack:
+        # every sharded checkpoint is checked (on every rank) before Accelerate restores anything and
+        # before any model is loaded: a refused one leaves all as it was (See [Note: verify, agree,
+        # then copy] in checkpoint/_load.py)
+        loads = [stack.enter_context(prepare_load(Path(input_dir) / zero_dir_name(i), record.model,
+                                                  _optimizer_arg(record)))
+                 for i, record in enumerate(acc.zero_models)]
+        with _accelerate_lists_without_zero(acc):
+            super_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        for load in loads:
+            load.commit()
     if info is not None and "step" in info:
         acc.step = int(info["step"])
 

@@ -12,9 +12,26 @@ shards and elementwise optimizer state all move this way; scalar optimizer state
 parameters are rebuilt from the masters exactly as after an optimizer step (copy
 into the parameter shard, all-gather where parameters are replicated).
 
-Every file a rank reads is first checked against the sha256 in the metadata. All
-local work (checks, reads) happens before the first collective, and its errors are
-agreed on across ranks, so a bad file raises on every rank instead of hanging some.
+[Note: verify, agree, then copy]
+A refused load leaves the model, its optimizer and its buffers exactly as they were, on
+every rank (SECURITY.md): a user who catches the error and trains on must train the model
+they had, not one half from the checkpoint. So a load has two phases. *Prepare*
+(:func:`prepare_load`) copies nothing into the model: it reads the metadata, compares
+names, shapes and the saved optimizer state with the running ones, checks the
+hyperparameters and the buffers' shapes, verifies every file this rank will read (sha256
+and size, then its safetensors header against the metadata) and opens it, and reads the
+extra state. Its errors are agreed on across ranks (one ``all_gather_object`` of each
+rank's error or None), so either every rank goes on or every rank raises the same
+``CheckpointError``, before any rank has copied a value: at the same world size rank 0
+never reads rank 1's file, and without the agreement it had loaded all of its own when
+rank 1 refused. *Commit* (:meth:`PreparedLoad.commit`) only copies, through the handles
+prepare opened (a file replaced since then is still read as verified). Nothing is staged:
+memory stays at one shard, and every file is read twice, once to hash it and once to copy
+from it, as before (a file used to be hashed when first opened, half way through the copy).
+
+What commit can still meet is the disk failing under it, or a file written over in place
+by another process between the phases. Such an error is agreed on too (no rank hangs),
+and its message says the model is partly loaded.
 """
 
 from __future__ import annotations
@@ -24,7 +41,7 @@ import math
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,27 +82,36 @@ def old_checkpoints(path: Path) -> list[Path]:
 
 
 class _Reader:
-    """Verified, lazily opened saved files; reads element ranges of their tensors."""
+    """Saved files verified and opened by :meth:`verify`; reads element ranges of their tensors."""
 
     def __init__(self, ckpt_dir: Path, meta: Metadata):
         self.dir, self.meta = ckpt_dir, meta
         self._open: dict[str, Any] = {}
+        #: buffer name -> (dtype name, shape) from the buffers file's header, once verified
+        self.buffer_header: dict[str, tuple[str, list[int]]] = {}
 
-    def handle(self, name: str):
-        if name not in self._open:
-            from safetensors import safe_open
+    def verify(self, names: set[str]) -> None:
+        """Check each file against the metadata (sha256, size, header) and open it. See [Note: verify,
+        agree, then copy]."""
+        from safetensors import safe_open
 
+        for name in sorted(names):
             rec = self.meta.file(name)
             verify_file(self.dir / name, rec.sha256, rec.bytes)
             if name == BUFFERS_FILE:
-                check_buffers_file(self.dir / name, self.meta)
+                self.buffer_header = check_buffers_file(self.dir / name, self.meta)
             else:
                 check_rank_file(self.dir / name, self.meta)
             try:
                 self._open[name] = safe_open(str(self.dir / name), framework="pt")
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(f"checkpoint file {self.dir / name} is unreadable: {err}") from None
-        return self._open[name]
+
+    def handle(self, name: str):
+        try:
+            return self._open[name]
+        except KeyError:  # _files_to_read missed it: a bug, never a file read unverified
+            raise CheckpointError(f"internal error: {name} is read but was not verified first") from None
 
     def fill(self, dst: torch.Tensor, fqn: str, lo: int, hi: int, tensor_of) -> None:
         """dst[0:hi-lo] <- elements [lo, hi) of parameter ``fqn``; ``tensor_of(group)`` names the tensor."""
@@ -109,41 +135,106 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, st
     Works on any world size and stage. Every rank must call it. ``optimizer``: the one
     ``setup`` returned, to restore its state, hyperparameters and the loss scale (None:
     weights only). ``strict=False`` tolerates parameters or buffers missing on either
-    side (with a warning) instead of raising.
+    side (with a warning) instead of raising. A load refused by its checks (a damaged, edited
+    or mismatched checkpoint) has changed nothing, on any rank (See [Note: verify, agree, then
+    copy]).
+    """
+    with prepare_load(path, model, optimizer, strict) as load:
+        return load.commit()
+
+
+class PreparedLoad:
+    """A checkpoint load whose every check passed on every rank; nothing is copied before :meth:`commit`.
+
+    A context manager: leaving it without committing closes the files. Front ends that restore
+    other state too prepare first, so a refused checkpoint stops them before anything changes.
+    """
+
+    def __init__(self, path, model, engine, zopts: list, reader: _Reader, names, buffers: list[str],
+                 hyper: list, extra: Any):
+        self.path, self.model, self.engine, self.zopts = path, model, engine, zopts
+        self.reader, self.names, self.buffers, self.hyper = reader, names, buffers, hyper
+        #: the saved ``extra_state`` (what ``accept_extra`` made of it)
+        self.extra = extra
+
+    def __enter__(self) -> "PreparedLoad":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.reader.close()
+
+    @torch.no_grad()
+    def commit(self) -> Any:
+        """Copy the checkpoint into the model and optimizer (every rank); return the extra state."""
+        error = None
+        with whole_model_pass(self.engine):  # See [Note: releases where a phase ends]
+            try:
+                _load_shards(self.reader, self.names, self.engine, self.zopts)
+                _load_buffers(self.reader, self.model, self.buffers)
+            except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
+                error = (f"cannot load checkpoint {self.path}: {describe(err)} (while copying, after every check "
+                         "had passed: the model and optimizer are partly loaded; load a checkpoint again before "
+                         "training)")
+            finally:
+                self.close()
+            agree(self.engine.comm, error)
+            _publish(self.engine)
+        for zopt, (updates, scaler) in zip(self.zopts, self.hyper):
+            _apply_hyperparameters(updates)
+            if scaler is not None and zopt.scaler.enabled:
+                zopt.scaler.load_state_dict(scaler)
+        return self.extra
+
+
+@torch.no_grad()
+def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, strict: bool = True,
+                 accept_extra: Callable[[Any], Any] | None = None) -> PreparedLoad:
+    """Every check of a load, on every rank, agreed on; nothing copied. See [Note: verify, agree, then copy].
+
+    ``accept_extra(extra_state)``: a front end's own check of the saved extra state, run here so
+    that a refusal of it also leaves everything as it was; its result is ``PreparedLoad.extra``.
+    Where it raises, that rank raises its exception, the other ranks a ``CheckpointError``.
     """
     engine = engine_of(model)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
-    with whole_model_pass(engine):  # See [Note: releases where a phase ends]
-        return _load(path, model, engine, optimizer, strict)
-
-
-def _load(path, model, engine, optimizer, strict: bool) -> Any:
-    comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
-    error, meta, extra, reader, hyper = None, None, None, None, []
+    error, own, reader, prepared = None, None, None, None
     try:
         ckpt_dir = resolve_checkpoint_dir(path)
         meta = read_metadata(ckpt_dir)
         names, buffers = _model_names(model, engine)
         _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
-        hyper = [_hyperparameter_updates(saved, zopt, ckpt_dir, i)
-                 for i, (zopt, saved) in enumerate(zip(zopts, _saved_optimizers(meta)))]
+        hyper = [(_hyperparameter_updates(saved, zopt, ckpt_dir, i), scaler) for i, (zopt, saved, scaler)
+                 in enumerate(zip(zopts, _saved_optimizers(meta), _saved_scalers(meta)))]
+        saved_buffers = set(meta.buffer_keys())
+        buffers = [k for k in buffers if k in saved_buffers]
         reader = _Reader(ckpt_dir, meta)
-        _load_shards(reader, names, engine, zopts)
-        _load_buffers(reader, model, buffers)
+        reader.verify(_files_to_read(meta, names, engine, zopts) | ({BUFFERS_FILE} if buffers else set()))
+        _check_buffer_shapes(reader, model, buffers)
         extra = _extra_state(reader, meta)
+        if accept_extra is not None:
+            try:
+                extra = accept_extra(extra)
+            except Exception as err:  # noqa: BLE001 - re-raised as is on this rank, below
+                own = err
+                raise
+        prepared = PreparedLoad(path, model, engine, zopts, reader, names, buffers, hyper, extra)
     except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
         error = f"cannot load checkpoint {path}: {describe(err)}"
-    finally:
         if reader is not None:
             reader.close()
-    agree(comm, error)
-    _publish(engine)
-    for zopt, updates, scaler in zip(zopts, hyper, _saved_scalers(meta)):
-        _apply_hyperparameters(updates)
-        if scaler is not None and zopt.scaler.enabled:
-            zopt.scaler.load_state_dict(scaler)
-    return extra
+    try:
+        agree(engine.comm, error)
+    except CheckpointError:
+        if prepared is not None:
+            prepared.close()
+        if own is not None:
+            raise own from None  # the front end's own refusal, with its type, where it was raised
+        raise
+    return prepared
 
 
 def _saved_optimizers(meta: Metadata) -> list:
@@ -238,25 +329,56 @@ def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
         g.masters.track_optimizer_state(zopt.optimizer.state.get(g.master, {}), replace=True)
 
 
-def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
-    """Rebuild ``optimizer.state[master]`` for one running group from the saved groups of its slots."""
-    meta = reader.meta
+def _files_to_read(meta: Metadata, names, engine, zopts) -> set[str]:
+    """The rank files this rank's copy will read; on the way, the checks of the saved optimizer
+    state that the copy used to meet half way (See [Note: verify, agree, then copy])."""
+    alias = meta.alias_map()
+    files: set[str] = set()
+    for g in engine.groups:
+        for s, lo, hi, _ in g.slot_ranges_in_shard():
+            fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
+            if fqn is not None:  # the weights, and the flat layout's state: the same element ranges
+                files.update(meta.rank_file(rank) for rank, *_ in meta.pieces(fqn, lo, hi))
+        if zopts and g.trainable and g.owned:
+            sources = _param_state_sources(meta, g, zopts[g.optimizer_index], names, alias)
+            files.update(meta.rank_file(entry["rank"]) for _, _, entry in sources if entry is not None)
+        elif zopts and g.trainable:
+            _flat_state_sources(meta, g, names, alias)
+    return files
+
+
+def _flat_state_sources(meta: Metadata, g, names, alias) -> list:
+    """(slot, checkpoint fqn) of a flat group's slots the checkpoint has; refuses saved state that
+    cannot become this group's."""
     sources = [(s, _fqn_in_checkpoint(alias, names[id(s.param)])) for s in g.slots]
     sources = [(s, fqn) for s, fqn in sources if fqn is not None]
-    zopt.optimizer.state.pop(g.master, None)
-    if not sources:
-        return
-    saved = [meta.groups[meta.params[fqn].group] for _, fqn in sources]
-    first = saved[0]
-    for grp, (s, fqn) in zip(saved, sources):
+    first = meta.groups[meta.params[sources[0][1]].group] if sources else None
+    for s, fqn in sources:
+        grp = meta.groups[meta.params[fqn].group]
         if grp.param_state:
             raise _layout_changed(s.fqn, "whole parameters (the ownership layout)", "flat shards")
         if not grp.trainable:
-            raise CheckpointError(f"{s.fqn} is trainable here but was frozen in the checkpoint: it has no "
-                                  "optimizer state (load with optimizer=None, or freeze it again)")
+            raise _frozen_in_checkpoint(s.fqn)
         if grp.state_tensors != first.state_tensors or set(grp.state_scalars) != set(first.state_scalars):
             raise CheckpointError(f"{s.fqn} and {sources[0][0].fqn} share a group here but their saved "
                                   "optimizer state has different entries")
+    return sources
+
+
+def _frozen_in_checkpoint(fqn: str) -> CheckpointError:
+    return CheckpointError(f"{fqn} is trainable here but was frozen in the checkpoint: it has no "
+                           "optimizer state (load with optimizer=None, or freeze it again)")
+
+
+def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
+    """Rebuild ``optimizer.state[master]`` for one running group from the saved groups of its slots
+    (checked by :func:`_flat_state_sources` before the copy began)."""
+    meta = reader.meta
+    sources = _flat_state_sources(meta, g, names, alias)
+    zopt.optimizer.state.pop(g.master, None)
+    if not sources:
+        return
+    first = meta.groups[meta.params[sources[0][1]].group]
     if not first.state_tensors and not first.state_scalars:
         return  # saved before the first step
     state: dict[str, Any] = {}
@@ -285,24 +407,31 @@ def _layout_changed(fqn: str, saved: str, here: str) -> CheckpointError:
         "or load the weights alone (optimizer=None) and start the optimizer fresh")
 
 
-def _load_param_state(reader: _Reader, g, zopt, names, alias) -> None:
-    """Ownership layout: each parameter this rank owns now takes its whole saved state, from the rank
-    file of whichever rank owned it then (See [Note: the on-disk layout] in _layout.py)."""
-    meta = reader.meta
+def _param_state_sources(meta: Metadata, g, zopt, names, alias) -> list:
+    """Ownership layout: (view, saved group, saved entry or None) per parameter this rank owns that
+    the checkpoint has; refuses saved state that cannot become its state."""
+    out = []
     for s, _, view in zopt.owned_views(g):
-        zopt.optimizer.state.pop(view, None)
         fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
         if fqn is None:
             continue
         grp = meta.groups[meta.params[fqn].group]
         if not grp.trainable:
-            raise CheckpointError(f"{s.fqn} is trainable here but was frozen in the checkpoint: it has no "
-                                  "optimizer state (load with optimizer=None, or freeze it again)")
+            raise _frozen_in_checkpoint(s.fqn)
         if grp.state_tensors or grp.state_scalars:
             raise _layout_changed(s.fqn, "flat shards", "whole parameters (the ownership layout)")
-        entry = grp.param_state.get(fqn)
+        out.append((view, grp, grp.param_state.get(fqn)))  # None: saved before its first step
+    return out
+
+
+def _load_param_state(reader: _Reader, g, zopt, names, alias) -> None:
+    """Ownership layout: each parameter this rank owns now takes its whole saved state, from the rank
+    file of whichever rank owned it then (See [Note: the on-disk layout] in _layout.py)."""
+    for _, _, view in zopt.owned_views(g):
+        zopt.optimizer.state.pop(view, None)
+    for view, grp, entry in _param_state_sources(reader.meta, g, zopt, names, alias):
         if entry is None:
-            continue  # saved before its first step
+            continue
         state: dict[str, Any] = {}
         for key, t in entry["tensors"].items():
             value = reader.tensor(entry["rank"], grp.param_state_tensor(entry["slot"], key))
@@ -312,19 +441,23 @@ def _load_param_state(reader: _Reader, g, zopt, names, alias) -> None:
         zopt.optimizer.state[view] = state
 
 
-def _load_buffers(reader: _Reader, model, buffers: list[str]) -> None:
-    saved = set(reader.meta.buffer_keys())
+def _check_buffer_shapes(reader: _Reader, model, buffers: list[str]) -> None:
+    """Each buffer to load has the model's shape (from the verified header: nothing read yet)."""
     sd = model.state_dict(keep_vars=True)
-    todo = [k for k in buffers if k in saved]
-    if not todo:
+    for key in buffers:
+        saved = tuple(reader.buffer_header[key][1])
+        if saved != tuple(sd[key].shape):
+            raise CheckpointError(f"buffer {key}: checkpoint shape {saved}, model {tuple(sd[key].shape)}")
+
+
+def _load_buffers(reader: _Reader, model, buffers: list[str]) -> None:
+    """The buffers of ``buffers`` (the model's that the checkpoint has; shapes checked before)."""
+    if not buffers:
         return
+    sd = model.state_dict(keep_vars=True)
     f = reader.handle(BUFFERS_FILE)
-    for key in todo:
-        value = f.get_tensor(key)
-        target = sd[key]
-        if tuple(value.shape) != tuple(target.shape):
-            raise CheckpointError(f"buffer {key}: checkpoint shape {tuple(value.shape)}, model {tuple(target.shape)}")
-        target.data.copy_(value)
+    for key in buffers:
+        sd[key].data.copy_(f.get_tensor(key))
 
 
 def _extra_state(reader: _Reader, meta: Metadata) -> Any:

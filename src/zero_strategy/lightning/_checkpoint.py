@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import consolidate, load_checkpoint, save_checkpoint
+from ..checkpoint import consolidate, save_checkpoint
+from ..checkpoint._load import prepare_load
 from ..checkpoint._layout import EXTRA_STATE_FILE
 
 FORMAT = "zero_strategy.lightning/1"
@@ -72,8 +73,10 @@ def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None
     meta = load_metadata(path)
     has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
     optimizers = list(zero_optimizers) if has_optimizer and zero_optimizers else None
-    extra = load_checkpoint(path, model, optimizers, strict=strict)
-    checkpoint = unpack(extra, weights_only)
+    # Lightning's state is unpacked before anything is copied: a refusal of it changes nothing
+    with prepare_load(path, model, optimizers, strict=strict,
+                      accept_extra=lambda extra: unpack(extra, weights_only)) as load:
+        checkpoint = load.commit()
     checkpoint["state_dict"] = {}
     if has_optimizer:
         checkpoint["optimizer_states"] = []

@@ -23,7 +23,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
 
 from .. import api as zs
 from .._optim.optimizer import ZeroOptimizer
-from ..checkpoint import load_checkpoint, load_metadata, save_checkpoint
+from ..checkpoint import load_metadata, save_checkpoint
+from ..checkpoint._load import prepare_load
 from . import _checkpoint
 from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
@@ -167,15 +168,19 @@ class ZeroFabricStrategy(DDPStrategy):
         has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
         if optimizer_keys and not has_optimizer:
             raise KeyError(f"{path} was saved without optimizer state; leave the optimizer out of the state")
-        with on_rank_zero():
-            extra = load_checkpoint(path, module, list(self.zero_optimizers) if optimizer_keys else None,
-                                    strict=strict)
-        saved = _checkpoint.unpack(extra, weights_only)
-        saved.pop(_KEYS, None)
-        missing = [k for k in state if k != module_key and k not in optimizer_keys and k not in saved]
-        if strict and missing:
-            raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the loaded "
-                           "checkpoint. To disable strict loading, set `strict=False`.")
+
+        def accept(extra):  # before anything is copied: a refusal here changes nothing
+            saved = _checkpoint.unpack(extra, weights_only)
+            saved.pop(_KEYS, None)
+            missing = [k for k in state if k != module_key and k not in optimizer_keys and k not in saved]
+            if strict and missing:
+                raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the "
+                               "loaded checkpoint. To disable strict loading, set `strict=False`.")
+            return saved
+
+        with on_rank_zero(), prepare_load(path, module, list(self.zero_optimizers) if optimizer_keys else None,
+                                          strict=strict, accept_extra=accept) as load:
+            saved = load.commit()
         for name, obj in list(state.items()):
             if name == module_key or name in optimizer_keys or name not in saved:
                 continue

@@ -208,10 +208,13 @@ class ZeroTrainerMixin:
             raise FileNotFoundError(
                 f"{type(self).__name__}: {checkpoint} has no {ZERO_CHECKPOINT_DIR}/ (it was not saved by a ZeRO "
                 "trainer, or with save_only_model=True); resume needs every rank's optimizer shard")
-        load_checkpoint(ckpt, record.model, self._optimizers(record))
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(scheduler) and self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        # read before the shards are loaded: a scheduler file torch.load refuses changes nothing
+        scheduler_state = (torch.load(scheduler, weights_only=True)
+                           if os.path.isfile(scheduler) and self.lr_scheduler is not None else None)
+        load_checkpoint(ckpt, record.model, self._optimizers(record))
+        if scheduler_state is not None:
+            self.lr_scheduler.load_state_dict(scheduler_state)
         self._subclass_checkpoint_chain("_load_optimizer_and_scheduler", checkpoint)
 
     def _subclass_checkpoint_chain(self, name: str, path: str) -> None:

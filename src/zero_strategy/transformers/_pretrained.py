@@ -48,13 +48,17 @@ log.addFilter(RankZeroFilter())
 
 def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_dtype=None,
                     revision: str | None = None, trust_remote_code: bool = False,
-                    attn_implementation: str | None = None, **config_overrides):
+                    attn_implementation: str | None = None, ignore_mismatched_sizes: bool = False,
+                    **config_overrides):
     """An empty ``model_class`` (an Auto class or a model class) whose weights ``setup`` reads sharded.
 
     ``name_or_path``: a local model directory, or a hub name already in the local cache
     (or reachable). ``dtype`` (``torch_dtype`` is accepted too): the parameters' dtype,
     ``"auto"`` by default as in ``from_pretrained``. Other keywords override config
-    attributes (``num_labels=3``), as they do there.
+    attributes (``num_labels=3``), as they do there. A checkpoint tensor whose shape differs
+    from the model's (a head saved for another number of labels) is refused here, naming
+    each one and both shapes; ``ignore_mismatched_sizes=True`` leaves those parameters
+    newly initialized instead and names them in a warning, as ``from_pretrained`` does.
     """
     from transformers import AutoConfig
 
@@ -69,27 +73,67 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, directory, weight_map)
     model = _build_empty(model_class, config, dtype, trust_remote_code, attn_implementation)
     to_checkpoint, unused = _key_map(model, weight_map)
-    _load_buffers(model, directory, weight_map, to_checkpoint)
     read = safetensors_reader(directory)
-
-    def read_renamed(names, start, end):
-        return read([to_checkpoint[n] for n in names if n in to_checkpoint], start, end)
-
+    mismatched = _mismatched_sizes(model, to_checkpoint, read, ignore_mismatched_sizes)
+    for key in mismatched:
+        del to_checkpoint[key]  # left as the model's initialization made them
+    _load_buffers(model, directory, weight_map, to_checkpoint)
     model_name = type(model).__name__  # (the record must not refer to the model: See DeferredWeights)
 
     def loaded(missing: list[str]) -> None:
+        missing = [m for m in missing if m not in mismatched]
         if missing:
             log.warning("Some weights of %s were not initialized from the model checkpoint at %s and are "
                         "newly initialized: %s", model_name, name_or_path, missing)
+        if mismatched:
+            log.warning("Some weights of %s were not initialized from the model checkpoint at %s and are newly "
+                        "initialized because the shapes did not match:\n%s\nYou should probably TRAIN this model "
+                        "on a down-stream task to be able to use it for predictions and inference.", model_name,
+                        name_or_path, "\n".join(f"- {k}: found shape {a} in the checkpoint and {b} in the model "
+                                                 "instantiated" for k, (a, b) in mismatched.items()))
         if unused:
             log.warning("Some weights of the model checkpoint at %s were not used when initializing %s: %s",
                         name_or_path, model_name, unused)
 
-    defer_weights(model, DeferredWeights(read=read_renamed, init=_init_module,
+    defer_weights(model, DeferredWeights(read=_Renamed(read, to_checkpoint), init=_init_module,
                                          loaded=loaded, fill=_fill))
     _load_generation_config(model, directory)
     model.eval()  # as from_pretrained returns it
     return model
+
+
+class _Renamed:
+    """The checkpoint's reader, asked by model names (through transformers' renamings)."""
+
+    def __init__(self, read, to_checkpoint: dict[str, str]):
+        self.read, self.to_checkpoint = read, to_checkpoint
+
+    def _keys(self, names: list[str]) -> list[str]:
+        return [self.to_checkpoint[n] for n in names if n in self.to_checkpoint]
+
+    def shape_of(self, names: list[str]):
+        return self.read.shape_of(self._keys(names))
+
+    def __call__(self, names: list[str], start: int, end: int):
+        return self.read(self._keys(names), start, end)
+
+
+def _mismatched_sizes(model, to_checkpoint: dict[str, str], read, ignore: bool) -> dict[str, tuple]:
+    """model key -> (checkpoint shape, model shape) of every tensor whose shapes differ, from the
+    headers alone; refused (every rank, before setup) unless ``ignore``. See [Note: shapes before
+    values] in checkpoint/_sharded_weights.py."""
+    mismatched = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        found = read.shape_of([to_checkpoint[key]]) if key in to_checkpoint else None
+        if found is not None and tuple(found[0]) != tuple(tensor.shape):
+            mismatched[key] = (torch.Size(found[0]), tensor.shape)
+    if mismatched and not ignore:
+        lines = [f"size mismatch for {k}: copying a param with shape {a} from checkpoint, the shape in current "
+                 f"model is {b}." for k, (a, b) in mismatched.items()]
+        raise CheckpointError(
+            f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(lines)
+            + "\n\tYou may consider adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if appropriate.")
+    return mismatched
 
 
 def _fill(model, read) -> list[str]:
