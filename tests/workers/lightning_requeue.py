@@ -10,8 +10,10 @@ written, the metadata not yet).
 
 Rank 1 sends its signal once rank 0 is about to, and then once something new has appeared in
 ``root`` (rank 0's save has begun writing) or 5 s have passed: a rank that reads the folder
-while rank 0's save writes could pick another name than rank 0 (issue 38). Each rank writes ``rank<r>.json``: the global step training started from
-(the resumed checkpoint's) and ended at, or the error.
+while rank 0's save writes could pick another name than rank 0 (issue 38).
+
+Each rank writes ``rank<r>.json``: the global step training started from (the resumed
+checkpoint's) and ended at, or the error.
 """
 
 from __future__ import annotations

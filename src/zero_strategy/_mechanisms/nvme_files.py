@@ -53,8 +53,7 @@ from pathlib import Path
 from .aligned import aligned_empty
 from .owned_dirs import open_dir, owned_by_me, remove_tree, try_lock
 
-#: a swap directory, or one being created (a run killed between its mkdir and its rename leaves one)
-JOB_DIR_RE = re.compile(r"(?:zero_swap-[A-Za-z0-9_.]{1,64}-r\d{1,7}|\.zero_swap-new)-[0-9a-f]{16}")
+JOB_DIR_RE = re.compile(r"zero_swap-[A-Za-z0-9_.]{1,64}-r\d{1,7}-[0-9a-f]{16}")
 LOCK_FILE = "lock"
 
 
@@ -136,7 +135,7 @@ class JobDir:
                                     dir_fd=self.fd)
             if try_lock(self._lock_fd) is None:
                 _warn_no_locks(base)
-            with contextlib.suppress(OSError):  # what versions before issue 38 took (and still test)
+            with contextlib.suppress(OSError):  # the lock versions before issue 38 ask a directory for
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             final = base / f"zero_swap-{job_id()}-r{rank}-{token}"
             os.rename(self.path, final)
@@ -224,9 +223,7 @@ def _remove_if_dead(base_fd: int, path: Path) -> bool:
         try:
             lock = os.open(LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW, dir_fd=fd)
         except FileNotFoundError:
-            if path.name.startswith("."):
-                return False  # being created right now: its lock file comes next
-        # no lock file: a directory of a version before issue 38, which locked the directory itself
+            pass  # a directory of a version before issue 38, which locked the directory itself
         if try_lock(lock if lock is not None else fd) is not True:
             return False  # its owner is alive, or this filesystem cannot tell
         return remove_tree(fd, path)
