@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
+from zero_strategy.checkpoint._owned import SAVE_PREFIX
 from _launch import launch, launch_faulty
 from _models import TinyLM, param_groups
 
@@ -57,14 +58,14 @@ def test_a_peer_killed_while_writing_leaves_the_previous_checkpoint_and_no_parti
     assert result["exited"][0] is not None, result["logs"][0]
     error = result["reports"][0]["results"][-1].get("error", "")
     assert "CollectiveError" in error and "Group ranks 1 reported nothing" in error, error
-    assert not list(tmp_path.glob("ckpt.tmp-*")), "the partial checkpoint directory was left behind"
+    assert not list(tmp_path.glob(f"{SAVE_PREFIX}*")), "the partial checkpoint directory was left behind"
     _assert_loads_as(path, tmp_path / "sd-1.pt")  # intact: the previous one, bit for bit
 
 
 @pytest.mark.multiprocess
 def test_rank_killed_while_writing_keeps_previous_checkpoint(tmp_path):
     path = _crashed_second_save(tmp_path, "write", stage=2, nproc=2)
-    leftovers = list(tmp_path.glob("ckpt.tmp-*"))
+    leftovers = list(tmp_path.glob(f"{SAVE_PREFIX}*"))
     assert leftovers, "the second save was not interrupted"
     assert not (leftovers[0] / "metadata.json").exists()
     assert any(leftovers[0].glob("rank*.safetensors")), "the kill came before any shard was written"
@@ -72,7 +73,7 @@ def test_rank_killed_while_writing_keeps_previous_checkpoint(tmp_path):
     # the next save cleans up what the killed one left
     model, opt = _tiny()
     zs.save_checkpoint(path, model, opt)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ckpt", SAVE_PREFIX))) == ["ckpt"]
 
 
 @pytest.mark.multiprocess

@@ -8,6 +8,8 @@ save to ``run[1]`` deleted another job's in-progress ``run1.tmp-.../``.
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 import textwrap
@@ -66,6 +68,93 @@ def test_planted_symlink_with_a_leftover_name_is_not_followed(tmp_path):
     _save_twice(tmp_path / "ckpt")
     assert (victim / "notes.txt").read_text() == "keep me"
     assert (tmp_path / f"ckpt.tmp-{TOKEN}").is_symlink()
+
+
+def test_a_directory_moved_under_the_temporary_name_is_not_removed(tmp_path, monkeypatch):
+    """Issue 38: in a folder others can write to (no sticky bit), someone renames the save's temporary
+    directory away and moves another of your directories under its name; the failed save's clean-up
+    went by the name and deleted that directory."""
+    from zero_strategy.checkpoint import _save
+
+    precious = _user_dir(tmp_path / "precious")
+
+    def write_metadata(tmp, meta):
+        tmp.rename(tmp_path / "moved")
+        precious.rename(tmp)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_save, "_write_metadata", write_metadata)
+    model, opt = _tiny()
+    with pytest.raises(zs.CheckpointError, match="No space left on device"):
+        zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+    (moved_precious,) = [p for p in tmp_path.iterdir() if (p / "notes.txt").exists()]
+    assert (moved_precious / "notes.txt").read_text() == "keep me"
+    assert list((tmp_path / "moved").iterdir()) == []  # the save's own files went, through its descriptor
+
+
+def test_on_nfs_the_leftover_of_a_killed_save_is_still_removed(tmp_path, monkeypatch):
+    """NFS refuses an exclusive flock through a read-only descriptor (EBADF): the marker was
+    opened read-only, so no leftover on NFS was ever removed."""
+    import fcntl
+
+    real = fcntl.flock
+
+    def nfs_flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    dead = _user_dir(tmp_path / f"ckpt.tmp-{TOKEN}", marker=TOKEN)
+    _save_twice(tmp_path / "ckpt")
+    assert not dead.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_lightning_pruning_keeps_backups_and_other_jobs_directories(tmp_path):
+    """ModelCheckpoint's pruning (``strategy.remove_checkpoint``) deleted ``<name>.tmp-*`` and
+    ``<name>.old-*`` by an unescaped glob: a user's backup went, and ``run[1]`` took ``run1``'s."""
+    pytest.importorskip("lightning")
+    from zero_strategy.lightning import ZeroStrategy
+
+    model, opt = _tiny()
+    for name in ("x.ckpt", "run[1].ckpt"):
+        zs.save_checkpoint(tmp_path / name, model, opt)
+    kept = [_user_dir(tmp_path / "x.ckpt.old-manual-backup"),
+            _user_dir(tmp_path / f"run1.ckpt.tmp-{TOKEN}", marker=TOKEN)]  # another job's, alive or not
+    victim = _user_dir(tmp_path / "victim")
+    (tmp_path / "link.ckpt").symlink_to(victim)
+    strategy = ZeroStrategy(stage=2)
+    for name in ("x.ckpt", "run[1].ckpt", "link.ckpt"):
+        strategy.remove_checkpoint(tmp_path / name)
+    for d in kept + [victim]:
+        assert (d / "notes.txt").read_text() == "keep me", d
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(d.name for d in kept + [victim])
+
+
+def test_lightnings_hpc_scan_reads_no_number_from_a_save_in_progress_or_killed(tmp_path, monkeypatch):
+    """SLURM auto-requeue names and finds ``hpc_ckpt_<n>.ckpt`` by the digits of every name holding
+    ``ckpt_``: ``hpc_ckpt_2.ckpt.tmp-0a1b...`` read as 201..., on the ranks scanning during the save
+    and on every requeued job after a kill. (The real SIGUSR1 run: test_lightning_requeue.py.)"""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from zero_strategy.checkpoint import _save
+
+    model, opt = _tiny()
+    zs.save_checkpoint(tmp_path / "hpc_ckpt_1.ckpt", model, opt)
+    seen = []
+
+    def killed(tmp, meta):
+        seen.append(_CheckpointConnector.hpc_save_path(tmp_path))  # what another rank would name it now
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_save, "_write_metadata", killed)
+    monkeypatch.setattr(_save.OwnedDir, "remove", lambda self: self.release())  # as if killed: left behind
+    with pytest.raises(KeyboardInterrupt):
+        zs.save_checkpoint(tmp_path / "hpc_ckpt_2.ckpt", model, opt)
+    assert seen == [str(tmp_path / "hpc_ckpt_2.ckpt")]
+    assert len(list(tmp_path.iterdir())) == 2  # the checkpoint and the leftover
+    assert _CheckpointConnector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")
 
 
 HOLD = textwrap.dedent("""

@@ -54,7 +54,7 @@ def test_model_checkpoint_writes_directories_and_deletes_old_top_k(runs):
     assert len(files) == 2 and "last.ckpt" in files, files  # top-1 (the older one was deleted) + last
     for f in files:
         assert (root / "ckpts" / f / "metadata.json").is_file()
-    assert not [p for p in (root / "ckpts").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    assert sorted(p.name for p in (root / "ckpts").iterdir()) == files  # no temporary or moved-aside directory
 
 
 def test_resume_equals_uninterrupted_fit(runs):

@@ -9,6 +9,8 @@ got a live file deleted; a symlink planted at the probe's name was truncated.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import stat
 import subprocess
@@ -54,7 +56,7 @@ def test_swap_directory_is_private_and_its_file_exclusive(tmp_path):
     model, zopt = make(tmp_path)
     (d,) = job_dirs(tmp_path)
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
-    assert [p.name for p in d.iterdir()] == ["swap.bin"]
+    assert sorted(p.name for p in d.iterdir()) == ["lock", "swap.bin"]
     assert stat.S_IMODE((d / "swap.bin").stat().st_mode) == 0o600
     owner = zs.api.engine_of(model).swap.file.dir
     with pytest.raises(nvme_files.NVMeError, match=r"cannot create NVMe swap file .*swap\.bin: File exists"):
@@ -167,6 +169,74 @@ def test_planted_symlinks_are_never_followed(tmp_path):
     zs.teardown(model, keep_weights=False)
     assert (victim / "data").read_bytes() == b"precious"
     assert (base / "zero_swap-local-r0-0123456789abcdef").is_symlink()
+
+
+def test_a_live_directory_renamed_away_and_replaced_by_a_symlink_costs_nothing_at_teardown(tmp_path):
+    """Issue 38: in a base others can write to (no sticky bit), another user renames the live swap
+    directory and leaves a symlink to your files in its place; teardown deleted every file there."""
+    victim = tmp_path / "home"
+    victim.mkdir()
+    for name in ("thesis.tex", "data.csv", "notes.txt"):
+        (victim / name).write_text("precious")
+    base = tmp_path / "swap"
+    base.mkdir()
+    model, zopt = make(base)
+    train_step(model, zopt, 0)
+    (live,) = job_dirs(base)
+    live.rename(base / "moved")
+    live.symlink_to(victim)
+    train_step(model, zopt, 1)  # the store keeps its open file: training goes on
+    zs.teardown(model, keep_weights=False)
+    assert sorted(p.name for p in victim.iterdir()) == ["data.csv", "notes.txt", "thesis.tex"]
+    assert all(p.read_text() == "precious" for p in victim.iterdir())
+    assert live.is_symlink() and list((base / "moved").iterdir()) == []  # our own files went, by descriptor
+
+
+def _nfs_flock(real):
+    """flock as NFS has it: an exclusive lock needs a descriptor open for writing, else EBADF."""
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real(fd, op)
+    return flock
+
+
+def test_on_nfs_the_swap_directory_is_locked_and_a_dead_one_removed(tmp_path, monkeypatch):
+    """Issue 38: locking the directory itself failed on NFS with a raw EBADF, leaving the staging directory."""
+    monkeypatch.setattr(fcntl, "flock", _nfs_flock(fcntl.flock))
+    dead = nvme_files.JobDir(tmp_path, rank=1)
+    for fd in (dead._lock_fd, dead.fd):  # the process that made it died: the kernel closes its files
+        os.close(fd)
+    with pytest.warns(UserWarning, match="removed stale NVMe swap directories"):
+        model, zopt = make(tmp_path)  # its setup sweeps the dead directory away
+    train_step(model, zopt, 0)
+    (live,) = job_dirs(tmp_path)
+    assert nvme_files.remove_stale_job_dirs(tmp_path) == []  # another run's sweep keeps the live one
+    zs.teardown(model, keep_weights=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("err", [errno.ENOLCK, errno.EBADF], ids=["ENOLCK", "EBADF"])
+def test_a_filesystem_without_locks_warns_naming_the_option_and_leaves_nothing(tmp_path, monkeypatch, err):
+    def flock(fd, op):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with pytest.warns(UserWarning, match=r"cannot lock files .*NVMeOffload\(path=\.\.\.\).*ZERO_STRATEGY_NVME_PATH"):
+        model, zopt = make(tmp_path)
+    train_step(model, zopt, 0)
+    (live,) = job_dirs(tmp_path)
+    assert nvme_files.remove_stale_job_dirs(tmp_path) == []  # no lock to ask: never removed by another run
+    zs.teardown(model, keep_weights=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_setup_leaves_no_staging_directory(tmp_path, monkeypatch):
+    def rename(src, dst, **kw):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(nvme_files.NVMeError, match="cannot create a swap directory in .*Input/output error"):
+        nvme_files.JobDir(tmp_path, rank=0)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture

@@ -8,15 +8,23 @@ So nothing about a swap file is predictable or reused:
 * every store (one per rank and run) creates its own directory
   ``<base>/zero_swap-<job>-r<rank>-<16 random hex>`` with mode 0700 (``job``: the
   launcher's job id, for people reading ``ls``; the random part makes it unique);
-* files inside are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600, so an
-  existing file or a planted symlink is an error, never opened, truncated or followed;
-* liveness is an exclusive ``flock`` on the directory, held by the owning process for
-  as long as it runs and dropped by the kernel when it dies however it dies. A later
-  run removes a directory only if it can take that lock (its owner is gone), it is a
-  real directory (not a symlink) of the same user, and its name has our pattern. Pids
-  are never consulted: they repeat across containers and after reboots. The directory
-  is locked under a temporary name and renamed into place, so no live directory is
-  ever visible unlocked. (Filesystems without ``flock``: stale directories are kept.)
+* files inside are created through the directory's descriptor with ``O_CREAT | O_EXCL |
+  O_NOFOLLOW`` and mode 0600, so an existing file or a planted symlink is an error,
+  never opened, truncated or followed;
+* liveness is an exclusive ``flock`` on the file ``lock`` inside, held by the owning
+  process for as long as it runs and dropped by the kernel when it dies however it
+  dies (a file opened read-write, so the lock works on NFS too: See [Note: a lock that
+  works on NFS] in _mechanisms/owned_dirs.py). A later run removes a directory only if
+  it can take that lock (its owner is gone), it is a real directory (not a symlink) of
+  the same user, and its name has our pattern. Pids are never consulted: they repeat
+  across containers and after reboots. The directory is locked under a temporary name
+  and renamed into place, so no live directory is ever visible unlocked. On a
+  filesystem without locks a warning names the path option, and stale directories
+  there are kept;
+* teardown removes the directory through the descriptor opened when it was created,
+  so a directory renamed away and replaced by a symlink (a parent others can write to,
+  without the sticky bit) costs nothing but our own files (See [Note: removal never
+  follows a link] in _mechanisms/owned_dirs.py). A failed setup leaves nothing behind.
 * the default base is per user: ``$TMPDIR/zero_strategy_nvme-<uid>``, created 0700 and
   refused if it is a symlink, someone else's, or writable by others.
 
@@ -43,9 +51,10 @@ import warnings
 from pathlib import Path
 
 from .aligned import aligned_empty
+from .owned_dirs import open_dir, owned_by_me, remove_tree, try_lock
 
 JOB_DIR_RE = re.compile(r"zero_swap-[A-Za-z0-9_.]{1,64}-r\d{1,7}-[0-9a-f]{16}")
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+LOCK_FILE = "lock"
 
 
 class NVMeError(RuntimeError):
@@ -117,82 +126,113 @@ class JobDir:
 
     def __init__(self, base: Path, rank: int):
         token = secrets.token_hex(8)
-        staging = base / f".zero_swap-new-{token}"
+        self.path = base / f".zero_swap-new-{token}"
+        self.fd = self._lock_fd = None
         try:
-            staging.mkdir(mode=0o700)
-            self.fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError as e:
-            raise NVMeError(f"cannot create a swap directory in {base}: {e.strerror}") from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in _NO_LOCKS:
-                raise
-        self.path = base / f"zero_swap-{job_id()}-r{rank}-{token}"
-        os.rename(staging, self.path)
+            self.path.mkdir(mode=0o700)
+            self.fd = open_dir(self.path)
+            self._lock_fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                                    dir_fd=self.fd)
+            if try_lock(self._lock_fd) is None:
+                _warn_no_locks(base)
+            with contextlib.suppress(OSError):  # the lock versions before issue 38 ask a directory for
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            final = base / f"zero_swap-{job_id()}-r{rank}-{token}"
+            os.rename(self.path, final)
+            self.path = final
+            if not os.path.samestat(os.lstat(final), os.fstat(self.fd)):
+                raise OSError(errno.EEXIST, "the directory was replaced while it was created")
+        except BaseException as e:
+            self.remove()  # nothing left behind, the staging directory included
+            if isinstance(e, OSError):
+                raise NVMeError(f"cannot create a swap directory in {base}: {e.strerror}") from None
+            raise
 
     def create_file(self, name: str, direct: bool) -> tuple[int, bool]:
-        """A new file in the directory: O_EXCL | O_NOFOLLOW, 0600 (O_DIRECT where the filesystem has it)."""
+        """A new file in the directory: O_EXCL | O_NOFOLLOW, 0600 (O_DIRECT where the filesystem has it),
+        created through the directory's descriptor, never through its name."""
         path = self.path / name
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         if direct:
             try:
-                return os.open(path, flags | os.O_DIRECT, 0o600), True
+                return os.open(name, flags | os.O_DIRECT, 0o600, dir_fd=self.fd), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise NVMeError(f"cannot create NVMe swap file {path}: {e.strerror}") from None
                 with contextlib.suppress(FileNotFoundError):  # some kernels create it before refusing O_DIRECT
-                    os.unlink(path)
+                    os.unlink(name, dir_fd=self.fd)
         try:
-            return os.open(path, flags, 0o600), False
+            return os.open(name, flags, 0o600, dir_fd=self.fd), False
         except OSError as e:
             raise NVMeError(f"cannot create NVMe swap file {path}: {e.strerror}") from None
 
     def remove(self) -> None:
-        _remove_dir(self.path)
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        """Its files and itself, through the descriptor opened at creation (See [Note: removal never
+        follows a link] in _mechanisms/owned_dirs.py); then the lock goes."""
+        if self.fd is not None:
+            remove_tree(self.fd, self.path)
+        for fd in (self._lock_fd, self.fd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.fd = self._lock_fd = None
 
 
-def _remove_dir(path: Path) -> None:
-    """Remove our swap directory: its plain entries (unlink never follows a symlink), then itself."""
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(path):
-            with contextlib.suppress(OSError):
-                os.unlink(entry.path)
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
+_warned_no_locks: set[str] = set()
+
+
+def _warn_no_locks(base: Path) -> None:
+    if str(base) not in _warned_no_locks:
+        _warned_no_locks.add(str(base))
+        warnings.warn(f"zero_strategy: the NVMe offload path {base} cannot lock files (NFS without its lock "
+                      "service?), so a crashed run's swap directory there cannot be told from a live one and is "
+                      "never removed; put swap files on a local disk: NVMeOffload(path=...), the config's nvme "
+                      "path, or ZERO_STRATEGY_NVME_PATH", stacklevel=6)
 
 
 def remove_stale_job_dirs(base: Path) -> list[Path]:
     """Swap directories whose owner is gone (their lock is free): removed, never read."""
     removed = []
     try:
-        entries = list(os.scandir(base))
+        base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return removed
-    for entry in entries:
-        if not JOB_DIR_RE.fullmatch(entry.name):
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # a symlink: ELOOP/ENOTDIR
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.geteuid():
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the owner is alive
-        except OSError:
-            continue
-        else:
-            _remove_dir(Path(entry.path))
-            removed.append(Path(entry.path))
-        finally:
-            os.close(fd)
+    try:
+        names = os.listdir(base_fd)
+    except OSError:
+        names = []
+    for name in names:
+        if JOB_DIR_RE.fullmatch(name) and _remove_if_dead(base_fd, base / name):
+            removed.append(base / name)
+    os.close(base_fd)
     if removed:
         warnings.warn(f"zero_strategy: removed stale NVMe swap directories of runs that ended without "
                       f"cleaning up: {[str(p) for p in removed]}", stacklevel=5)
     return removed
+
+
+def _remove_if_dead(base_fd: int, path: Path) -> bool:
+    try:
+        fd = open_dir(path.name, dir_fd=base_fd)  # a symlink: ELOOP/ENOTDIR, never followed
+    except OSError:
+        return False
+    lock = None
+    try:
+        if not owned_by_me(fd):
+            return False
+        try:
+            lock = os.open(LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW, dir_fd=fd)
+        except FileNotFoundError:
+            pass  # a directory of a version before issue 38, which locked the directory itself
+        if try_lock(lock if lock is not None else fd) is not True:
+            return False  # its owner is alive, or this filesystem cannot tell
+        return remove_tree(fd, path)
+    except OSError:
+        return False
+    finally:
+        if lock is not None:
+            os.close(lock)
+        os.close(fd)
 
 
 def reserve(fd: int, path: Path, start: int, end: int) -> None:

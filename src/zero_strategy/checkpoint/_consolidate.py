@@ -159,8 +159,8 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
     if format == "torch":
         _check_memory(sources, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(out.parent, f".{out.name}", ("tmp",))  # of a killed run to the same out
-    owned = OwnedDir.create(out.parent, f".{out.name}", "tmp")
+    remove_leftovers(out.parent, (f".{out.name}.tmp-",))  # of a killed run to the same out
+    owned = OwnedDir.create(out.parent, f".{out.name}.tmp-")
     tmp = owned.path
     try:
         if format == "torch":

@@ -1,8 +1,9 @@
 """Sharded, atomic save: every rank writes its own shards; rank 0 writes metadata and swaps.
 
 [Note: atomic replacement]
-1. rank 0 checks the target, creates ``<path>.tmp-<token>`` (a random token of this
-   save, see [Note: what a save may delete] in _owned.py) and broadcasts the token;
+1. rank 0 checks the target, creates ``.zero_strategy-save-<token>`` beside it (a random
+   token of this save, see [Note: what a save may delete] in _owned.py) and broadcasts
+   the token;
    every rank writes its file there, hashing it on the way, and fsyncs it;
 2. ranks all-gather (file, sha256, size) or their error: any error aborts on all
    ranks and removes the temporary directory;
@@ -11,7 +12,7 @@
    fsyncs the parent and deletes the old one; the result is agreed on, so no rank
    returns before the checkpoint is in place.
 A save killed before step 3's first rename leaves ``path`` untouched (and a
-``.tmp-`` directory without metadata, removed by the next save). Killed between the
+``.zero_strategy-save-`` directory without metadata, removed by the next save there). Killed between the
 two renames, ``path`` is missing and the previous checkpoint sits complete at
 ``<path>.old-<token>``: ``load_checkpoint(path)`` finds and loads it (with a warning).
 Any error in step 3 (a full disk while writing the metadata) puts the previous
@@ -37,7 +38,7 @@ from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, Check
                       Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir, jsonable,
                       rank_file_name, resolve_zero_optimizers)
 from ._metadata_io import metadata_json
-from ._owned import OwnedDir, remove_leftovers
+from ._owned import SAVE_PREFIX, OwnedDir, leftover_prefixes, remove_leftovers, save_dir
 from ._safetensors_stream import StreamWriter, sha256_file
 from ._sync import agree, describe
 
@@ -90,7 +91,7 @@ def _save_in_group(path, model, engine, optimizer, extra_state) -> None:
         try:
             _check_target(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            owned = OwnedDir.create(path.parent, path.name, "tmp")
+            owned = OwnedDir.create(path.parent, SAVE_PREFIX)
             decision = ("ok", owned.token)
         except (OSError, CheckpointError) as err:
             decision = ("error", describe(err))
@@ -114,7 +115,7 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
     if kind == "error":
         raise CheckpointError(value)
     token = value
-    tmp = path.parent / f"{path.name}.tmp-{token}"
+    tmp = save_dir(path.parent, token)
 
     groups = describe_groups(engine)
     records: list[FileRecord] = []
@@ -197,7 +198,7 @@ def _swap_into_place(owned: OwnedDir, path: Path) -> None:
     _fsync_dir(path.parent)
     if old is not None:
         old.remove()
-    remove_leftovers(path.parent, path.name, ("tmp", "old"))  # of killed saves; see _owned.py
+    remove_leftovers(path.parent, leftover_prefixes(path.name))  # of killed saves; see _owned.py
 
 
 # ------------------------------------------------------------------ files

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +24,7 @@ import torch
 from ..checkpoint import consolidate, save_checkpoint
 from ..checkpoint._load import prepare_load
 from ..checkpoint._layout import EXTRA_STATE_FILE
+from ..checkpoint._owned import remove_checkpoint
 
 FORMAT = "zero_strategy.lightning/1"
 #: keys whose content lives in the sharded files instead of the blob
@@ -131,11 +131,7 @@ def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_file: str |
 
 
 def remove(path) -> None:
-    """Delete a checkpoint directory and what interrupted saves may have left beside it."""
-    path = Path(path)
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists():
-        path.unlink()
-    for stale in list(path.parent.glob(f"{path.name}.tmp-*")) + list(path.parent.glob(f"{path.name}.old-*")):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Delete a checkpoint (ModelCheckpoint's pruning) and the leftovers of killed saves of it: the
+    same helper as a save's, so only directories of this user, never by a pattern over user names
+    and never through a link (See [Note: what a save may delete] in checkpoint/_owned.py)."""
+    remove_checkpoint(path)

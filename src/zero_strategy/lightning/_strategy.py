@@ -341,6 +341,11 @@ class ZeroStrategy(DDPStrategy):
             # after fit, weights only: one plain .ckpt file, as DDP writes it (load_from_checkpoint reads it)
             checkpoint = {**checkpoint, "state_dict": zs.full_state_dict(module, rank0_only=True, dtype=None)}
             return super().save_checkpoint(checkpoint, filepath)
+        # every rank writes into rank 0's directory: one path for all, as FSDPStrategy does. Lightning
+        # names an auto-requeue checkpoint on each rank by scanning the folder, and a rank that scans
+        # while rank 0's save has begun can pick another name (See [Note: names nobody reads a number
+        # from] in checkpoint/_owned.py)
+        filepath = self.broadcast(filepath)
         _checkpoint.save(filepath, module, self.zero_optimizers, checkpoint)
 
     def remove_checkpoint(self, filepath) -> None:
