@@ -98,7 +98,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._unhooked_step = _unhooked_step_of(optimizer)
         # the user's own object stepped directly would step masters without gradients: a silent
         # no-op. Its hooked step() refuses instead (internal steps bypass hooks).
-        self._guard = optimizer.register_step_pre_hook(_refuse_direct_step)
+        self._internal_steps = 0  # the engine's own calls of the user's step in progress (any thread)
+        self._guard = optimizer.register_step_pre_hook(self._refuse_direct_step)
         self.offloaded = OffloadedStep(engine, self.groups, self._step_masters, lambda: self.optimizer.state,
                                        self._set_grad, self.swappable_state, self.owned_views,
                                        lambda: self.optimizer)
@@ -351,7 +352,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         See [Note: hooks fire once per step]); ``window``: elements [a, b) of one group's shard
         (a chunk of a streamed group, _optim/chunked_step.py)."""
         with keep_untouched(self.optimizer, groups, window):  # See [Note: no gradient on any rank] in _engine/untouched.py
-            self._unhooked_step(self.optimizer)
+            self._internal_steps += 1
+            try:
+                self._unhooked_step(self.optimizer)
+            finally:
+                self._internal_steps -= 1
+
+    def _refuse_direct_step(self, optimizer, args, kwargs) -> None:
+        """The user's own optimizer object stepped directly would step masters without gradients:
+        a silent no-op, so it refuses. Not inside the engine's own step: an optimizer class whose
+        ``step`` calls ``super().step()`` reaches torch's hooked step of its base class there."""
+        if self._internal_steps:
+            return
+        raise RuntimeError(
+            f"this {type(optimizer).__name__} was re-homed onto ZeRO master shards by zero_strategy.setup; "
+            "call step() and zero_grad() on the optimizer setup returned (model, optimizer = "
+            "zero_strategy.setup(model, optimizer, config)), not on the original object")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
@@ -409,10 +425,3 @@ def _unhooked_step_of(optimizer: torch.optim.Optimizer):
     if getattr(step, "hooked", False):  # installed by Optimizer._patch_step_function
         step = step.__wrapped__
     return step
-
-
-def _refuse_direct_step(optimizer, args, kwargs):
-    raise RuntimeError(
-        f"this {type(optimizer).__name__} was re-homed onto ZeRO master shards by zero_strategy.setup; "
-        "call step() and zero_grad() on the optimizer setup returned (model, optimizer = "
-        "zero_strategy.setup(model, optimizer, config)), not on the original object")
