@@ -10,8 +10,11 @@ blocks, AdamW, glibc returning freed blocks to the OS so resident memory follows
   temporaries of one group (two blocks' worth), plus 32 MiB. The whole fp32 copy is 4 bytes ×
   67M = 256 MiB; before this change zero3's step grew by 288 MiB (bound 144 MiB, now 96 MiB).
 * **after ``zero_grad``**: the process holds what torch's AdamW holds for these parameters
-  (8 bytes each, in memory unless on NVMe) plus the staging buffers the engine grew, plus 48 MiB:
-  no gradient copy outlives ``zero_grad``, as torch frees ``.grad``. Before, the offloaded presets
+  (8 bytes each, in memory unless on NVMe) plus the staging buffers the engine grew and the
+  buffers it keeps for the next step (the working set's idle ``staging``, See [Note: the training
+  cycle's host buffers] in src/zero_strategy/_mechanisms/host_pool.py), plus 48 MiB. What it
+  keeps is at most the bf16 gradients, the buckets in flight and one step batch of fp32 casts,
+  never an fp32 copy of every gradient. Before, the offloaded presets
   kept an fp32 host copy of every gradient (zero3_offload 775 MiB against a bound of 560 MiB,
   zero3_offload_nvme 407 against 192).
 """
@@ -26,6 +29,7 @@ import pytest
 
 from _procs import HERE, run
 
+from zero_strategy._engine.reduce import MAX_IN_FLIGHT
 from zero_strategy._mechanisms.transfers import DEVICE_CAST_BATCH_NUMEL, STEP_BATCH_NUMEL
 
 pytestmark = [pytest.mark.multiprocess,
@@ -49,9 +53,14 @@ def test_fp32_gradient_copies_are_bounded_by_one_step_batch(preset, tmp_path):
     limit, state_in = CASES[preset]
     step_bound = 4 * (limit + 3 * r["block"]) + 32 * MiB
     state = ADAMW_STATE_BYTES * r["numel"] if state_in == "memory" else 0
-    rest_bound = state + r["staging_growth"] + 48 * MiB
+    rest_bound = state + r["staging_growth"] + r["kept_for_next_step"] + 48 * MiB
     print(f"{preset}: step +{r['step_peak'] / MiB:.0f} MiB (bound {step_bound / MiB:.0f}), after zero_grad "
           f"+{r['rest_growth'] / MiB:.0f} MiB since setup (bound {rest_bound / MiB:.0f}); an fp32 copy of every "
           f"gradient is {4 * r['numel'] / MiB:.0f} MiB")
+    # kept for the next step: the bf16 gradient shards (the whole gradient in one process), the
+    # buckets in flight (reduces and the one accumulating), one step batch of fp32 casts
+    kept_bound = 2 * r["numel"] + 2 * (MAX_IN_FLIGHT + 2) * r["block"] + 4 * (limit + 3 * r["block"]) + 8 * MiB
+    print(f"{preset}: kept for the next step {r['kept_for_next_step'] / MiB:.0f} MiB (bound {kept_bound / MiB:.0f})")
     assert r["step_peak"] <= step_bound
     assert r["rest_growth"] <= rest_bound
+    assert r["kept_for_next_step"] <= kept_bound

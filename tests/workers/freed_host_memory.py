@@ -2,7 +2,7 @@
 runs, and reports its anonymous RSS beside the engine's own accounting (tests/test_freed_host_memory.py).
 
 argv: preset, release_host_memory (1/0), checkpoint directory. Prints one JSON line: after each
-of six optimizer steps, after an evaluation forward (``model.eval()`` and ``torch.no_grad()``) and
+of eight optimizer steps, after an evaluation forward (``model.eval()`` and ``torch.no_grad()``) and
 after a checkpoint save, the growth of anonymous RSS since before the model was built, the
 engine's resting model states (``memory_report().total``) and its peak working set.
 """
@@ -37,7 +37,7 @@ def main(preset: str, release: bool, ckpt: str) -> None:
                     peak_working_set=report.peak_working_set_bytes)
 
     samples = []
-    for step in range(6):
+    for step in range(8):
         ids = torch.randint(0, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(step))
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
@@ -47,7 +47,7 @@ def main(preset: str, release: bool, ckpt: str) -> None:
     with torch.no_grad():
         ids = torch.randint(0, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(99))
         model(input_ids=ids, labels=ids)
-    samples.append(sample("eval"))
+    samples.append(dict(sample("eval"), eval_logits=ids.numel() * cfg.vocab_size * 4))
     model.train()
     zs.save_checkpoint(ckpt, model, optimizer)
     samples.append(sample("save_checkpoint"))

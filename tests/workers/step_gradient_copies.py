@@ -63,6 +63,7 @@ def main(preset: str, swap: str) -> None:
     engine = zs.memory_report(model)
     print(json.dumps(dict(step_peak=peak, rest_growth=anon_rss() - after_setup,
                           staging_growth=engine.by_category["staging"] - staging_at_setup,
+                          kept_for_next_step=engine.kept_bytes,
                           numel=sum(p.numel() for p in model.parameters()),
                           block=sum(p.numel() for p in model[0].parameters()))))
 

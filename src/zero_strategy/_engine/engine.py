@@ -611,6 +611,7 @@ class ZeroEngine:
     def _drop_idle_buffers(self) -> None:
         """Where a phase ends: the buffers kept from one step to the next that no one holds now."""
         self.transfers.cast_scratch.release()
+        self.transfers.host_pool.release()  # See [Note: the training cycle's host buffers] in _mechanisms/host_pool.py
         if self.swap is not None:
             self.swap.pool.drop_idle()  # See [Note: staging between passes] in _mechanisms/host_memory.py
 

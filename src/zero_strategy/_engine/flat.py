@@ -365,9 +365,9 @@ class FlatGroup:
             self.masters.on_grad_reduced(self.grads.grad_shard, self.grads.version)
 
     def zero_grad(self, keep_full: bool) -> None:
-        self.grads.reset(keep_full)
         if self.masters is not None:
-            self.masters.drop_grad()
+            self.masters.drop_grad()  # first: a master's .grad may be the shard, which the pool then keeps
+        self.grads.reset(keep_full)
 
     def publish_master(self, comm: Collectives) -> Handle | None:
         """Rebuild the compute-dtype parameters from the master (after a step or a load).

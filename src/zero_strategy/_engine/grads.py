@@ -24,6 +24,7 @@ import enum
 import torch
 
 from .._comm.collectives import Collectives, Handle
+from .._mechanisms.host_pool import storage_use_count
 from .grad_markers import GradMarkers
 
 
@@ -51,6 +52,7 @@ class GradBuffer:
         self.grad_dtype, self.device = grad_dtype, device
         self.state = GradState.EMPTY
         self._working_set = layout.transfers.working_set  # See [Note: the working set]
+        self._pool = layout.transfers.host_pool  # See [Note: the training cycle's host buffers]
         self._full_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None   # [shard] reduced and averaged
         #: bumped whenever grad_shard's values change (offload re-downloads a stale copy)
@@ -169,6 +171,8 @@ class GradBuffer:
         self._full_grad = value
         self._working_set.replace("grad_buckets", 0 if old is None else old.numel() * old.element_size(),
                                   0 if value is None else value.numel() * value.element_size())
+        if old is not None and old is not value:
+            self._pool.give_back(old)
 
     # ------------------------------------------------------------ accumulate
     def accumulate(self, slot) -> None:
@@ -179,7 +183,7 @@ class GradBuffer:
         if self._reduced_in_place:
             self._set_reduced_aside()
         if self.full_grad is None:
-            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self.full_grad = self._pool.empty(self.layout.padded_numel, self.grad_dtype, self.device)
         view = self.full_grad[slot.offset:slot.offset + slot.numel]
         if self._written[slot.index]:
             view.add_(grad.reshape(-1))
@@ -232,8 +236,8 @@ class GradBuffer:
         buffer persists anyway), so stepping needs no extra gradient memory.
         """
         full = self.prepare_reduce(comm)
-        out = self.layout.own(full) if in_place else torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
-                                                                 device=self.device)
+        out = self.layout.own(full) if in_place else self._pool.empty(self.layout.shard_numel, self.grad_dtype,
+                                                                      self.device)
         handle = comm.reduce_scatter(out, full, async_op=True, label=self.layout.name)
         self.now_reducing()
         return handle, out
@@ -246,7 +250,7 @@ class GradBuffer:
         if self._reduced_in_place:  # reduced again (another rank has new gradients): keep ours
             self._set_reduced_aside()
         if self.full_grad is None:  # unused on this backward: contribute zeros, stay in lock-step
-            self.full_grad = torch.zeros(layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self.full_grad = self._pool.zeros(layout.padded_numel, self.grad_dtype, self.device)
         else:
             for s in layout.slots:
                 if not self._written[s.index]:
@@ -283,6 +287,7 @@ class GradBuffer:
                 self.grad_shard = out
             else:
                 self.grad_shard.add_(out)
+                self._pool.give_back(out)
             self.full_grad = None
         self.version += 1
         self._enter(GradState.REDUCED)
@@ -311,12 +316,15 @@ class GradBuffer:
     def reset(self, keep_full: bool) -> None:
         """Drop every held gradient and marker. ``keep_full`` keeps the (stage 1) full buffer's memory."""
         self.markers.remove_all(self.layout.slots)
-        self.grad_shard = None
+        shard, self.grad_shard = self.grad_shard, None
+        if not self._reduced_in_place:  # in place, it is a view of the full buffer
+            self._pool.give_back(shard)
+        del shard
         self._carry = None
         self._reduced_in_place = False
         self._written = [False] * len(self._written)
-        if not keep_full:
-            self.full_grad = None
+        if not keep_full or (self.full_grad is not None and storage_use_count(self.full_grad) != 1):
+            self.full_grad = None  # kept only while no one else holds a view of it (a gradient an optimizer kept)
         self.version += 1
         self.received_slots = [False] * len(self.received_slots)
         self.untouched = frozenset()

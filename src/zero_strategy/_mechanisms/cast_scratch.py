@@ -8,80 +8,78 @@ step freed is what the next one allocates again: glibc either keeps it (the proc
 by the freed copies, in the step worker's arena, 40-140 MiB per group on the 748M Llama
 of benchmarks/memory_lifecycle.py) or, once it is given back to the OS, faults every page of
 it in again at the next step (See [Note: freed host memory] in host_memory.py: that round trip
-made the offloaded step half as fast). So the casts write into buffers leased from here and
-handed back after the step of their batch: one buffer per concurrent lease (the CPU step
-has one worker, so in practice one), grown to the largest request and reused by every
-later step without a fault. It is part of the working set ("staging"), and is freed where
+made the offloaded step half as fast). So the casts write into buffers taken from here and
+given back after the step of their batch: one buffer per concurrent step (the CPU step has
+one worker, so in practice one), grown to the largest request and reused by every later step
+without a fault. A buffer something still refers to when it comes back (a gradient an
+optimizer kept) is not reused, so nothing changes under its holder. ``memory_report(model).kept_bytes`` counts it, and it is freed where
 a phase ends (a save, a load, an eval after training), as the NVMe staging slots are.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
-from .working_set import WorkingSet
+from .host_pool import storage_use_count
 
 
 class CastScratch:
     """Reusable host buffers for the step's gradient casts (See [Note: the step's casts reuse
-    their buffers])."""
+    their buffers]). ``take`` a buffer, cast into slices of it, drop those slices, then
+    ``give_back`` the buffer: one still referred to (a gradient an optimizer kept) is not reused."""
 
-    def __init__(self, working_set: WorkingSet | None = None):
-        self._working_set = working_set
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: list[torch.Tensor] = []  # buffers no lease holds
-        self._held_bytes = 0  # every buffer this pool owns, leased or idle
+        self._idle: list[torch.Tensor] = []  # buffers no one holds
+        self._held_bytes = 0  # every buffer this pool owns, taken or idle
 
-    @contextlib.contextmanager
-    def lease(self, numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor | None]:
-        """A host tensor of ``numel`` elements of ``dtype`` (uninitialized) until the block ends;
-        None for no elements."""
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A host buffer of at least ``numel`` elements of ``dtype`` (uninitialized); None for none."""
         if numel == 0:
-            yield None
-            return
+            return None
         with self._lock:
             fits = [b for b in self._idle if b.dtype == dtype and b.numel() >= numel]
-            buf = min(fits, key=torch.Tensor.numel) if fits else None
-            if buf is not None:
+            if fits:
+                buf = min(fits, key=torch.Tensor.numel)
                 self._idle.remove(buf)
-            elif self._idle:  # outgrown: the largest idle one makes way for a larger one
+                return buf
+            if self._idle:  # outgrown: the largest idle one makes way for a larger one
                 small = max(self._idle, key=lambda b: b.numel() * b.element_size())
                 self._idle.remove(small)
-                self._account(-small.numel() * small.element_size())
+                self._held_bytes -= small.numel() * small.element_size()
                 del small
+        buf = torch.empty(numel, dtype=dtype)
+        with self._lock:
+            self._held_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def give_back(self, buf: torch.Tensor | None) -> None:
+        """``buf`` (from :meth:`take`) is no longer used by the step: keep it, unless something
+        still refers to its memory (then it is freed by its last holder, as any tensor)."""
         if buf is None:
-            buf = torch.empty(numel, dtype=dtype)
-            with self._lock:
-                self._account(buf.numel() * buf.element_size())
-        try:
-            yield buf[:numel]
-        finally:
-            with self._lock:
+            return
+        with self._lock:
+            if storage_use_count(buf) == 1:
                 self._idle.append(buf)
+            else:
+                self._held_bytes -= buf.numel() * buf.element_size()
 
     def release(self) -> None:
-        """Free the buffers no lease holds (a phase ended: the next step allocates again)."""
+        """Free the buffers no one holds (a phase ended: the next step allocates again)."""
         with self._lock:
-            freed = sum(b.numel() * b.element_size() for b in self._idle)
+            self._held_bytes -= sum(b.numel() * b.element_size() for b in self._idle)
             self._idle.clear()
-            self._account(-freed)
 
     @property
     def nbytes(self) -> int:
         return self._held_bytes
 
-    def _account(self, delta: int) -> None:
-        self._held_bytes += delta
-        if self._working_set is not None and delta:
-            (self._working_set.add if delta > 0 else self._working_set.remove)("staging", abs(delta))
-
 
 def carve(scratch: torch.Tensor | None) -> Callable[[int], torch.Tensor | None]:
-    """Hands out consecutive pieces of a leased ``scratch``: ``take(n)`` is the next ``n``
+    """Hands out consecutive pieces of a taken ``scratch``: ``take(n)`` is the next ``n``
     elements (None for none, or without a scratch)."""
     start = 0
 

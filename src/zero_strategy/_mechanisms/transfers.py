@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .cast_scratch import CastScratch
+from .host_pool import HostPool
 from .worker_threads import WorkerThreads
 from .working_set import WorkingSet
 
@@ -83,7 +84,9 @@ class Transfers:
         self.working_set = WorkingSet()
         self._staging = _StagingRing(STAGING_SLOTS, self.host_empty, self.working_set)
         #: host buffers the step casts gradients into (See [Note: the step's casts reuse their buffers])
-        self.cast_scratch = CastScratch(self.working_set)
+        self.cast_scratch = CastScratch()
+        #: the training cycle's host buffers, kept for the next step (See [Note: the training cycle's host buffers])
+        self.host_pool = HostPool()
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=self.pin)
@@ -135,6 +138,12 @@ class Transfers:
 
     def staging_tensors(self) -> list[torch.Tensor]:
         return self._staging.buffers()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes kept for the next step: the step's cast buffers and the training cycle's
+        idle buffers (See [Note: the training cycle's host buffers] in host_pool.py)."""
+        return self.cast_scratch.nbytes + self.host_pool.idle_bytes
 
     @property
     def pool(self) -> WorkerThreads:

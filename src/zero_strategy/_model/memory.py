@@ -38,6 +38,10 @@ class MemoryReport:
     peak_working_set: dict[str, int] = field(default_factory=dict)
     #: the peak of the working set's sum (the categories' peaks need not coincide)
     peak_working_set_bytes: int = 0
+    #: host buffers kept for the next step (the step's cast buffers, the training cycle's idle
+    #: gradient buffers), freed where a phase ends; in neither ``total`` nor the working set
+    #: (See [Note: the training cycle's host buffers] in _mechanisms/host_pool.py)
+    kept_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -72,6 +76,8 @@ class MemoryReport:
             lines.append("working set MiB, now / peak: " + ", ".join(
                 f"{k} {self.working_set.get(k, 0) / 2**20:.3f} / {self.peak_working_set[k] / 2**20:.3f}"
                 for k in WORKING_SET_CATEGORIES) + f"; peak of the sum {self.peak_working_set_bytes / 2**20:.3f}")
+        if self.kept_bytes:
+            lines.append(f"kept for the next step (host): {self.kept_bytes / 2**20:.3f} MiB")
         if self.offloaded_bytes:
             lines.append(f"offloaded to host by offload_states: {self.offloaded_bytes / 2**20:.3f} MiB "
                          "(reload_states brings it back)")
@@ -117,4 +123,4 @@ def measure(engine, optimizers=()) -> MemoryReport:
         placements["nvme"] = {"swap_file": engine.swap.bytes_on_disk()}
     now, peak, peak_total = engine.transfers.working_set.snapshot()
     return MemoryReport(cats, placements, locs, working_set=now, peak_working_set=peak,
-                        peak_working_set_bytes=peak_total)
+                        peak_working_set_bytes=peak_total, kept_bytes=engine.transfers.kept_bytes)

@@ -95,7 +95,7 @@ def step_in_chunks(group, grad: torch.Tensor, factor: float, step_masters: Calla
     """Step ``group`` (its reduced gradient ``grad`` [shard] in the reduce dtype, to be scaled by
     ``factor``) chunk by chunk, and write each chunk's new parameter shard. Each chunk's gradient
     is cast to fp32 and scaled on its own (See [Note: fp32 gradients only for the groups being
-    stepped] in _engine/storage.py), into a buffer leased from ``scratch`` when given (See [Note:
+    stepped] in _engine/storage.py), into a buffer taken from ``scratch`` when given (See [Note:
     the step's casts reuse their buffers] in _mechanisms/cast_scratch.py); the values are those
     of a cast and scale of the whole shard. See [Note: a step in chunks is the step]."""
     masters, master = group.masters, group.master
@@ -107,19 +107,23 @@ def step_in_chunks(group, grad: torch.Tensor, factor: float, step_masters: Calla
     before = {} if fresh else {k: copy.deepcopy(v) for k, v in state.items() if k not in swapped}
     events = []
     chunks = masters.stream(fresh)
+    into = None  # the cast buffer, grown to the largest chunk
     try:
         with contextlib.closing(chunks):
             for a, b, views in chunks:
                 master.data = views["master"]
-                casts = b - a if grad.dtype != master.dtype else 0
-                with scratch.lease(casts, master.dtype) if scratch is not None else contextlib.nullcontext() as into:
-                    master.grad = chunk_grad(grad[a:b], master.dtype, factor, into)
-                    _step_chunk(group, a, b, views, fresh, swapped, before, state, states, step_masters)
+                if scratch is not None and grad.dtype != master.dtype and (into is None or into.numel() < b - a):
+                    scratch.give_back(into)
+                    into = scratch.take(b - a, master.dtype)
+                master.grad = chunk_grad(grad[a:b], master.dtype, factor, None if into is None else into[:b - a])
+                _step_chunk(group, a, b, views, fresh, swapped, before, state, states, step_masters)
                 events.append(group.params.take_master(views["master"], group.transfers, start=a))
     except BaseException as e:
         raise stopped_part_way(masters, f"flat group {group.name!r}, streamed in chunks", e) from e
     finally:
         master.grad = None
+        if scratch is not None:
+            scratch.give_back(into)
         master.data = torch.empty(0, dtype=master.dtype)
         for k, v in states.get(master, {}).items():
             if k in swapped or k in masters.swapped_state():

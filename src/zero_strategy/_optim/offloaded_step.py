@@ -182,8 +182,11 @@ class OffloadedStep:
         _mechanisms/host_memory.py."""
         chunked = batch[0].masters.streams and not batch[0].owned  # casts chunk by chunk, in step_in_chunks
         casts = 0 if chunked else sum(g.master_grad_cast_numel for g in batch)
-        with self.engine.transfers.cast_scratch.lease(casts, torch.float32) as scratch:
+        scratch = self.engine.transfers.cast_scratch.take(casts, torch.float32)
+        try:
             return self._cpu_step_batch(batch, factor, upcoming, scratch)
+        finally:  # the step's slices of it are gone with its frame
+            self.engine.transfers.cast_scratch.give_back(scratch)
 
     @torch.no_grad()
     def _cpu_step_batch(self, batch, factor: float, upcoming=(), scratch: torch.Tensor | None = None) -> list:

@@ -299,19 +299,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # reuse their buffers] in _mechanisms/cast_scratch.py); a GPU's caching allocator does so itself
             on_host = batch[0].master.device.type == "cpu"
             casts = sum(g.master_grad_cast_numel for g in batch) if on_host else 0
-            with self.engine.transfers.cast_scratch.lease(casts, torch.float32) as scratch:
-                take = carve(scratch)
-                for g in batch:
-                    mg = g.master_grad(take(g.master_grad_cast_numel))
-                    if mg is not None and factor is not None:
-                        mg.mul_(factor)
-                    self._set_grad(g, mg)
-                self._step_masters(batch)
-                for g in batch:
-                    if g.owned:
-                        self._set_grad(g, None)
-                    elif g.master.grad is not g.grads.grad_shard:
-                        g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
+            scratch = self.engine.transfers.cast_scratch.take(casts, torch.float32)
+            take = carve(scratch)
+            for g in batch:
+                mg = g.master_grad(take(g.master_grad_cast_numel))
+                if mg is not None and factor is not None:
+                    mg.mul_(factor)
+                self._set_grad(g, mg)
+            del mg
+            self._step_masters(batch)
+            for g in batch:
+                if g.owned:
+                    self._set_grad(g, None)
+                elif g.master.grad is not g.grads.grad_shard:
+                    g.master.grad = None  # an fp32 copy of a low-precision shard: free it now
+            del take
+            self.engine.transfers.cast_scratch.give_back(scratch)
         for h in publish_masters(groups, self.engine.comm):  # coalesced where small
             h.wait()
 
