@@ -38,7 +38,7 @@ from ._model.install import install
 from ._model.memory import MemoryReport, measure
 from ._mechanisms.host_memory import release_freed_host_memory
 from ._optim.layouts import layout_of
-from ._optim.optimizer import ZeroOptimizer
+from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
 from .config import ZeroConfig
 
 __all__ = [
@@ -225,9 +225,20 @@ def zero_grad(model: nn.Module) -> None:
 
     ``model.zero_grad()``, ``submodule.zero_grad()`` and ``optimizer.zero_grad()`` work
     too (see [Note: param.grad after backward] in _engine/grad_markers.py); this one frees the
-    gradient memory at once instead of when the next gradient arrives.
+    gradient memory at once instead of when the next gradient arrives. With ``overlap_step``
+    it refuses a backward's gradients dropped before ``step()`` as ``optimizer.zero_grad()``
+    does (See [Note: a step overlap_step began is not undone] in _optim/optimizer.py).
     """
-    engine_of(model).zero_grad()
+    engine = engine_of(model)
+    committed = None
+    for zopt in engine.optimizers():  # each completes the step its groups began, if any, first
+        try:
+            zopt.zero_grad()
+        except OverlapStepCommitted as err:
+            committed = committed or err
+    engine.zero_grad()
+    if committed is not None:
+        raise committed
 
 
 def reset_iter_state(model: nn.Module) -> None:
