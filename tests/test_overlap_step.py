@@ -98,10 +98,6 @@ def test_configurations_where_early_steps_would_be_wrong_are_refused(kw, match):
         zs.ZeroConfig(overlap_step=True, **kw)
 
 
-def params_of(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def stepped_reference():
     """A second model that ran the same backward and called step(): what a committed step leaves."""
     model, zopt = setup()
@@ -135,11 +131,10 @@ def test_dropping_a_backward_before_step_raises_with_the_step_completed(drop):
 def test_a_forward_before_step_is_refused_and_changes_nothing():
     model, zopt = setup()
     backward(model)
-    before = params_of(model)
     model.zero_grad()  # the skip written through the model: the next forward is the first call we see
     with pytest.raises(RuntimeError, match=r"Nothing was changed by this refusal: call\s+optimizer.step\(\)"):
         backward(model, 1)
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert zopt.steps_in_flight and zs.engine_of(model).is_idle  # left for step() to complete
     with pytest.raises(zs.OverlapStepCommitted, match="applied the gradients as backward left them"):
         zopt.step()  # the gradients were cleared after the groups stepped with them
     assert_same(model, zopt, *stepped_reference())

@@ -294,9 +294,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hook(inner, (inner,), {})
 
     def _step_all(self) -> None:
-        if self.offloaded.steps_in_flight and any(
-                g.grads.cleared_since_backward() for g in self.groups if self.stepped_early(g)):
-            cleared = [g.name for g in self.groups if self.stepped_early(g) and g.grads.cleared_since_backward()]
+        cleared = [g.name for g in self.groups if self.stepped_early(g) and g.grads.cleared_since_backward()]
+        if cleared:
             self._commit_early_steps()  # See [Note: a step overlap_step began is not undone]
             raise OverlapStepCommitted(
                 f"zero_strategy: optimizer.step() after the gradients of {cleared[:3]} were cleared or zeroed "
@@ -316,15 +315,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 self._device_step()
         finally:
-            self.scaler.update(self._found_inf)
-            self._prepared = False
-            self._found_inf = False
-            self._scaled_backward = False
-            self.engine.last_step_comm = self.engine.comm.stats.as_dict()
-            self.engine.comm.stats.reset()
-            self.engine.comm.on_step()
-            if self.config.release_host_memory:  # See [Note: freed host memory]
-                release_freed_host_memory()
+            self._end_step()
+
+    def _end_step(self) -> None:
+        """What every step ends with, also one that failed or was skipped."""
+        self.scaler.update(self._found_inf)
+        self._prepared = False
+        self._found_inf = False
+        self._scaled_backward = False
+        self.engine.last_step_comm = self.engine.comm.stats.as_dict()
+        self.engine.comm.stats.reset()
+        self.engine.comm.on_step()
+        if self.config.release_host_memory:  # See [Note: freed host memory]
+            release_freed_host_memory()
 
     def _device_step(self) -> None:
         """The step on the device, in batches bounded by the fp32 gradient copies they make (one
@@ -410,7 +413,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             self.offloaded.step(1.0, early_only=True)  # overlap_step has no loss scale nor clipping
         finally:
-            self.engine.comm.on_step()
+            self._end_step()
             self._drop_gradients()
 
     def _drop_gradients(self) -> None:
