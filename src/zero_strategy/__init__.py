@@ -16,7 +16,7 @@ from .config import (
 from ._comm.collectives import CollectiveDesync, CollectiveError, CollectiveTimeout
 from .estimate import MemoryEstimate, estimate_memory
 from ._model.memory import MemoryReport
-from ._optim.optimizer import ZeroOptimizer
+from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
 from ._zero_auto import AvailableMemory
 from .api import (
     choose_preset,
@@ -47,6 +47,7 @@ from ._version import __version__
 __all__ = [
     "CollectiveDesync", "CollectiveError", "CollectiveTimeout", "CPUOffload", "LossScaleConfig", "NVMeOffload", "PRESETS", "ZeroConfig", "ZeroConfigError",
     "preset_names", "MemoryEstimate", "estimate_memory", "MemoryReport", "ZeroOptimizer",
+    "OverlapStepCommitted",
     "AvailableMemory", "choose_preset", "comm_stats", "engine_of", "full_shapes", "full_state_dict",
     "gather_once_in_generate", "gathered_for_generation", "gathered_parameters", "is_set_up", "memory_report",
     "no_sync", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",

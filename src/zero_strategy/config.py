@@ -88,8 +88,14 @@ class ZeroConfig:
         overlap_step: CPU/NVMe optimizer offload, stages 2-3: step each group on the CPU
             as soon as its gradients are reduced, while backward goes on. It declares
             that every backward outside ``no_sync()`` ends an accumulation and is followed
-            by ``optimizer.step()``; it cannot combine with clipping or fp16, which need
-            every gradient before the first update.
+            by ``optimizer.step()``: that backward already applies the step, which cannot be
+            undone. So dropping its gradients before ``step()`` (``zero_grad()`` to skip a
+            batch), a forward or a second backward before ``step()``, and clearing gradients
+            between backward and ``step()`` raise at once (:class:`OverlapStepCommitted` when
+            the step was completed first; See [Note: a step overlap_step began is not undone]
+            in _optim/optimizer.py). To skip a batch, decide before its backward or run it
+            inside ``no_sync()``. It cannot combine with clipping or fp16, which need every
+            gradient before the first update.
         collective_timeout: seconds a rank waits on any collective of the engine (gathers,
             reduce-scatters, the overflow and gradient-norm all-reduces, broadcasts,
             checkpoint agreement) before it raises :class:`~zero_strategy.CollectiveTimeout`

@@ -6,7 +6,7 @@ ZeRO side runs the same user code on this rank's micro-batch. Each scenario is t
 loop a user writes (``model.zero_grad()``, a try/except retry around an OOM, ...);
 the code under test is the scenario function, applied to both models unchanged.
 
-args["cases"]: list of {scenario, stage, offload (None|"cpu"), steps}.
+args["cases"]: list of {scenario, stage, offload (None|"cpu"|"nvme"), overlap, steps, nvme_path}.
 Reports per case: losses of both and the largest relative weight difference.
 """
 
@@ -31,6 +31,9 @@ class Side:
         self.fail_forward_at: set = set()   # (step, micro, attempt) where block 1 raises in forward
         self.fail_backward_at: set = set()  # ... where block 1's output gradient raises in backward
         self.where = None
+        self.depth = None  # blocks the forward runs (None: all)
+        self.skip_commits = False  # a skipped batch is stepped first (what overlap_step's refusal does)
+        self.committed: list[int] = []  # steps where zero_grad raised OverlapStepCommitted
         block = model.layers[1]
         block.register_forward_hook(self._inject)
 
@@ -45,7 +48,7 @@ class Side:
 
     def loss(self, step: int, micro: int, attempt: int = 0) -> torch.Tensor:
         self.where = (step, micro, attempt)
-        losses = [loss_fn(self.model(tokens), targets)
+        losses = [loss_fn(self.model(tokens, self.depth), targets)
                   for tokens, targets in (batch(r, step, micro) for r in self.ranks)]
         return sum(losses) / len(losses)
 
@@ -172,11 +175,59 @@ def retry_after_backward_error_model_zero_grad(side: Side, steps: int) -> list[f
     return _retry_loop(side, steps, lambda s: s.model.zero_grad())
 
 
+def skip_a_batch_after_backward(side: Side, steps: int) -> list[float]:
+    """At step 1 the batch is judged bad after its backward: ``zero_grad()`` and no step."""
+    out = []
+    for step in range(steps):
+        loss = side.loss(step, 0)
+        loss.backward()
+        out.append(loss.item())
+        if step == 1:
+            if side.skip_commits:
+                side.optimizer.step()
+            try:
+                side.optimizer.zero_grad()
+            except zs.OverlapStepCommitted:
+                side.committed.append(step)
+            continue
+        side.optimizer.step()
+        side.optimizer.zero_grad()
+    return out
+
+
+def a_block_no_rank_uses(side: Side, steps: int) -> list[float]:
+    """The last block is in no rank's forward: its parameters get no gradient anywhere."""
+    side.depth = len(side.model.layers) - 1
+    out = []
+    for step in range(steps):
+        loss = side.loss(step, 0)
+        loss.backward()
+        side.optimizer.step()
+        side.optimizer.zero_grad()
+        out.append(loss.item())
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (
     model_zero_grad, model_zero_grad_keep_tensors, submodule_zero_grad, part_of_a_block_zero_grad,
     grad_set_to_none_by_hand, zero_grad_between_backward_and_step, zeroed_in_place_between_backward_and_step, retry_after_forward_error, retry_after_backward_error,
-    retry_after_backward_error_model_zero_grad,
+    retry_after_backward_error_model_zero_grad, skip_a_batch_after_backward, a_block_no_rank_uses,
 )}
+
+
+def _offload(case: dict):
+    """``"nvme"``: NVMe offload under the case's ``nvme_path``; its read-ahead defers work past backward."""
+    if case.get("offload") == "nvme":
+        return zs.NVMeOffload(case["nvme_path"], buffer_size=4096 * 4)
+    return case.get("offload")
+
+
+def same_on_every_rank(model) -> bool:
+    """Every parameter this rank holds whole equals rank 0's (stages 1-2: replicated parameters)."""
+    local = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    first = local.clone()
+    dist.broadcast(first, 0)
+    return bool(torch.equal(local, first))
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -184,9 +235,11 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     base = TinyLM(layers=3)
     ref_model = copy.deepcopy(base)
     ref = Side(ref_model, torch.optim.AdamW(param_groups(ref_model)), list(range(world)))
+    ref.skip_commits = bool(case.get("overlap"))  # See [Note: a step overlap_step began is not undone]
     config = zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0,
-                           offload_optimizer=case.get("offload"),
-                           offload_params=case.get("offload") if case["stage"] == 3 else None)
+                           offload_optimizer=_offload(case),
+                           offload_params=_offload(case) if case["stage"] == 3 else None,
+                           overlap_step=bool(case.get("overlap")))
     model = copy.deepcopy(base)
     model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)), config)
     zero = Side(model, zopt, [rank])
@@ -200,7 +253,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     engine = zs.engine_of(model)
     return dict(case=case, losses_ref=losses_ref, losses_zero=(mean / world).tolist(),
                 weight_rel_diff=worst_rel_diff(zs.full_state_dict(model), ref_model.state_dict())[0],
-                training_state=engine.training_state.value,
+                training_state=engine.training_state.value, committed=zero.committed,
+                same_on_every_rank=same_on_every_rank(model) if case["stage"] < 3 else None,
                 units_gathered=[u.name for u in engine.units[1:] if u.sharded_groups and u.state.value == "gathered"])
 
 

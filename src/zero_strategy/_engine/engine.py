@@ -199,6 +199,17 @@ def refuse_grad_forward() -> None:
         "under torch.no_grad() (generate() does), or leave the block to train")
 
 
+def refuse_forward_before_step() -> None:
+    """Called by the root's pre-forward while overlap_step's group steps of the last backward await ``step()``."""
+    raise RuntimeError(
+        "zero_strategy: a forward after a backward outside no_sync() without optimizer.step() between them. "
+        "With ZeroConfig(overlap_step=True) every such backward must be followed by optimizer.step(): its "
+        "groups already stepped on the CPU during that backward (masters and optimizer state hold the new "
+        "values; the parameters reach every rank in step()). Nothing was changed by this refusal: call "
+        "optimizer.step() to complete that step. To skip a batch, decide before its backward, or run a "
+        "backward you may drop inside zero_strategy.no_sync(model); or drop overlap_step")
+
+
 def refuse_while_offloaded(record, what: str, kinds=KINDS) -> None:
     """Raise if any of ``kinds`` (None: any kind) is offloaded in ``record`` (``engine.offloaded``, an
     ``OffloadedStates`` of _model/offload_states.py, or None: nothing offloaded): ``what`` needs them.
@@ -402,6 +413,8 @@ class ZeroEngine:
         if self._root_forward_depth == 0 and not in_backward():
             self._recover_if_abandoned()
             self._assert_state(TrainingState.IDLE)
+            if self.overlap_step and any(z.steps_in_flight for z in self.optimizers()):
+                refuse_forward_before_step()  # See [Note: a step overlap_step began is not undone] in _optim/optimizer.py
             if self.offloaded is not None:
                 refuse_while_offloaded(self.offloaded, "forward (or generate)", ("lp_params",))
             if self.generation.active and torch.is_grad_enabled():

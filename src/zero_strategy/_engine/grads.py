@@ -160,6 +160,12 @@ class GradBuffer:
         self._forget(dropped, keep_full, keep_others=kept, to_none=dropped)
         return not kept and len(latest) == len(dropped)
 
+    def cleared_since_backward(self) -> bool:
+        """Whether the user cleared or zeroed a gradient of this group since the last backward
+        placed it (``model.zero_grad()``, ``p.grad = None``): what :meth:`take_cleared_slots` applies."""
+        _, zeroed, dropped = self.markers.sort(self.layout.slots)
+        return bool(zeroed or dropped)
+
     @property
     def full_grad(self) -> torch.Tensor | None:
         """[padded] this rank's unreduced gradients (a gradient bucket of the working set)."""

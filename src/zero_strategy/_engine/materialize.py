@@ -82,13 +82,13 @@ def materialize_unit(
             comm.broadcast(t.data, src_rank=0, label="initial weights")
 
 
-def unit_modules(root: nn.Module, unit_module: nn.Module, other_units: list[nn.Module]) -> list[nn.Module]:
-    """The modules of one unit's subtree, without the subtrees of other units inside it."""
-    skip = {id(m) for m in other_units if m is not unit_module}
+def unit_modules(root: nn.Module, unit_module: nn.Module, unit_roots: set[int]) -> list[nn.Module]:
+    """The modules of one unit's subtree, without the subtrees of other units inside it
+    (``unit_roots``: id of every unit's module)."""
     out, stack = [], [unit_module]
     while stack:
         m = stack.pop()
-        if id(m) in skip:
+        if id(m) in unit_roots and m is not unit_module:
             continue
         out.append(m)
         stack.extend(m.children())

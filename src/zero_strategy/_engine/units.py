@@ -150,13 +150,15 @@ def _unit_free_branches(model: nn.Module, unit_names: tuple[str, ...]) -> list[t
     """The outermost subtrees of the root that hold no unit and have parameters, in
     registration order, as (fully qualified name, module)."""
     branches: list[tuple[str, nn.Module]] = []
+    units = set(unit_names)
+    holders = {u[:i] for u in unit_names for i, c in enumerate(u) if c == "."}  # modules that hold a unit
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             fqn = prefix + name
-            if fqn in unit_names:
+            if fqn in units:
                 continue
-            if any(u.startswith(fqn + ".") for u in unit_names):
+            if fqn in holders:
                 visit(fqn + ".", child)
             elif _has_params(child):
                 branches.append((fqn, child))
@@ -196,11 +198,29 @@ def large_root_modules(model: nn.Module, blocks: list[tuple[str, nn.Module]]) ->
     return chosen
 
 
-def part_of(name: str, parts: list[str], outside: str) -> str:
+def first_prefix(name: str, prefixes: dict[str, int]) -> str | None:
+    """The first of ``prefixes`` (name prefix ending in a dot -> its place in the list) that
+    ``name`` starts with, or None: ``next(p for p in the list if name.startswith(p))``, found
+    through the dots of ``name`` instead of a scan of the list, so that setting up a model
+    with thousands of units or members (a mixture of experts) does not take time that grows
+    as parameters x units (benchmarks/setup_bench.py)."""
+    best = None
+    at = name.find(".")
+    while at != -1:
+        place = prefixes.get(name[:at + 1])
+        if place is not None and (best is None or place < best[1]):
+            best = (name[:at + 1], place)
+        at = name.find(".", at + 1)
+    return None if best is None else best[0]
+
+
+def part_of(name: str, parts: dict[str, int], outside: str) -> str:
     """The part (a name prefix without its dot) a parameter ``name`` belongs to, ``outside``
     if none: in a unit its own groups (""), in the root the groups of the module the
-    parameter is registered on (one that holds units, as ViT's ``cls_token``)."""
-    return next((p[:-1] for p in parts if name.startswith(p)), outside)
+    parameter is registered on (one that holds units, as ViT's ``cls_token``). ``parts``:
+    prefix -> its place in the list of parts (the first that matches wins)."""
+    found = first_prefix(name, parts)
+    return outside if found is None else found[:-1]
 
 
 def find_unit_modules(root: nn.Module, unit_classes: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
@@ -393,7 +413,7 @@ def build_units(
     unit_modules = find_unit_modules(model, unit_classes)
     if plan.shards_parameters:
         warn_if_no_units(model, unit_modules, unit_classes, persistence_threshold)
-    prefixes = [(fqn + ".", fqn) for fqn, _ in unit_modules]
+    prefixes = {fqn + ".": i for i, (fqn, _) in enumerate(unit_modules)}  # units never nest
 
     owner: dict[int, str] = {}
     first_name: dict[int, str] = {}
@@ -401,7 +421,8 @@ def build_units(
     for fqn, p in model.named_parameters(remove_duplicate=False):
         if not p.is_floating_point():
             continue
-        unit = next((u for pre, u in prefixes if fqn.startswith(pre)), ROOT)
+        found = first_prefix(fqn, prefixes)
+        unit = ROOT if found is None else found[:-1]
         pid = id(p)
         if pid in owner and owner[pid] != unit:
             owner[pid] = ROOT  # shared across units: the root is live whenever any user runs
@@ -411,28 +432,31 @@ def build_units(
         params[pid] = p
 
     modules = {ROOT: model, **dict(unit_modules)}
-    unit_roots = [m for _, m in unit_modules]
+    unit_roots = {id(m) for _, m in unit_modules}
     unit_names = tuple(fqn for fqn, _ in unit_modules)
+    owned_by: dict[str, list[int]] = collections.defaultdict(list)  # unit -> its parameters, in model order
+    for pid in params:
+        owned_by[owner[pid]].append(pid)
     units: list[Unit] = []
     for unit_name in [ROOT] + [fqn for fqn, _ in unit_modules]:
         in_unit = "" if unit_name == ROOT else unit_name + "."
         parts = root_parts(model, unit_names) if unit_name == ROOT else member_prefixes(modules[unit_name])
-        unit_params = [p for pid, p in params.items() if owner[pid] == unit_name]
+        parts_at = {pre: i for i, pre in reversed(list(enumerate(parts)))}  # a repeated prefix: its first place
+        unit_params = [params[pid] for pid in owned_by[unit_name]]
         if any(p.is_meta for p in unit_params):  # a large unit: what the units before it freed goes first
             release_if_large(release_host_memory, 4 * sum(p.numel() for p in unit_params))
-        materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
-                         unit_params, device, comm, param_init_fn, first_name)
+            materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
+                             unit_params, device, comm, param_init_fn, first_name)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
-        for pid, p in params.items():
-            if owner[pid] != unit_name:
-                continue
+        for pid in owned_by[unit_name]:
+            p = params[pid]
             trainable = p.requires_grad and pid in optimizer_group_of
             persistent = plan.shards_parameters and p.numel() < persistence_threshold
             relative = first_name[pid][len(in_unit):]
             if not trainable:
                 part = ""  # never stepped: no need to keep its parts apart
             else:
-                part = part_of(relative, parts, relative.rpartition(".")[0] if unit_name == ROOT else "")
+                part = part_of(relative, parts_at, relative.rpartition(".")[0] if unit_name == ROOT else "")
             key = (trainable, optimizer_group_of.get(pid) if trainable else None,
                    plan.shards_parameters and not persistent, part)
             buckets.setdefault(key, []).append((first_name[pid], p))

@@ -141,14 +141,18 @@ class OffloadedStep:
         """Whether ``group`` already stepped during the last backward (its gradients are final)."""
         return id(group) in self._early
 
-    def step(self, factor: float) -> None:
+    def step(self, factor: float, early_only: bool = False) -> None:
         """CPU step, pipelined: the worker steps batch i+1 while batch i uploads and gathers.
 
         Stepping some groups at a time with the user's optimizer is exact: only those
         groups' masters have a ``.grad``, and torch optimizers skip parameters without
-        one (all state is per parameter). See [Note: step batches].
+        one (all state is per parameter). See [Note: step batches]. A group that stepped
+        during backward is uploaded and gathered even when the agreement then found no
+        gradient for it on any rank, or the replicas would differ. ``early_only``: only
+        those groups (See [Note: a step overlap_step began is not undone] in optimizer.py).
         """
-        groups = [g for g in self.groups if g.grads.grad_shard is not None]
+        groups = [g for g in self.groups
+                  if id(g) in self._early or (not early_only and g.grads.grad_shard is not None)]
         for g in self.groups:  # state read during backward for a group with no gradient: not needed
             if g.grads.grad_shard is None and g.masters is not None:
                 g.masters.cancel_prefetch()

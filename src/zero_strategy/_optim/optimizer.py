@@ -27,6 +27,35 @@ once per group on the CPU worker (offload) through its *unhooked* step function,
 ``step()`` fires the user's optimizer's hooks around the whole step itself.
 
 The offloaded step (CPU/NVMe masters, and overlap_step) is its own pipeline: offloaded_step.py.
+
+[Note: a step overlap_step began is not undone]
+With ``overlap_step=True`` each group's CPU step begins as soon as a synced backward
+reduces it (See [Note: overlap_step] in offloaded_step.py): when backward returns, the
+masters and optimizer state (AdamW's moments and step count) already hold the new
+values, and each rank's own parameter shard is being uploaded; ``step()`` only waits
+and all-gathers. An optimizer step cannot be inverted, and keeping the old values to
+put back would hold the masters and optimizer state twice in host memory (12 bytes per
+parameter for AdamW), the memory offload exists to save. So a synced backward commits
+the step, and each habit that would take it back raises at once, never keeping half
+of it silently:
+
+* ``zero_grad()`` before ``step()`` (a batch skipped after its backward, the retry
+  after a backward that raised): completes the group steps that began (uploads and
+  all-gathers them, so every rank holds the same parameters), drops the gradients,
+  then raises :class:`OverlapStepCommitted`. The model and optimizer state are then
+  as after ``step()`` for the groups that stepped (every group after a whole backward;
+  after a backward that raised, those reduced before it); the step hooks did not run
+  and an LR scheduler did not count it.
+* ``step()`` after the gradients of a group that stepped were cleared or zeroed
+  (``model.zero_grad()``, ``p.grad = None``): the same, with the gradients backward
+  left (not the cleared ones), then raises.
+* a forward before ``step()`` (the next batch after ``model.zero_grad()``): raises
+  before the forward and changes nothing; ``step()`` completes the step (engine.py).
+* a second synced backward before ``step()``: refused at its first gradient (engine.py).
+* clipping: refused (``clip_grad_norm_``/``clip_grad_value_``, and by the config).
+
+To drop a batch under ``overlap_step``, decide before its backward (skip the backward),
+or run a backward that may be dropped inside ``no_sync()``: nothing steps during it.
 """
 
 from __future__ import annotations
@@ -266,6 +295,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             hook(inner, (inner,), {})
 
     def _step_all(self) -> None:
+        cleared = [g.name for g in self.groups if self.stepped_early(g) and g.grads.cleared_since_backward()]
+        if cleared:
+            self._commit_early_steps()  # See [Note: a step overlap_step began is not undone]
+            raise OverlapStepCommitted(
+                f"zero_strategy: optimizer.step() after the gradients of {cleared[:3]} were cleared or zeroed "
+                f"following backward (model.zero_grad(), p.grad = None). {_COMMITTED} This step applied the "
+                "gradients as backward left them, not the cleared ones, and dropped them. "
+                f"{_SKIP_BEFORE_BACKWARD}")
         self._prepare_gradients()
         try:
             if self._found_inf:
@@ -279,14 +316,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 self._device_step()
         finally:
-            self.scaler.update(self._found_inf)
-            self._prepared = False
-            self._found_inf = False
-            self._scaled_backward = False
-            self.engine.last_step_comm = self.engine.comm.stats.as_dict()
-            self.engine.comm.stats.reset()
-            self.engine.comm.on_step()
-            self.engine.host_releases.on_step()  # kept for the next step: See [Note: releases where a phase ends]
+            self._end_step()
+
+    def _end_step(self) -> None:
+        """What every step ends with, also one that failed or was skipped."""
+        self.scaler.update(self._found_inf)
+        self._prepared = False
+        self._found_inf = False
+        self._scaled_backward = False
+        self.engine.last_step_comm = self.engine.comm.stats.as_dict()
+        self.engine.comm.stats.reset()
+        self.engine.comm.on_step()
+        self.engine.host_releases.on_step()  # kept for the next step: See [Note: releases where a phase ends]
 
     def _device_step(self) -> None:
         """The step on the device, in batches bounded by the fp32 gradient copies they make (one
@@ -373,7 +414,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "zero_strategy.setup(model, optimizer, config)), not on the original object")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all gradients (sharded and accumulated). Always frees them (set_to_none)."""
+        """Drop all gradients (sharded and accumulated). Always frees them (set_to_none).
+
+        With overlap_step, after a synced backward and before ``step()``: completes the
+        step that backward began, drops the gradients, and raises :class:`OverlapStepCommitted`
+        (See [Note: a step overlap_step began is not undone])."""
+        if self.offloaded.steps_in_flight:
+            self._commit_early_steps()
+            raise OverlapStepCommitted(
+                f"zero_strategy: optimizer.zero_grad() after a backward outside no_sync() without "
+                f"optimizer.step() (skipping the batch?). {_COMMITTED} That update is now complete on every "
+                f"rank (as after step(); step hooks and LR schedulers did not see it) and the gradients are "
+                f"dropped: the batch was not skipped. {_SKIP_BEFORE_BACKWARD}")
+        self._drop_gradients()
+
+    def _commit_early_steps(self) -> None:
+        """Complete the group steps overlap_step began (upload and all-gather them on every rank,
+        in group order), then drop every gradient. See [Note: a step overlap_step began is not undone]."""
+        self.engine._recover_if_abandoned(outside_forward=True)  # a backward that raised partway
+        try:
+            self.offloaded.step(1.0, early_only=True)  # overlap_step has no loss scale nor clipping
+        finally:
+            self._end_step()
+            self._drop_gradients()
+
+    def _drop_gradients(self) -> None:
         self.offloaded.collect_early()  # never drop gradients a worker is still stepping on
         self.engine.zero_grad(self.groups)  # what it frees, the next backward takes again: nothing released
         self._prepared = False
@@ -420,6 +485,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
             g.masters.track_optimizer_state(self.swappable_state(g), replace=True)
         self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+class OverlapStepCommitted(RuntimeError):
+    """``overlap_step=True``: the gradients of a synced backward were dropped or cleared before
+    ``step()``, but the step that backward began was already applied; it was completed, not
+    undone. See [Note: a step overlap_step began is not undone]."""
+
+
+_COMMITTED = ("With ZeroConfig(overlap_step=True) every backward outside no_sync() must be followed by "
+              "optimizer.step(): its groups stepped on the CPU during that backward, and an optimizer step "
+              "cannot be undone.")
+_SKIP_BEFORE_BACKWARD = ("To skip a batch, decide before its backward (skip the backward), or run a backward "
+                         "you may drop inside zero_strategy.no_sync(model); or drop overlap_step.")
 
 
 def _unhooked_step_of(optimizer: torch.optim.Optimizer):
