@@ -142,10 +142,13 @@ def _zero(opt_name: str, precision: str, stage: int):
 @pytest.mark.parametrize("threshold", [1, 700, 10**9], ids=["alone", "several", "one-call"])
 def test_batched_offloaded_step_equals_torch_optim(monkeypatch, stage, precision, opt_name, threshold):
     monkeypatch.setattr(_offload, "STEP_BATCH_NUMEL", threshold)
+    # batches of the threshold even where nothing overlaps a batch's step (fp32, one process),
+    # which otherwise steps in one call
+    monkeypatch.setattr(offloaded_step.OffloadedStep, "_batch_limit", lambda self, groups: None)
     calls = []
     real = _offload.step_batches
     monkeypatch.setattr(offloaded_step, "step_batches",  # the name the offloaded step calls
-                        lambda groups, early: [calls.append(len(b)) or (b, r) for b, r in real(groups, early)])
+                        lambda groups, early, **kw: [calls.append(len(b)) or (b, r) for b, r in real(groups, early, **kw)])
     ref_losses, ref_state = _reference(opt_name, precision)
     losses, state, groups = _zero(opt_name, precision, stage)
     per_step = len(calls) // len(_batches())
@@ -157,3 +160,17 @@ def test_batched_offloaded_step_equals_torch_optim(monkeypatch, stage, precision
     assert losses == pytest.approx(ref_losses, rel=tol["rtol"])
     for k, v in ref_state.items():
         torch.testing.assert_close(state[k].float(), v, **tol, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("precision,batches", [("fp32", "one"), ("bf16", "bounded")])
+def test_in_one_process_fp32_steps_in_one_call_and_casts_stay_bounded(monkeypatch, precision, batches):
+    """Nothing overlaps a batch's step in one process on a CPU: an fp32 step is one optimizer
+    call; a bf16 step still casts its gradients a bounded batch at a time."""
+    monkeypatch.setattr(_offload, "STEP_BATCH_NUMEL", 700)
+    calls = []
+    real = _offload.step_batches
+    monkeypatch.setattr(offloaded_step, "step_batches",
+                        lambda groups, early, **kw: [calls.append(len(b)) or (b, r) for b, r in real(groups, early, **kw)])
+    _, _, groups = _zero("adamw_fused", precision, 2)
+    per_step = len(calls) // len(_batches())
+    assert per_step == 1 if batches == "one" else 1 < per_step < groups, (per_step, groups)

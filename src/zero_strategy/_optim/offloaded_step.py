@@ -18,6 +18,7 @@ never leave the main thread).
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -160,7 +161,7 @@ class OffloadedStep:
         read_ahead = self.engine.swap.policy.read_ahead if self.engine.swap is not None else 0
         early, self._early = self._early, {}
         jobs = []  # (groups, future of their upload events), in group order
-        for batch, rest in step_batches(groups, early):
+        for batch, rest in step_batches(groups, early, limit=self._batch_limit(groups)):
             fut = early.pop(id(batch[0]), None) if len(batch) == 1 else None
             jobs.append((batch, fut or pool.submit(self._cpu_step_groups, batch, factor, rest[:read_ahead])))
         handles = []
@@ -178,6 +179,19 @@ class OffloadedStep:
         for h in handles:
             if h is not None:
                 h.wait()
+
+    def _batch_limit(self, groups) -> int | None:
+        """The step batches' size: :data:`STEP_BATCH_NUMEL` (None) where the main thread has work
+        to overlap with the next batch's step (uploads to a GPU; all-gathers of replicated
+        parameters across ranks) or where each batch casts its gradients (bounded by the batch:
+        See [Note: fp32 gradients only for the groups being stepped] in _engine/storage.py);
+        otherwise one batch, since each optimizer call costs its dispatch and a hand-off (the
+        36-48M-parameter step of benchmarks/hot_path.py: 0.86-0.92x torch's fused AdamW in
+        batches, 0.99-1.03x in one). See [Note: step batches] in _mechanisms/transfers.py."""
+        overlaps = self.engine.transfers.cuda or (not self.engine.plan.shards_parameters
+                                                   and self.engine.comm.world_size > 1)
+        casts = any(g.master_grad_cast_numel for g in groups)
+        return None if overlaps or casts else sys.maxsize
 
     def _cpu_step_groups(self, batch, factor: float, upcoming=()) -> list:
         """On the CPU worker: one optimizer step over ``batch``'s masters (state read ahead
