@@ -9,7 +9,10 @@ is most of it, with 256 KiB staging buffers. Bound: the working set the design a
 four fp32 copies of the largest unit (the gathered unit, its gradient bucket, and the
 gradients autograd makes for the tied weight's two uses before they reach the bucket),
 what the engine's resting accounting grew by (the reduced gradient shard, optimizer
-state, not counting staging), the staging slots, and 8 MiB of working memory. Before this
+state, not counting staging), the buffers it keeps for the next step (``kept_bytes``: the last
+step's gradient buckets and shards, which the next step reuses), the staging slots, and 8 MiB of
+working memory (12 MiB since 2026-12-07: 97-100 MiB measured with the kept buffers, 2 MiB under
+the bound at 8). Before this
 change a staging slot grew to the largest group's master and moments (12 bytes per
 element of its shard, 25 MB here) and the pipeline held several: 111 MiB measured where
 the bound is about 85 MiB; now 73 MiB. The test checks that one such slot would not fit
@@ -61,10 +64,11 @@ def test_streamed_training_equals_whole_group_staging_and_ddp(results, precision
 def test_the_process_holds_no_whole_group_staging(results):
     for rank, res in enumerate(results[repr(CASES[2])]):
         staging = res["slots"] * max(res["buffer_size"], 24 * 1024)
-        bound = 4 * res["largest_unit_fp32"] + res["resting_growth"] + staging + 8 * MiB
+        bound = 4 * res["largest_unit_fp32"] + res["resting_growth"] + res["kept"] + staging + 12 * MiB
         where = (f"rank {rank}: anonymous RSS grew {res['growth'] / MiB:.1f} MiB in training, bound "
                  f"{bound / MiB:.1f} MiB (largest unit {res['largest_unit_fp32'] / MiB:.1f} MiB fp32, resting "
-                 f"growth {res['resting_growth'] / MiB:.1f} MiB, {res['slots']} slots); one whole-group slot: "
+                 f"growth {res['resting_growth'] / MiB:.1f} MiB, kept for the next step {res['kept'] / MiB:.1f} MiB, "
+                 f"{res['slots']} slots); one whole-group slot: "
                  f"{res['largest_group_state'] / MiB:.1f} MiB")
         print(where)
         assert res["largest_group_state"] > bound - res["growth"] + 8 * MiB, "the bound could not tell a whole-group slot"

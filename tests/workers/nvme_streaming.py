@@ -96,7 +96,7 @@ def memory(case, path):
            "largest_unit_fp32": 4 * max(sum(g.padded_numel for g in u.groups) for u in engine.units),
            "largest_group_state": 12 * max(g.shard_numel for g in engine.trainable_groups),
            "slots": engine.swap.pool.count, "buffer_size": nv["buffer_size"],
-           "staging": after.by_category["staging"]}
+           "staging": after.by_category["staging"], "kept": after.kept_bytes}
     zs.teardown(model, keep_weights=False)
     return res
 
