@@ -7,12 +7,12 @@ parameter).
 What is compared, per resume:
 * right after the load, the fp32 weights equal DeepSpeed's fp32 masters at its save, bit for bit
   (``safe_get_full_fp32_param``): the element ranges come out of the rank files unchanged;
-* every continued loss and the final fp32 weights equal DeepSpeed continuing its own run. fp32:
-  1e-5 relative (the same arithmetic, summed in another order: measured 1e-7 to 1e-6); bf16:
-  2e-2 on the losses and 2e-2 on the weights (both runs compute in bf16, but DeepSpeed reduces
-  bf16 gradients and we reduce in fp32, so they differ in the last bf16 bits; Adam's moments
-  carried over wrongly would move the weights by ~lr = 3e-3 per step, relative ~1e-1 on the
-  smaller tensors, and the first loss after the load would differ at once).
+* every continued loss and the final fp32 weights equal DeepSpeed continuing its own run.
+  fp32: 1e-5 relative (measured: 0 on 2 ranks; 1e-7 on 1 rank, the same sums in another order).
+  bf16: losses 1e-3, weights 2e-2 (per tensor, max|a-b| / max|ref|), measured 4e-4 and 5e-3: both
+  runs compute in bf16, but DeepSpeed reduces bf16 gradients where we reduce in fp32. The same
+  resume with Adam's moments dropped after the load (measured once, as a check of these bounds)
+  misses by 1e-3 to 2e-3 on the losses and 0.64 on the weights, fp32 and bf16 alike.
 
 And the refusals: a pickled object of a type outside the allowlist is refused naming the file
 and the type (and nothing of the model changes); a DeepSpeed run whose model differs is refused
@@ -43,7 +43,8 @@ DS_RUNS = [
     ("s2_bf16", 2, True, ""),
     ("s3_bf16_offload", 3, True, "optimizer"),
 ]
-FP32_TOL, BF16_TOL = 1e-5, 2e-2
+FP32_TOL = 1e-5
+BF16_LOSS_TOL, BF16_WEIGHT_TOL = 1e-3, 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def _ours(world: int, dirs: tuple) -> tuple[dict, Path]:
         for stage in (1, 2, 3):
             cases.append(dict(name=f"{name}-zero{stage}", stage=stage, precision="bf16" if bf16 else "fp32", dir=d,
                               offload=stage >= 2 and name.endswith("offload")))
-    reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=600, out=out)
+    reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=300, out=out)
     by_name: dict = {}
     for rep in reports:
         for res in rep["results"]:
@@ -89,16 +90,16 @@ def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_dirs, run, stage, 
     ref = torch.load(ds_dirs[run] / "reference.pt", weights_only=True)
     ours = torch.load(out / f"{name}.pt", weights_only=True)
     bf16 = dict((n, b) for n, _, b, _ in DS_RUNS)[run]
-    tol = BF16_TOL if bf16 else FP32_TOL
+    loss_tol, weight_tol = (BF16_LOSS_TOL, BF16_WEIGHT_TOL) if bf16 else (FP32_TOL, FP32_TOL)
 
     at_load = {k: v for k, v in ours["at_load"].items() if k in ref["at_save"]}
     for k, want in ref["at_save"].items():
         assert torch.equal(at_load[k], want), f"{k} after the load differs from DeepSpeed's fp32 master at its save"
     losses = results[0]["losses"]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])]
-    assert max(rel) < tol, f"losses {losses} vs DeepSpeed's {ref['losses']}"
+    assert max(rel) < loss_tol, f"losses {losses} vs DeepSpeed's {ref['losses']}"
     worst, where = worst_rel_diff(ours["final"], ref["final"])
-    assert worst < tol, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
+    assert worst < weight_tol, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
     assert results[0]["extra"] == {"epoch": 7}  # DeepSpeed's client_state comes back
     assert [g["lr"] for g in results[0]["hyper"]] == [3e-3, 6e-3]
 
