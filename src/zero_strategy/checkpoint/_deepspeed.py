@@ -268,7 +268,7 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.optim_files[0]}: the optimizer's param groups do not hold one flat "
                                   f"group each ({len(shapes)} groups)")
         self.param_groups = self._base(0)["param_groups"]
-        self._check_states(lambda r, g: self.partition[g] if not self._elastic else self._lean[r][g], len(shapes))
+        self._check_states(lambda r, g: self.partition[g], len(shapes))
 
     @property
     def _elastic(self) -> bool:
@@ -283,7 +283,8 @@ class DeepSpeedCheckpoint:
     def _layout_3(self) -> None:
         shapes = self._param_shapes()
         base = self._base(0)
-        # sub-groups were appended to their param group in order before state_dict() numbered them
+        # state_dict() numbers the flat sub-groups after DeepSpeed appended each to its param group, in
+        # sub-group order (stage3.py _set_fp32_optimizer_param_groups): the k-th number is sub-group k
         order = [(idx, g) for g, pg in enumerate(base["param_groups"]) for idx in pg["params"]]
         if len(order) != len(shapes):
             raise CheckpointError(f"{self.optim_files[0]}: {len(order)} optimizer sub-groups, the model-states "

@@ -29,6 +29,11 @@ prepare opened (a file replaced since then is still read as verified). Nothing i
 memory stays at one shard, and every file is read twice, once to hash it and once to copy
 from it, as before (a file used to be hashed when first opened, half way through the copy).
 
+A DeepSpeed checkpoint (See [Note: DeepSpeed's layout] in _deepspeed.py) goes through the same
+two phases: prepare reads every rank file (memory-mapped, through the allowlisted unpickler),
+checks its layout and the model, optimizer and hyperparameters against it, and
+:class:`DeepSpeedLoad` only copies.
+
 What commit can still meet is the disk failing under it, or a file written over in place
 by another process between the phases. Such an error is agreed on too (no rank hangs),
 and its message says the model is partly loaded.
@@ -214,8 +219,9 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
         if tag_dir is None:
             meta = read_metadata(ckpt_dir)
             _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
+            saved_all = zip(zopts, _saved_optimizers(meta), _saved_scalers(meta))
             hyper = [(_hyperparameter_updates(saved, zopt, ckpt_dir / METADATA_FILE, i), scaler)
-                     for i, (zopt, saved, scaler) in enumerate(zip(zopts, _saved_optimizers(meta), _saved_scalers(meta)))]
+                     for i, (zopt, saved, scaler) in enumerate(saved_all)]
             saved_buffers = set(meta.buffer_keys())
             buffers = [k for k in buffers if k in saved_buffers]
             reader = _Reader(ckpt_dir, meta)
