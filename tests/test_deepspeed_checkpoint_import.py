@@ -1,4 +1,5 @@
-"""DeepSpeed checkpoints in: real DeepSpeed 0.19.8 runs (CPU, gloo, 2 ranks) save after 3 steps
+"""DeepSpeed checkpoints in: real DeepSpeed 0.19.8 runs (CPU, gloo, 2 ranks; stages 1-3, fp32 and bf16,
+with and without CPU offload, with the user's torch AdamW and with DeepSpeedCPUAdam) save after 3 steps
 and train on to 6; zero_strategy loads each checkpoint at zero1, zero2 and zero3 on 1 and 2 ranks
 and trains the same 3 steps (tests/workers/deepspeed_checkpoint.py: TinyLM, AdamW, two param
 groups with their own lr and weight decay, a frozen parameter, tied weights, a 1-element
@@ -35,27 +36,36 @@ pytest.importorskip("deepspeed")
 
 pytestmark = pytest.mark.multiprocess
 
-#: DeepSpeed runs: (name, stage, bf16, offload)
+#: DeepSpeed runs: (name, stage, bf16, offload, DeepSpeed's own optimizer or None: the user's torch AdamW).
+#: The DeepSpeedCPUAdam runs come last: their C++ op is built on first use (about a minute, then cached).
 DS_RUNS = [
-    ("s1_fp32", 1, False, ""),
-    ("s2_fp32_offload", 2, False, "optimizer"),
-    ("s3_fp32_offload", 3, False, "optimizer+param"),
-    ("s2_bf16", 2, True, ""),
-    ("s3_bf16_offload", 3, True, "optimizer"),
+    ("s1_fp32", 1, False, "", None),
+    ("s2_fp32_offload", 2, False, "optimizer", None),
+    ("s3_fp32_offload", 3, False, "optimizer+param", None),
+    ("s2_bf16", 2, True, "", None),
+    ("s3_bf16_offload", 3, True, "optimizer", None),
+    ("s2_cpuadam_offload", 2, False, "optimizer", "DeepSpeedCPUAdam"),
+    ("s3_cpuadam_offload", 3, True, "optimizer", "DeepSpeedCPUAdam"),
 ]
+BF16 = {n: b for n, _, b, *_ in DS_RUNS}
 FP32_TOL = 1e-5
 BF16_LOSS_TOL, BF16_WEIGHT_TOL = 1e-3, 2e-2
 
 
 @pytest.fixture(scope="module")
-def ds_dirs(tmp_path_factory) -> dict[str, Path]:
+def ds_runs(tmp_path_factory) -> tuple[dict[str, Path], dict[str, str]]:
     root = tmp_path_factory.mktemp("deepspeed_ckpts")
-    cases = [dict(name=n, stage=s, bf16=b, offload=o, dir=str(root / n)) for n, s, b, o in DS_RUNS]
+    cases = [dict(name=n, stage=s, bf16=b, offload=o, ds_optimizer=d, dir=str(root / n)) for n, s, b, o, d in DS_RUNS]
     reports = launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=600)
-    for rep in reports:
-        for res in rep["results"]:
-            assert "error" not in res, res["error"]
-    return {n: root / n for n, *_ in DS_RUNS}
+    errors = {res["name"]: res["error"] for rep in reports for res in rep["results"] if "error" in res}
+    # a failing run stops the worker: the runs after it report nothing, and their tests say so
+    return {n: root / n for n, *_ in DS_RUNS if n not in errors and (root / n / "reference.pt").is_file()}, errors
+
+
+def _ds_dir(ds_runs, name: str) -> Path:
+    dirs, errors = ds_runs
+    assert name in dirs, errors.get(name, f"the DeepSpeed run {name} did not finish: {errors}")
+    return dirs[name]
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,12 +73,8 @@ def _ours(world: int, dirs: tuple) -> tuple[dict, Path]:
     """Every DeepSpeed run resumed at zero1/2/3 on ``world`` ranks, in one launch."""
     out = Path(dirs[0][1]).parent / f"ours_w{world}"
     out.mkdir(exist_ok=True)
-    cases = []
-    for name, d in dirs:
-        bf16 = dict((n, b) for n, _, b, _ in DS_RUNS)[name]
-        for stage in (1, 2, 3):
-            cases.append(dict(name=f"{name}-zero{stage}", stage=stage, precision="bf16" if bf16 else "fp32", dir=d,
-                              offload=stage >= 2 and name.endswith("offload")))
+    cases = [dict(name=f"{name}-zero{stage}", stage=stage, precision="bf16" if BF16[name] else "fp32", dir=d,
+                  offload=stage >= 2 and name.endswith("offload")) for name, d in dirs for stage in (1, 2, 3)]
     reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=300, out=out)
     by_name: dict = {}
     for rep in reports:
@@ -80,17 +86,17 @@ def _ours(world: int, dirs: tuple) -> tuple[dict, Path]:
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("run", [n for n, *_ in DS_RUNS])
-def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_dirs, run, stage, world):
-    by_name, out = _ours(world, tuple(sorted((n, str(d)) for n, d in ds_dirs.items())))
+def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_runs, run, stage, world):
+    _ds_dir(ds_runs, run)
+    by_name, out = _ours(world, tuple(sorted((n, str(d)) for n, d in ds_runs[0].items())))
     name = f"{run}-zero{stage}"
     results = by_name.get(name, [])
     for res in results:
         assert "error" not in res, res["error"]
     assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
-    ref = torch.load(ds_dirs[run] / "reference.pt", weights_only=True)
+    ref = torch.load(_ds_dir(ds_runs, run) / "reference.pt", weights_only=True)
     ours = torch.load(out / f"{name}.pt", weights_only=True)
-    bf16 = dict((n, b) for n, _, b, _ in DS_RUNS)[run]
-    loss_tol, weight_tol = (BF16_LOSS_TOL, BF16_WEIGHT_TOL) if bf16 else (FP32_TOL, FP32_TOL)
+    loss_tol, weight_tol = (BF16_LOSS_TOL, BF16_WEIGHT_TOL) if BF16[run] else (FP32_TOL, FP32_TOL)
 
     at_load = {k: v for k, v in ours["at_load"].items() if k in ref["at_save"]}
     for k, want in ref["at_save"].items():
@@ -138,11 +144,11 @@ class Hostile:
         return (os.system, ("touch /tmp/zs-hostile-ran",))
 
 
-def test_a_pickled_object_outside_the_allowlist_is_refused(ds_dirs, tmp_path):
+def test_a_pickled_object_outside_the_allowlist_is_refused(ds_runs, tmp_path):
     import zero_strategy as zs
 
     bad = tmp_path / "bad"
-    shutil.copytree(ds_dirs["s1_fp32"], bad)
+    shutil.copytree(_ds_dir(ds_runs, "s1_fp32"), bad)
     tag = (bad / "latest").read_text().strip()
     model_file = bad / tag / "mp_rank_00_model_states.pt"
     sd = torch.load(model_file, weights_only=False)
@@ -158,7 +164,7 @@ def test_a_pickled_object_outside_the_allowlist_is_refused(ds_dirs, tmp_path):
     assert _same(before, _snapshot(model, zopt))
 
 
-def test_a_deepspeed_run_of_another_model_is_refused_naming_the_difference(ds_dirs):
+def test_a_deepspeed_run_of_another_model_is_refused_naming_the_difference(ds_runs):
     import zero_strategy as zs
     from _models import TinyLM, param_groups
 
@@ -167,20 +173,20 @@ def test_a_deepspeed_run_of_another_model_is_refused_naming_the_difference(ds_di
     model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)), "zero2")
     with pytest.raises(zs.CheckpointError, match=r"does not match the model: missing from the checkpoint: "
                        r"\['layers\.2\.fc1\.bias'"):
-        zs.load_checkpoint(ds_dirs["s2_bf16"], model, zopt)
+        zs.load_checkpoint(_ds_dir(ds_runs, "s2_bf16"), model, zopt)
 
     torch.manual_seed(0)
     model = TinyLM(layers=2)
     model, zopt = zs.setup(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), "zero2")
     with pytest.raises(zs.CheckpointError, match=r"final_norm\.weight is in optimizer param group 0 here but was "
                        r"in param group 1 in the DeepSpeed run"):
-        zs.load_checkpoint(ds_dirs["s2_bf16"], model, zopt)
+        zs.load_checkpoint(_ds_dir(ds_runs, "s2_bf16"), model, zopt)
 
     torch.manual_seed(0)
     model, zopt = zs.setup(TinyLM(layers=2, dim=16), None, "zero2")
     with pytest.raises(zs.CheckpointError, match=r"parameter shapes differ: \['frozen_mix: checkpoint "
                        r"\(24, 24\), model \(16, 16\)', 'embed\.weight: checkpoint \(37, 24\), model \(37, 16\)'"):
-        zs.load_checkpoint(ds_dirs["s3_fp32_offload"], model)
+        zs.load_checkpoint(_ds_dir(ds_runs, "s3_fp32_offload"), model)
 
 
 def test_a_directory_of_neither_format_says_so(tmp_path):
@@ -193,7 +199,7 @@ def test_a_directory_of_neither_format_says_so(tmp_path):
         zs.load_checkpoint(tmp_path, model, zopt)
 
 
-def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_dirs, tmp_path):
+def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_runs, tmp_path):
     import zero_strategy as zs
 
     model, zopt = _setup_tiny()
@@ -205,7 +211,7 @@ def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_dirs, tm
         zs.load_checkpoint(universal, model, zopt)
 
     nvme = tmp_path / "nvme"
-    shutil.copytree(ds_dirs["s2_bf16"], nvme)
+    shutil.copytree(_ds_dir(ds_runs, "s2_bf16"), nvme)
     for f in (nvme / (nvme / "latest").read_text().strip()).glob("*.pt"):
         sd = torch.load(f, weights_only=False)
         sd["ds_config"]["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/x"}
@@ -215,12 +221,12 @@ def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_dirs, tm
         zs.load_checkpoint(nvme, model, zopt)
 
 
-def test_allowlisted_stand_ins_run_no_deepspeed_code(ds_dirs):
+def test_allowlisted_stand_ins_run_no_deepspeed_code(ds_runs):
     """The loss scaler, ZeroStageEnum and fragment_address come back as inert attributes."""
     from zero_strategy.checkpoint._deepspeed import _Attributes, safe_load
 
-    tag = (ds_dirs["s1_fp32"] / "latest").read_text().strip()
-    f = next((ds_dirs["s1_fp32"] / tag).glob("*optim_states.pt"))
+    tag = (_ds_dir(ds_runs, "s1_fp32") / "latest").read_text().strip()
+    f = next((_ds_dir(ds_runs, "s1_fp32") / tag).glob("*optim_states.pt"))
     sd = safe_load(f)["optimizer_state_dict"]
     assert type(sd["loss_scaler"]) is _Attributes and sd["loss_scaler"].cur_scale == 1.0
     assert type(sd["zero_stage"]) is int and sd["zero_stage"] == 1

@@ -1,7 +1,8 @@
 """DeepSpeed 0.19.8 checkpoints (made here, on CPU with gloo) resumed by zero_strategy.
 
 args["mode"] == "deepspeed": for each case {name, stage, bf16, offload ("" | "optimizer" |
-"optimizer+param"), dir}, DeepSpeed trains TinyLM for SAVE_AT steps, saves a checkpoint into
+"optimizer+param"), dir, ds_optimizer (optional: the class name of DeepSpeed's own optimizer that
+its config's AdamW must build, instead of the user's torch AdamW)}, DeepSpeed trains TinyLM for SAVE_AT steps, saves a checkpoint into
 ``dir``, and trains on to END; rank 0 writes ``dir/reference.pt``: the global loss of each step
 after the save, the fp32 weights at the save (``safe_get_full_fp32_param``) and at the end.
 
@@ -65,7 +66,12 @@ def run_deepspeed(case: dict) -> dict:
     config = {"train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(), "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_optimization": zero, "bf16": {"enabled": case["bf16"]},
               "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    if case.get("ds_optimizer"):  # DeepSpeed's own: DeepSpeedCPUAdam where the optimizer is offloaded
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+        assert type(engine.optimizer.optimizer).__name__ == case["ds_optimizer"], type(engine.optimizer.optimizer)
+    else:  # the user's torch.optim.AdamW
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
     def backward_step(loss):
         engine.backward(loss)

@@ -701,11 +701,16 @@ def _deepspeed_hyperparameters(ds: DeepSpeedCheckpoint, zopts, engine) -> list:
         raise CheckpointError(f"{ds.dir} has {len(ds.param_groups)} optimizer param groups, the optimizer "
                               f"{len(opt.param_groups)}")
     for j, saved in enumerate(ds.param_groups):
-        decoupled = isinstance(opt, torch.optim.AdamW) or bool(opt.param_groups[j].get("decoupled_weight_decay"))
-        if "adam_w_mode" in saved and bool(saved["adam_w_mode"]) != decoupled:
+        if saved.get("bias_correction") is False:
+            raise CheckpointError(f"{ds.dir}: param group {j} was stepped without Adam's bias correction "
+                                  "(bias_correction: false), which torch's Adam always applies")
+        was = _saved_decoupled(ds, saved)
+        here = bool(opt.param_groups[j].get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
+        if was is not None and was != here and "decoupled_weight_decay" not in saved and saved.get("weight_decay"):
             raise CheckpointError(
-                f"{ds.dir}: param group {j} was stepped with adam_w_mode={saved['adam_w_mode']} (decoupled weight "
-                f"decay {'on' if saved['adam_w_mode'] else 'off'}), but the optimizer is {type(opt).__name__}")
+                f"{ds.dir}: param group {j} was stepped with {'decoupled (AdamW)' if was else 'L2 (Adam)'} weight "
+                f"decay, but the optimizer is {type(opt).__name__} with {'decoupled' if here else 'L2'} weight decay: "
+                f"resume it with torch.optim.{'AdamW' if was else 'Adam'}")
     saved = {"param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in pg.items()}
                               for pg in ds.param_groups]}
     skip = _DEEPSPEED_IMPLEMENTATION_FIELDS | {"params", "adam_w_mode", "bias_correction"}
@@ -713,3 +718,21 @@ def _deepspeed_hyperparameters(ds: DeepSpeedCheckpoint, zopts, engine) -> list:
 
 
 _ADAM_TENSORS = ("exp_avg", "exp_avg_sq")
+
+
+def _saved_decoupled(ds: DeepSpeedCheckpoint, saved: dict) -> bool | None:
+    """Whether the DeepSpeed run's Adam decayed weights decoupled (AdamW); None where nothing says.
+
+    torch's Adam/AdamW as the client optimizer record it in the param group (restored with the other
+    fields); FusedAdam records ``adam_w_mode``; DeepSpeedCPUAdam nothing, so it comes from the
+    config's optimizer section as DeepSpeed reads it (engine.py: type AdamW, or ``adam_w_mode``,
+    default true)."""
+    if "decoupled_weight_decay" in saved:
+        return bool(saved["decoupled_weight_decay"])
+    if "adam_w_mode" in saved:
+        return bool(saved["adam_w_mode"])
+    section = ds.config.get("optimizer") or {}
+    kind, params = str(section.get("type", "")).lower(), section.get("params") or {}
+    if kind in ("adam", "adamw"):
+        return kind == "adamw" or bool(params.get("adam_w_mode", True))
+    return None
