@@ -7,7 +7,8 @@ parameter).
 
 What is compared, per resume:
 * right after the load, the fp32 weights equal DeepSpeed's fp32 masters at its save, bit for bit
-  (``safe_get_full_fp32_param``): the element ranges come out of the rank files unchanged;
+  (``safe_get_full_fp32_param``): the element ranges come out of the rank files unchanged; the
+  frozen parameter (changed before DeepSpeed's run) equals DeepSpeed's copy of it;
 * every continued loss and the final fp32 weights equal DeepSpeed continuing its own run.
   fp32: 1e-5 relative (measured: 0 on 2 ranks; 1e-7 on 1 rank, the same sums in another order).
   bf16: losses 1e-3, weights 2e-2 (per tensor, max|a-b| / max|ref|), measured 4e-4 and 5e-3: both
@@ -101,6 +102,8 @@ def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_runs, run, stage, 
     at_load = {k: v for k, v in ours["at_load"].items() if k in ref["at_save"]}
     for k, want in ref["at_save"].items():
         assert torch.equal(at_load[k], want), f"{k} after the load differs from DeepSpeed's fp32 master at its save"
+    frozen = ref["frozen"].to(torch.bfloat16 if BF16[run] else torch.float32)  # as DeepSpeed kept it
+    assert torch.equal(ours["at_load"]["frozen_mix"].to(frozen.dtype), frozen), "the frozen parameter was not loaded"
     losses = results[0]["losses"]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])]
     assert max(rel) < loss_tol, f"losses {losses} vs DeepSpeed's {ref['losses']}"

@@ -4,7 +4,9 @@ args["mode"] == "deepspeed": for each case {name, stage, bf16, offload ("" | "op
 "optimizer+param"), dir, ds_optimizer (optional: the class name of DeepSpeed's own optimizer that
 its config's AdamW must build, instead of the user's torch AdamW)}, DeepSpeed trains TinyLM for SAVE_AT steps, saves a checkpoint into
 ``dir``, and trains on to END; rank 0 writes ``dir/reference.pt``: the global loss of each step
-after the save, the fp32 weights at the save (``safe_get_full_fp32_param``) and at the end.
+after the save, the fp32 weights at the save (``safe_get_full_fp32_param``) and at the end, and the
+frozen parameter (set to -2x its initial value before training, so a resume that did not load it
+shows).
 
 args["mode"] == "ours": for each case {name, stage, precision, dir}, zero_strategy sets up the same
 model, loads ``dir`` (the DeepSpeed checkpoint) and trains steps [SAVE_AT, END). Reports the
@@ -58,6 +60,9 @@ def run_deepspeed(case: dict) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param
 
     model, opt = build()
+    with torch.no_grad():  # the frozen parameter differs from a fresh model's: the resume must load it
+        model.frozen_mix.mul_(-2.0)
+    frozen = model.frozen_mix.detach().clone()
     zero: dict = {"stage": case["stage"]}
     if "optimizer" in case["offload"]:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -88,7 +93,8 @@ def run_deepspeed(case: dict) -> dict:
     losses = [train_step(engine, step, backward_step) for step in range(SAVE_AT, END)]
     final = fp32_weights()
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "at_save": at_save, "final": final}, os.path.join(case["dir"], "reference.pt"))
+        torch.save({"losses": losses, "at_save": at_save, "final": final, "frozen": frozen},
+                   os.path.join(case["dir"], "reference.pt"))
     dist.barrier()
     return {"name": case["name"]}
 
