@@ -24,6 +24,7 @@ naming the difference; a directory that is neither format says so.
 from __future__ import annotations
 
 import functools
+import re
 import shutil
 from pathlib import Path
 
@@ -140,11 +141,14 @@ def _same(a: dict, b: dict) -> bool:
 
 
 class Hostile:
-    """What an attacker would pickle: unpickling it would call os.system."""
+    """What an attacker would pickle: unpickling it would call os.system (here: create ``marker``)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
 
     def __reduce__(self):
         import os
-        return (os.system, ("touch /tmp/zs-hostile-ran",))
+        return (os.system, (f"touch '{self.marker}'",))
 
 
 def test_a_pickled_object_outside_the_allowlist_is_refused(ds_runs, tmp_path):
@@ -155,7 +159,7 @@ def test_a_pickled_object_outside_the_allowlist_is_refused(ds_runs, tmp_path):
     tag = (bad / "latest").read_text().strip()
     model_file = bad / tag / "mp_rank_00_model_states.pt"
     sd = torch.load(model_file, weights_only=False)
-    sd["epoch_hook"] = Hostile()
+    sd["epoch_hook"] = Hostile(tmp_path / "hostile-ran")
     torch.save(sd, model_file)
 
     model, zopt = _setup_tiny()
@@ -163,8 +167,50 @@ def test_a_pickled_object_outside_the_allowlist_is_refused(ds_runs, tmp_path):
     with pytest.raises(zs.CheckpointError, match=r"mp_rank_00_model_states\.pt holds a pickled object of type "
                        r"posix\.system.*not one of the types a DeepSpeed checkpoint holds: refused"):
         zs.load_checkpoint(bad, model, zopt)
-    assert not Path("/tmp/zs-hostile-ran").exists()
+    assert not (tmp_path / "hostile-ran").exists()
     assert _same(before, _snapshot(model, zopt))
+
+
+def _damaged(src: Path, dst: Path, damage) -> Path:
+    shutil.copytree(src, dst)
+    damage(dst / (dst / "latest").read_text().strip())
+    return dst
+
+
+def _plant_hostile(tag: Path, file_glob: str, marker: Path) -> None:
+    f = next(tag.glob(file_glob))
+    sd = torch.load(f, weights_only=False)
+    sd["hook"] = Hostile(marker)
+    torch.save(sd, f)
+
+
+def _truncate(tag: Path, file_glob: str) -> None:
+    f = next(tag.glob(file_glob))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def test_two_ranks_refuse_a_damaged_deepspeed_checkpoint_alike_and_change_nothing(ds_runs, tmp_path):
+    src = _ds_dir(ds_runs, "s2_fp32_offload")
+    cases = [
+        dict(name="hostile_rank1", stage=3, expect=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt holds a pickled "
+             r"object of type posix\.system",
+             dir=str(_damaged(src, tmp_path / "hostile", lambda t: _plant_hostile(t, "zero_pp_rank_1_*optim*", tmp_path / "ran")))),
+        dict(name="truncated_rank1", stage=2, expect=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt is not a "
+             r"readable DeepSpeed checkpoint file",
+             dir=str(_damaged(src, tmp_path / "truncated", lambda t: _truncate(t, "zero_pp_rank_1_*optim*")))),
+    ]
+    reports = launch("deepspeed_checkpoint.py", 2, {"mode": "refused", "cases": cases}, timeout=240)
+    by_name: dict = {}
+    for rep in reports:
+        for res in rep["results"]:
+            by_name.setdefault(res["name"], []).append(res)
+    for case in cases:
+        got = by_name[case["name"]]
+        assert len(got) == 2 and all("error" not in r for r in got), got
+        assert got[0]["error_message"] == got[1]["error_message"], got  # the same refusal on every rank
+        assert re.search(case["expect"], got[0]["error_message"]), got[0]["error_message"]
+        assert got[0]["changed"] == [] and got[1]["changed"] == [], got
+    assert not (tmp_path / "ran").exists()
 
 
 def test_a_deepspeed_run_of_another_model_is_refused_naming_the_difference(ds_runs):
@@ -217,7 +263,7 @@ def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_runs, tm
     shutil.copytree(_ds_dir(ds_runs, "s2_bf16"), nvme)
     for f in (nvme / (nvme / "latest").read_text().strip()).glob("*.pt"):
         sd = torch.load(f, weights_only=False)
-        sd["ds_config"]["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/x"}
+        sd["ds_config"]["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "swap"}
         torch.save(sd, f)
     with pytest.raises(zs.CheckpointError, match="offload_optimizer on NVMe, which is not read yet: resume it in "
                        "DeepSpeed with CPU offload"):

@@ -12,6 +12,9 @@ args["mode"] == "ours": for each case {name, stage, precision, dir}, zero_strate
 model, loads ``dir`` (the DeepSpeed checkpoint) and trains steps [SAVE_AT, END). Reports the
 global losses, the fp32 weights right after the load and at the end (rank 0, to ``<out>/<name>.pt``).
 
+args["mode"] == "refused": for each case {name, stage, dir} (a damaged DeepSpeed checkpoint), train
+one step, try the load; report the error message and every value that changed (tests/_refused_load.py).
+
 Every step uses one global batch of GLOBAL samples; rank r of N takes its GLOBAL/N slice and the
 loss is the mean over it, so the averaged gradient is the same at any world size.
 """
@@ -122,10 +125,29 @@ def run_ours(case: dict, out) -> dict:
             "hyper": [{k: pg[k] for k in ("lr", "weight_decay", "betas")} for pg in zopt.optimizer.param_groups]}
 
 
+def run_refused(case: dict) -> dict:
+    """Train one step, try to load the damaged ``dir``: report the error and what changed (nothing)."""
+    import zero_strategy as zs
+    from _refused_load import differences, snapshot
+
+    model, opt = build()
+    model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0))
+    train_step(model, 0, lambda loss: (zopt.backward(loss), zopt.step(), zopt.zero_grad()))
+    before = snapshot(model, zopt)
+    try:
+        zs.load_checkpoint(case["dir"], model, zopt)
+        error = None
+    except zs.CheckpointError as err:
+        error = str(err)
+    return {"name": case["name"], "error_message": error, "changed": differences(before, snapshot(model, zopt))}
+
+
 def main() -> None:
     args, out = start()
     if args["mode"] == "deepspeed":
         results = run_cases(args["cases"], run_deepspeed, key="name")
+    elif args["mode"] == "refused":
+        results = run_cases(args["cases"], run_refused, key="name")
     else:
         results = run_cases(args["cases"], lambda case: run_ours(case, out), key="name")
     finish(out, {"results": results})
