@@ -280,3 +280,31 @@ def test_allowlisted_stand_ins_run_no_deepspeed_code(ds_runs):
     assert type(sd["loss_scaler"]) is _Attributes and sd["loss_scaler"].cur_scale == 1.0
     assert type(sd["zero_stage"]) is int and sd["zero_stage"] == 1
     assert all(type(a) is _Attributes for m in sd["param_slice_mappings"] for a in m.values())
+
+
+def test_a_tag_directory_loads_and_optimizer_none_takes_the_weights_alone(ds_runs):
+    import zero_strategy as zs
+
+    run = _ds_dir(ds_runs, "s3_fp32_offload")
+    model, zopt = _setup_tiny()
+    zs.load_checkpoint(run / (run / "latest").read_text().strip(), model)  # global_step3/ itself
+    ref = torch.load(run / "reference.pt", weights_only=True)
+    got = zs.full_state_dict(model, dtype=None)
+    assert all(torch.equal(got[k], v) for k, v in ref["at_save"].items())
+    assert torch.equal(got["frozen_mix"], ref["frozen"])
+    assert not zopt.optimizer.state  # untouched: no optimizer was given
+    assert [pg["lr"] for pg in zopt.optimizer.param_groups] == [3e-3, 6e-3]
+
+
+def test_latest_must_name_a_tag_inside_the_directory(tmp_path):
+    import zero_strategy as zs
+
+    model, zopt = _setup_tiny()
+    (tmp_path / "latest").write_text("../elsewhere")
+    with pytest.raises(zs.CheckpointError, match=r"latest names '\.\./elsewhere', not a checkpoint tag inside"):
+        zs.load_checkpoint(tmp_path, model, zopt)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "global_step5").mkdir()
+    with pytest.raises(zs.CheckpointError, match=r"has DeepSpeed tag directories \['global_step5'\] but no 'latest' "
+                       r"file naming one: pass the tag directory itself"):
+        zs.load_checkpoint(tmp_path, model, zopt)

@@ -112,10 +112,6 @@ def find_deepspeed_checkpoint(path: Path) -> Path | None:
     """The tag directory (``global_stepN/``) when ``path`` is a DeepSpeed checkpoint: the run's
     directory with its ``latest`` file, or the tag directory itself. None: not DeepSpeed's.
     Refuses the DeepSpeed forms not read here, saying what to do instead."""
-    if (path / "latest_universal").is_file() or (path / "zero").is_dir() and not _optim_files(path):
-        raise CheckpointError(
-            f"{path} is a DeepSpeed universal checkpoint, which is not read yet: load the checkpoint DeepSpeed "
-            "saved before converting it (the directory with 'latest' and global_stepN/)")
     latest = path / "latest"
     if latest.is_file():
         tag = latest.read_text(errors="replace").strip()
@@ -124,14 +120,24 @@ def find_deepspeed_checkpoint(path: Path) -> Path | None:
         tagged = path / tag
         if not tagged.is_dir() or tagged.is_symlink():
             raise CheckpointError(f"{latest} names tag {tag!r} but {tagged} is not a directory")
-        return tagged
+        path = tagged
+    elif (path / "latest_universal").is_file():
+        raise _universal(path)
+    if (path / "zero").is_dir() and not _optim_files(path):
+        raise _universal(path)
     if _optim_files(path) or list(path.glob("*_model_states.pt")):
         return path
     tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
     if tags:
         raise CheckpointError(f"{path} has DeepSpeed tag directories {tags[:5]} but no 'latest' file naming one: "
-                              "pass the tag directory itself (for example {path / tags[-1]})")
+                              f"pass the tag directory itself (for example {path / tags[-1]})")
     return None
+
+
+def _universal(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is a DeepSpeed universal checkpoint, which is not read yet: load the checkpoint DeepSpeed "
+        "saved before converting it (the directory with 'latest' and global_stepN/)")
 
 
 def _optim_files(path: Path) -> list[Path]:
