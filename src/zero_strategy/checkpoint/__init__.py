@@ -6,6 +6,7 @@ state), ``buffers.safetensors`` and ``metadata.json`` (format version, per-param
 layout by fully qualified name, optimizer class, hyperparameters and scalar state,
 loss scale, per-file sha256). ``load_checkpoint`` re-shards by name onto the running
 world size and stage; ``consolidate`` streams a full state dict out in one process.
+``load_checkpoint`` also reads a DeepSpeed ZeRO checkpoint (``_deepspeed.py``) the same way.
 See ``_layout.py`` for the on-disk layout and ``_save.py`` for atomic replacement.
 
 [Note: why not torch.distributed.checkpoint]

@@ -51,7 +51,8 @@ def read_metadata(ckpt_dir: Path) -> Metadata:
     path = ckpt_dir / METADATA_FILE
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} is not a zero_strategy checkpoint: it has no {METADATA_FILE} "
-                              "(an interrupted save never leaves one)")
+                              "(an interrupted save never leaves one); nor is it a DeepSpeed checkpoint (no 'latest' "
+                              "file, no *_optim_states.pt)")
     try:
         d = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8

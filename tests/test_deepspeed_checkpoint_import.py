@@ -1,0 +1,310 @@
+"""DeepSpeed checkpoints in: real DeepSpeed 0.19.8 runs (CPU, gloo, 2 ranks; stages 1-3, fp32 and bf16,
+with and without CPU offload, with the user's torch AdamW and with DeepSpeedCPUAdam) save after 3 steps
+and train on to 6; zero_strategy loads each checkpoint at zero1, zero2 and zero3 on 1 and 2 ranks
+and trains the same 3 steps (tests/workers/deepspeed_checkpoint.py: TinyLM, AdamW, two param
+groups with their own lr and weight decay, a frozen parameter, tied weights, a 1-element
+parameter).
+
+What is compared, per resume:
+* right after the load, the fp32 weights equal DeepSpeed's fp32 masters at its save, bit for bit
+  (``safe_get_full_fp32_param``): the element ranges come out of the rank files unchanged; the
+  frozen parameter (changed before DeepSpeed's run) equals DeepSpeed's copy of it;
+* every continued loss and the final fp32 weights equal DeepSpeed continuing its own run.
+  fp32: 1e-5 relative (measured: 0 on 2 ranks; 1e-7 on 1 rank, the same sums in another order).
+  bf16: losses 1e-3, weights 2e-2 (per tensor, max|a-b| / max|ref|), measured 4e-4 and 5e-3: both
+  runs compute in bf16, but DeepSpeed reduces bf16 gradients where we reduce in fp32. The same
+  resume with Adam's moments dropped after the load (measured once, as a check of these bounds)
+  misses by 1e-3 to 2e-3 on the losses and 0.64 on the weights, fp32 and bf16 alike.
+
+And the refusals: a pickled object of a type outside the allowlist is refused naming the file
+and the type (and nothing of the model changes); a DeepSpeed run whose model differs is refused
+naming the difference; a directory that is neither format says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _compare import worst_rel_diff
+from _launch import launch
+
+pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.multiprocess
+
+#: DeepSpeed runs: (name, stage, bf16, offload, DeepSpeed's own optimizer or None: the user's torch AdamW).
+#: The DeepSpeedCPUAdam runs come last: their C++ op is built on first use (about a minute, then cached).
+DS_RUNS = [
+    ("s1_fp32", 1, False, "", None),
+    ("s2_fp32_offload", 2, False, "optimizer", None),
+    ("s3_fp32_offload", 3, False, "optimizer+param", None),
+    ("s2_bf16", 2, True, "", None),
+    ("s3_bf16_offload", 3, True, "optimizer", None),
+    ("s2_cpuadam_offload", 2, False, "optimizer", "DeepSpeedCPUAdam"),
+    ("s3_cpuadam_offload", 3, True, "optimizer", "DeepSpeedCPUAdam"),
+]
+BF16 = {n: b for n, _, b, *_ in DS_RUNS}
+FP32_TOL = 1e-5
+BF16_LOSS_TOL, BF16_WEIGHT_TOL = 1e-3, 2e-2
+
+
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory) -> tuple[dict[str, Path], dict[str, str]]:
+    root = tmp_path_factory.mktemp("deepspeed_ckpts")
+    cases = [dict(name=n, stage=s, bf16=b, offload=o, ds_optimizer=d, dir=str(root / n)) for n, s, b, o, d in DS_RUNS]
+    reports = launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=600)
+    errors = {res["name"]: res["error"] for rep in reports for res in rep["results"] if "error" in res}
+    # a failing run stops the worker: the runs after it report nothing, and their tests say so
+    return {n: root / n for n, *_ in DS_RUNS if n not in errors and (root / n / "reference.pt").is_file()}, errors
+
+
+def _ds_dir(ds_runs, name: str) -> Path:
+    dirs, errors = ds_runs
+    assert name in dirs, errors.get(name, f"the DeepSpeed run {name} did not finish: {errors}")
+    return dirs[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _ours(world: int, dirs: tuple) -> tuple[dict, Path]:
+    """Every DeepSpeed run resumed at zero1/2/3 on ``world`` ranks, in one launch."""
+    out = Path(dirs[0][1]).parent / f"ours_w{world}"
+    out.mkdir(exist_ok=True)
+    cases = [dict(name=f"{name}-zero{stage}", stage=stage, precision="bf16" if BF16[name] else "fp32", dir=d,
+                  offload=stage >= 2 and name.endswith("offload")) for name, d in dirs for stage in (1, 2, 3)]
+    reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=300, out=out)
+    by_name: dict = {}
+    for rep in reports:
+        for res in rep["results"]:
+            by_name.setdefault(res["name"], []).append(res)
+    return by_name, out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("run", [n for n, *_ in DS_RUNS])
+def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_runs, run, stage, world):
+    _ds_dir(ds_runs, run)
+    by_name, out = _ours(world, tuple(sorted((n, str(d)) for n, d in ds_runs[0].items())))
+    name = f"{run}-zero{stage}"
+    results = by_name.get(name, [])
+    for res in results:
+        assert "error" not in res, res["error"]
+    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
+    ref = torch.load(_ds_dir(ds_runs, run) / "reference.pt", weights_only=True)
+    ours = torch.load(out / f"{name}.pt", weights_only=True)
+    loss_tol, weight_tol = (BF16_LOSS_TOL, BF16_WEIGHT_TOL) if BF16[run] else (FP32_TOL, FP32_TOL)
+
+    at_load = {k: v for k, v in ours["at_load"].items() if k in ref["at_save"]}
+    for k, want in ref["at_save"].items():
+        assert torch.equal(at_load[k], want), f"{k} after the load differs from DeepSpeed's fp32 master at its save"
+    frozen = ref["frozen"].to(torch.bfloat16 if BF16[run] else torch.float32)  # as DeepSpeed kept it
+    assert torch.equal(ours["at_load"]["frozen_mix"].to(frozen.dtype), frozen), "the frozen parameter was not loaded"
+    losses = results[0]["losses"]
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])]
+    assert max(rel) < loss_tol, f"losses {losses} vs DeepSpeed's {ref['losses']}"
+    worst, where = worst_rel_diff(ours["final"], ref["final"])
+    assert worst < weight_tol, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
+    assert results[0]["extra"] == {"epoch": 7}  # DeepSpeed's client_state comes back
+    assert [g["lr"] for g in results[0]["hyper"]] == [3e-3, 6e-3]
+
+
+# ------------------------------------------------------------------ refusals (one process)
+def _setup_tiny():
+    import zero_strategy as zs
+    from _models import TinyLM, param_groups
+
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    opt = torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))
+    return zs.setup(model, opt, zs.ZeroConfig(stage=2, param_persistence_threshold=0))
+
+
+def _snapshot(model, zopt) -> dict:
+    import zero_strategy as zs
+    return {"weights": zs.full_state_dict(model, dtype=None),
+            "state": {k: v.clone() if torch.is_tensor(v) else v for st in zopt.optimizer.state.values()
+                      for k, v in st.items()},
+            "lr": [pg["lr"] for pg in zopt.optimizer.param_groups]}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"]) and a["lr"] == b["lr"]
+            and a["state"].keys() == b["state"].keys()
+            and all(torch.equal(v, b["state"][k]) if torch.is_tensor(v) else v == b["state"][k]
+                    for k, v in a["state"].items()))
+
+
+class Hostile:
+    """What an attacker would pickle: unpickling it would call os.system (here: create ``marker``)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def test_a_pickled_object_outside_the_allowlist_is_refused(ds_runs, tmp_path):
+    import zero_strategy as zs
+
+    bad = tmp_path / "bad"
+    shutil.copytree(_ds_dir(ds_runs, "s1_fp32"), bad)
+    tag = (bad / "latest").read_text().strip()
+    model_file = bad / tag / "mp_rank_00_model_states.pt"
+    sd = torch.load(model_file, weights_only=False)
+    sd["epoch_hook"] = Hostile(tmp_path / "hostile-ran")
+    torch.save(sd, model_file)
+
+    model, zopt = _setup_tiny()
+    before = _snapshot(model, zopt)
+    with pytest.raises(zs.CheckpointError, match=r"mp_rank_00_model_states\.pt holds a pickled object of type "
+                       r"posix\.system.*not one of the types a DeepSpeed checkpoint holds: refused"):
+        zs.load_checkpoint(bad, model, zopt)
+    assert not (tmp_path / "hostile-ran").exists()
+    assert _same(before, _snapshot(model, zopt))
+
+
+def _damaged(src: Path, dst: Path, damage) -> Path:
+    shutil.copytree(src, dst)
+    damage(dst / (dst / "latest").read_text().strip())
+    return dst
+
+
+def _plant_hostile(tag: Path, file_glob: str, marker: Path) -> None:
+    f = next(tag.glob(file_glob))
+    sd = torch.load(f, weights_only=False)
+    sd["hook"] = Hostile(marker)
+    torch.save(sd, f)
+
+
+def _truncate(tag: Path, file_glob: str) -> None:
+    f = next(tag.glob(file_glob))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def test_two_ranks_refuse_a_damaged_deepspeed_checkpoint_alike_and_change_nothing(ds_runs, tmp_path):
+    src = _ds_dir(ds_runs, "s2_fp32_offload")
+    cases = [
+        dict(name="hostile_rank1", stage=3, expect=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt holds a pickled "
+             r"object of type posix\.system",
+             dir=str(_damaged(src, tmp_path / "hostile", lambda t: _plant_hostile(t, "zero_pp_rank_1_*optim*", tmp_path / "ran")))),
+        dict(name="truncated_rank1", stage=2, expect=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt is not a "
+             r"readable DeepSpeed checkpoint file",
+             dir=str(_damaged(src, tmp_path / "truncated", lambda t: _truncate(t, "zero_pp_rank_1_*optim*")))),
+    ]
+    reports = launch("deepspeed_checkpoint.py", 2, {"mode": "refused", "cases": cases}, timeout=240)
+    by_name: dict = {}
+    for rep in reports:
+        for res in rep["results"]:
+            by_name.setdefault(res["name"], []).append(res)
+    for case in cases:
+        got = by_name[case["name"]]
+        assert len(got) == 2 and all("error" not in r for r in got), got
+        assert got[0]["error_message"] == got[1]["error_message"], got  # the same refusal on every rank
+        assert re.search(case["expect"], got[0]["error_message"]), got[0]["error_message"]
+        assert got[0]["changed"] == [] and got[1]["changed"] == [], got
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_deepspeed_run_of_another_model_is_refused_naming_the_difference(ds_runs):
+    import zero_strategy as zs
+    from _models import TinyLM, param_groups
+
+    torch.manual_seed(0)
+    model = TinyLM(layers=3)
+    model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)), "zero2")
+    with pytest.raises(zs.CheckpointError, match=r"does not match the model: missing from the checkpoint: "
+                       r"\['layers\.2\.fc1\.bias'"):
+        zs.load_checkpoint(_ds_dir(ds_runs, "s2_bf16"), model, zopt)
+
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    model, zopt = zs.setup(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), "zero2")
+    with pytest.raises(zs.CheckpointError, match=r"final_norm\.weight is in optimizer param group 0 here but was "
+                       r"in param group 1 in the DeepSpeed run"):
+        zs.load_checkpoint(_ds_dir(ds_runs, "s2_bf16"), model, zopt)
+
+    torch.manual_seed(0)
+    model, zopt = zs.setup(TinyLM(layers=2, dim=16), None, "zero2")
+    with pytest.raises(zs.CheckpointError, match=r"parameter shapes differ: \['frozen_mix: checkpoint "
+                       r"\(24, 24\), model \(16, 16\)', 'embed\.weight: checkpoint \(37, 24\), model \(37, 16\)'"):
+        zs.load_checkpoint(_ds_dir(ds_runs, "s3_fp32_offload"), model)
+
+
+def test_a_directory_of_neither_format_says_so(tmp_path):
+    import zero_strategy as zs
+
+    model, zopt = _setup_tiny()
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(zs.CheckpointError, match="is not a zero_strategy checkpoint: it has no metadata.json .*"
+                       "nor is it a DeepSpeed checkpoint"):
+        zs.load_checkpoint(tmp_path, model, zopt)
+
+
+def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_runs, tmp_path):
+    import zero_strategy as zs
+
+    model, zopt = _setup_tiny()
+    universal = tmp_path / "universal"
+    (universal / "zero").mkdir(parents=True)
+    (universal / "latest_universal").write_text("global_step3_universal")
+    with pytest.raises(zs.CheckpointError, match="universal checkpoint, which is not read yet: load the checkpoint "
+                       "DeepSpeed saved before converting it"):
+        zs.load_checkpoint(universal, model, zopt)
+
+    nvme = tmp_path / "nvme"
+    shutil.copytree(_ds_dir(ds_runs, "s2_bf16"), nvme)
+    for f in (nvme / (nvme / "latest").read_text().strip()).glob("*.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["ds_config"]["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "swap"}
+        torch.save(sd, f)
+    with pytest.raises(zs.CheckpointError, match="offload_optimizer on NVMe, which is not read yet: resume it in "
+                       "DeepSpeed with CPU offload"):
+        zs.load_checkpoint(nvme, model, zopt)
+
+
+def test_allowlisted_stand_ins_run_no_deepspeed_code(ds_runs):
+    """The loss scaler, ZeroStageEnum and fragment_address come back as inert attributes."""
+    from zero_strategy.checkpoint._deepspeed import _Attributes, safe_load
+
+    tag = (_ds_dir(ds_runs, "s1_fp32") / "latest").read_text().strip()
+    f = next((_ds_dir(ds_runs, "s1_fp32") / tag).glob("*optim_states.pt"))
+    sd = safe_load(f)["optimizer_state_dict"]
+    assert type(sd["loss_scaler"]) is _Attributes and sd["loss_scaler"].cur_scale == 1.0
+    assert type(sd["zero_stage"]) is int and sd["zero_stage"] == 1
+    assert all(type(a) is _Attributes for m in sd["param_slice_mappings"] for a in m.values())
+
+
+def test_a_tag_directory_loads_and_optimizer_none_takes_the_weights_alone(ds_runs):
+    import zero_strategy as zs
+
+    run = _ds_dir(ds_runs, "s3_fp32_offload")
+    model, zopt = _setup_tiny()
+    zs.load_checkpoint(run / (run / "latest").read_text().strip(), model)  # global_step3/ itself
+    ref = torch.load(run / "reference.pt", weights_only=True)
+    got = zs.full_state_dict(model, dtype=None)
+    assert all(torch.equal(got[k], v) for k, v in ref["at_save"].items())
+    assert torch.equal(got["frozen_mix"], ref["frozen"])
+    assert not zopt.optimizer.state  # untouched: no optimizer was given
+    assert [pg["lr"] for pg in zopt.optimizer.param_groups] == [3e-3, 6e-3]
+
+
+def test_latest_must_name_a_tag_inside_the_directory(tmp_path):
+    import zero_strategy as zs
+
+    model, zopt = _setup_tiny()
+    (tmp_path / "latest").write_text("../elsewhere")
+    with pytest.raises(zs.CheckpointError, match=r"latest names '\.\./elsewhere', not a checkpoint tag inside"):
+        zs.load_checkpoint(tmp_path, model, zopt)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "global_step5").mkdir()
+    with pytest.raises(zs.CheckpointError, match=r"has DeepSpeed tag directories \['global_step5'\] but no 'latest' "
+                       r"file naming one: pass the tag directory itself"):
+        zs.load_checkpoint(tmp_path, model, zopt)

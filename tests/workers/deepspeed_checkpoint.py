@@ -1,0 +1,157 @@
+"""DeepSpeed 0.19.8 checkpoints (made here, on CPU with gloo) resumed by zero_strategy.
+
+args["mode"] == "deepspeed": for each case {name, stage, bf16, offload ("" | "optimizer" |
+"optimizer+param"), dir, ds_optimizer (optional: the class name of DeepSpeed's own optimizer that
+its config's AdamW must build, instead of the user's torch AdamW)}, DeepSpeed trains TinyLM for SAVE_AT steps, saves a checkpoint into
+``dir``, and trains on to END; rank 0 writes ``dir/reference.pt``: the global loss of each step
+after the save, the fp32 weights at the save (``safe_get_full_fp32_param``) and at the end, and the
+frozen parameter (set to -2x its initial value before training, so a resume that did not load it
+shows).
+
+args["mode"] == "ours": for each case {name, stage, precision, dir}, zero_strategy sets up the same
+model, loads ``dir`` (the DeepSpeed checkpoint) and trains steps [SAVE_AT, END). Reports the
+global losses, the fp32 weights right after the load and at the end (rank 0, to ``<out>/<name>.pt``).
+
+args["mode"] == "refused": for each case {name, stage, dir} (a damaged DeepSpeed checkpoint), train
+one step, try the load; report the error message and every value that changed (tests/_refused_load.py).
+
+Every step uses one global batch of GLOBAL samples; rank r of N takes its GLOBAL/N slice and the
+loss is the mean over it, so the averaged gradient is the same at any world size.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _models import SEQ, VOCAB, TinyLM, loss_fn, param_groups  # noqa: E402
+from _worker import finish, run_cases, start  # noqa: E402
+
+GLOBAL, SAVE_AT, END = 8, 3, 6
+
+
+def global_batch(step: int):
+    g = torch.Generator().manual_seed(9000 + step)
+    return (torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g),
+            torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g))
+
+
+def build():
+    torch.manual_seed(4321)
+    model = TinyLM(layers=2)
+    return model, torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))
+
+
+def train_step(model, step: int, backward_step) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(step)
+    per = GLOBAL // world
+    sl = slice(rank * per, (rank + 1) * per)
+    loss = loss_fn(model(tokens[sl]), targets[sl])
+    backward_step(loss)
+    total = torch.tensor([loss.item()], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def run_deepspeed(case: dict) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    model, opt = build()
+    with torch.no_grad():  # the frozen parameter differs from a fresh model's: the resume must load it
+        model.frozen_mix.mul_(-2.0)
+    frozen = model.frozen_mix.detach().clone()
+    zero: dict = {"stage": case["stage"]}
+    if "optimizer" in case["offload"]:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if "param" in case["offload"]:
+        zero["offload_param"] = {"device": "cpu"}
+    config = {"train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(), "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0, "zero_optimization": zero, "bf16": {"enabled": case["bf16"]},
+              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9}
+    if case.get("ds_optimizer"):  # DeepSpeed's own: DeepSpeedCPUAdam where the optimizer is offloaded
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+        assert type(engine.optimizer.optimizer).__name__ == case["ds_optimizer"], type(engine.optimizer.optimizer)
+    else:  # the user's torch.optim.AdamW
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def backward_step(loss):
+        engine.backward(loss)
+        engine.step()
+
+    def fp32_weights() -> dict:
+        return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()
+                if p.requires_grad}
+
+    for step in range(SAVE_AT):
+        train_step(engine, step, backward_step)
+    engine.save_checkpoint(case["dir"], client_state={"epoch": 7})
+    at_save = fp32_weights()
+    losses = [train_step(engine, step, backward_step) for step in range(SAVE_AT, END)]
+    final = fp32_weights()
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "at_save": at_save, "final": final, "frozen": frozen},
+                   os.path.join(case["dir"], "reference.pt"))
+    dist.barrier()
+    return {"name": case["name"]}
+
+
+def run_ours(case: dict, out) -> dict:
+    import zero_strategy as zs
+
+    model, opt = build()
+    cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
+                        offload_optimizer=zs.CPUOffload() if case.get("offload") else None)
+    model, zopt = zs.setup(model, opt, cfg)
+    extra = zs.load_checkpoint(case["dir"], model, zopt)
+    at_load = zs.full_state_dict(model, dtype=None)
+
+    def backward_step(loss):
+        zopt.backward(loss)
+        zopt.step()
+        zopt.zero_grad()
+
+    losses = [train_step(model, step, backward_step) for step in range(SAVE_AT, END)]
+    final = zs.full_state_dict(model, dtype=None)
+    if dist.get_rank() == 0:
+        torch.save({"at_load": at_load, "final": final}, out / f"{case['name']}.pt")
+    return {"name": case["name"], "losses": losses, "extra": extra,
+            "hyper": [{k: pg[k] for k in ("lr", "weight_decay", "betas")} for pg in zopt.optimizer.param_groups]}
+
+
+def run_refused(case: dict) -> dict:
+    """Train one step, try to load the damaged ``dir``: report the error and what changed (nothing)."""
+    import zero_strategy as zs
+    from _refused_load import differences, snapshot
+
+    model, opt = build()
+    model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0))
+    train_step(model, 0, lambda loss: (zopt.backward(loss), zopt.step(), zopt.zero_grad()))
+    before = snapshot(model, zopt)
+    try:
+        zs.load_checkpoint(case["dir"], model, zopt)
+        error = None
+    except zs.CheckpointError as err:
+        error = str(err)
+    return {"name": case["name"], "error_message": error, "changed": differences(before, snapshot(model, zopt))}
+
+
+def main() -> None:
+    args, out = start()
+    if args["mode"] == "deepspeed":
+        results = run_cases(args["cases"], run_deepspeed, key="name")
+    elif args["mode"] == "refused":
+        results = run_cases(args["cases"], run_refused, key="name")
+    else:
+        results = run_cases(args["cases"], lambda case: run_ours(case, out), key="name")
+    finish(out, {"results": results})
+
+
+if __name__ == "__main__":
+    main()
