@@ -286,3 +286,26 @@ def test_import_zero_strategy_does_not_import_accelerate():
             "zero_strategy.ZeroAccelerator; assert 'accelerate' in sys.modules")
     proc = _procs.run([sys.executable, "-c", code], 60, env=launch_env(use_cpu=False))
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("key", ["sp_size", "tp_size", "cp_size"])
+def test_model_parallel_sizes_are_refused_not_run_as_data_parallelism(clean_env, key):
+    """Accelerate's long-sequence idiom, ``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``,
+    run as data parallelism would train two samples where one was to be split: refused by name."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    extra = {"sp_backend": "deepspeed"} if key == "sp_size" else {}
+    with pytest.raises(ValueError, match=f"{key} to 1"):
+        ZeroAccelerator("zero2", parallelism_config=ParallelismConfig(**{key: 2}, **extra))
+
+
+def test_a_launch_config_asking_for_sequence_parallelism_is_refused(clean_env):
+    """What `accelerate launch` sets from a config file with ``parallelism_config_sp_size: 2``."""
+    from zero_strategy.accelerate import ZeroAccelerator
+
+    clean_env.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    clean_env.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
+    with pytest.raises(ValueError, match="PARALLELISM_CONFIG_SP_SIZE=2 in the launch config"):
+        ZeroAccelerator("zero2")

@@ -73,6 +73,32 @@ def refuse_sharding_launchers(kwargs: dict) -> None:
         if os.environ.get(env, "false").strip().lower() in ("1", "true", "yes"):
             raise ValueError(f"ZeroAccelerator: this process was launched with distributed type {kind} "
                              f"({env}=true); ZeroAccelerator does the sharding itself, so {RECIPES_HINT}")
+    refuse_model_parallel_sizes(kwargs.get("parallelism_config"))
+
+
+#: ParallelismConfig's sizes ZeroAccelerator cannot honour, with the launch config's environment variable
+_UNSUPPORTED_SIZES = {"sp_size": ("PARALLELISM_CONFIG_SP_SIZE", "sequence parallelism"),
+                      "tp_size": ("PARALLELISM_CONFIG_TP_SIZE", "tensor parallelism"),
+                      "cp_size": ("PARALLELISM_CONFIG_CP_SIZE", "context parallelism")}
+
+
+def refuse_model_parallel_sizes(parallelism_config) -> None:
+    """Refuse sp/tp/cp sizes above 1, passed as ``parallelism_config`` (also through
+    ``TrainingArguments(parallelism_config=...)``) or asked for by the launch config, before
+    Accelerate builds its mesh: ZeRO is data parallel, and running such a launch as plain data
+    parallelism would train other samples on each rank where the user asked for one split."""
+    from_env = parallelism_config is None and _env_true("ACCELERATE_USE_PARALLELISM_CONFIG")
+    for key, (env, what) in _UNSUPPORTED_SIZES.items():
+        size = getattr(parallelism_config, key, None) if parallelism_config is not None else None
+        if from_env:
+            size = int(os.environ.get(env, "1") or 1)
+        if size is not None and size > 1:
+            where = f"{env}={size} in the launch config" if from_env else f"ParallelismConfig({key}={size})"
+            raise ValueError(
+                f"ZeroAccelerator: {what} ({where}) is not supported: ZeRO shards model states across "
+                f"data-parallel ranks, and running this launch as data parallelism would give each rank "
+                f"other samples instead of a share of one. Set {key} to 1 (or remove it); for long "
+                "sequences today, use gradient checkpointing and a smaller micro-batch")
 
 
 def _env_true(name: str) -> bool:
@@ -179,8 +205,7 @@ def check_after_init(accelerator) -> None:
             "ACCELERATE_USE_CPU=1 for the launch (or TrainingArguments(use_cpu=True) / Accelerator(cpu=True) "
             "before anything else touches Accelerate's state)")
     pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
-        raise ValueError("ZeroAccelerator: tensor/context parallelism (parallelism_config) is not supported; "
-                         "ZeRO is data parallel")
+    if pc is not None and any(getattr(pc, f"{k}_enabled", False) for k in ("tp", "cp", "sp")):
+        refuse_model_parallel_sizes(pc)  # set some other way than the constructor or the launch: the same refusal
     if str(getattr(accelerator, "fp8_backend", "")).split(".")[-1].upper() not in ("", "NO", "NONE"):
         raise ValueError("ZeroAccelerator: fp8 is not supported; use mixed_precision 'bf16' or 'fp16'")
