@@ -66,8 +66,32 @@ def _load() -> float:
     return round(os.getloadavg()[0], 1)
 
 
-def _ratio(ref: list[float], ours: list[float]) -> float:
-    return round(statistics.median(ref) / statistics.median(ours), 3)
+#: untimed rounds before the timed ones (the first allocates the optimizer state)
+WARMUP = 2
+
+
+def interleaved(ours, reference, rounds: int) -> dict:
+    """``ours()`` and ``reference()`` (each returns the seconds it timed) one after the other per
+    round; the ratio of the medians over the timed rounds, with the load average."""
+    ours_t, ref_t = [], []
+    for i in range(rounds + WARMUP):
+        dt, dr = ours(), reference()
+        if i >= WARMUP:
+            ours_t.append(dt)
+            ref_t.append(dr)
+    ours_ms, ref_ms = statistics.median(ours_t), statistics.median(ref_t)
+    return {"ratio": round(ref_ms / ours_ms, 3), "ours_ms": round(1e3 * ours_ms, 1),
+            "reference_ms": round(1e3 * ref_ms, 1), "load": _load()}
+
+
+def _timed_iteration(model, optimizer, x, before=lambda: None) -> float:
+    """Seconds of one forward, backward, step and ``zero_grad``."""
+    before()
+    t = time.perf_counter()
+    model(x).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return time.perf_counter() - t
 
 
 def offloaded_step(precision: str, blocks: int, dim: int, rounds: int) -> dict:
@@ -82,22 +106,23 @@ def offloaded_step(precision: str, blocks: int, dim: int, rounds: int) -> dict:
     for p in ref:
         p.grad = torch.randn_like(p)
     ref_opt = torch.optim.AdamW(ref, lr=1e-3, fused=True)
-    ours_t, ref_t = [], []
-    for i in range(rounds + 2):
+
+    def ours() -> float:
         model(x).backward()
         t = time.perf_counter()
         opt.step()
         dt = time.perf_counter() - t
         opt.zero_grad()
+        return dt
+
+    def reference() -> float:
         t = time.perf_counter()
         ref_opt.step()
-        dr = time.perf_counter() - t
-        if i >= 2:
-            ours_t.append(dt)
-            ref_t.append(dr)
+        return time.perf_counter() - t
+
+    row = interleaved(ours, reference, rounds)
     zs.teardown(model)  # its worker thread and buffers go before the next figure
-    return {"ratio": _ratio(ref_t, ours_t), "ours_ms": round(1e3 * statistics.median(ours_t), 1),
-            "reference_ms": round(1e3 * statistics.median(ref_t), 1), "load": _load()}
+    return row
 
 
 def offloaded_iteration(blocks: int, dim: int, rounds: int) -> dict:
@@ -111,23 +136,9 @@ def offloaded_iteration(blocks: int, dim: int, rounds: int) -> dict:
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-3, fused=True)
     ours, opt = zs.setup(ours, opt, {"stage": 2, "offload_optimizer": "cpu"})
     x = torch.randn(8, dim)
-
-    def iteration(model, optimizer) -> float:
-        t = time.perf_counter()
-        model(x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return time.perf_counter() - t
-
-    ours_t, ref_t = [], []
-    for i in range(rounds + 2):
-        dt, dr = iteration(ours, opt), iteration(plain, plain_opt)
-        if i >= 2:
-            ours_t.append(dt)
-            ref_t.append(dr)
+    row = interleaved(lambda: _timed_iteration(ours, opt, x), lambda: _timed_iteration(plain, plain_opt, x), rounds)
     zs.teardown(ours)
-    return {"ratio": _ratio(ref_t, ours_t), "ours_ms": round(1e3 * statistics.median(ours_t), 1),
-            "reference_ms": round(1e3 * statistics.median(ref_t), 1), "load": _load()}
+    return row
 
 
 def _stage3_worker(rank: int, world: int, port: int, blocks: int, dim: int, rounds: int, out: str) -> None:
@@ -147,25 +158,11 @@ def _stage3_worker(rank: int, world: int, port: int, blocks: int, dim: int, roun
     opt = torch.optim.AdamW(ours.parameters(), lr=1e-3, fused=True)
     ours, opt = zs.setup(ours, opt, "zero3")
     x = torch.randn(8, dim, generator=torch.Generator().manual_seed(rank))
-
-    def iteration(model, optimizer) -> float:
-        dist.barrier()
-        t = time.perf_counter()
-        model(x).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return time.perf_counter() - t
-
-    ours_t, ref_t = [], []
-    for i in range(rounds + 2):
-        dt, dr = iteration(ours, opt), iteration(ddp, ddp_opt)
-        if i >= 2:
-            ours_t.append(dt)
-            ref_t.append(dr)
+    row = interleaved(lambda: _timed_iteration(ours, opt, x, dist.barrier),
+                      lambda: _timed_iteration(ddp, ddp_opt, x, dist.barrier), rounds)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"ratio": _ratio(ref_t, ours_t), "ours_ms": round(1e3 * statistics.median(ours_t), 1),
-                       "reference_ms": round(1e3 * statistics.median(ref_t), 1), "load": _load()}, f)
+            json.dump(row, f)
     dist.destroy_process_group()
     os._exit(0)
 
