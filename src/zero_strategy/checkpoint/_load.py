@@ -276,6 +276,18 @@ def _model_names(model, engine) -> tuple[dict[int, list[str]], list[str]]:
     return {pid: n for pid, n in names.items() if pid in managed}, buffers
 
 
+def _refuse_or_warn_unmatched(ckpt_dir, missing: list, unexpected: list, strict: bool) -> None:
+    """Names in the model but not the checkpoint, or the other way: refused under ``strict``,
+    else a warning (the rest loads), as torch's ``load_state_dict`` treats them."""
+    if not (missing or unexpected):
+        return
+    msg = (f"{ckpt_dir} does not match the model: missing from the checkpoint: {missing or 'none'}; "
+           f"in the checkpoint but not in the model: {unexpected or 'none'}")
+    if strict:
+        raise CheckpointError(msg + " (strict=False loads the rest)")
+    warnings.warn(msg, stacklevel=5)
+
+
 def _check_compatible(meta: Metadata, names, buffers, engine, zopts, strict: bool, ckpt_dir: Path) -> None:
     alias = meta.alias_map()
     model_keys = {n for ns in names.values() for n in ns} | set(buffers)
@@ -289,12 +301,7 @@ def _check_compatible(meta: Metadata, names, buffers, engine, zopts, strict: boo
                 mismatched.append(f"{s.fqn}: checkpoint {tuple(meta.params[fqn].shape)}, model {tuple(s.shape)}")
     if mismatched:
         raise CheckpointError(f"{ckpt_dir}: parameter shapes differ: {mismatched}")
-    if missing or unexpected:
-        msg = (f"{ckpt_dir} does not match the model: missing from the checkpoint: {missing or 'none'}; "
-               f"in the checkpoint but not in the model: {unexpected or 'none'}")
-        if strict:
-            raise CheckpointError(msg + " (strict=False loads the rest)")
-        warnings.warn(msg, stacklevel=4)
+    _refuse_or_warn_unmatched(ckpt_dir, missing, unexpected, strict)
     if not zopts:
         return
     saved_all = _saved_optimizers(meta)
@@ -659,12 +666,7 @@ def _check_deepspeed(ds: DeepSpeedCheckpoint, names, buffers: list[str], model, 
     saved_buffers = set(ds.buffer_names)
     missing += [k for k in buffers if k not in saved_buffers]
     unexpected = sorted((set(ds.params) | set(ds.frozen)) - used) + sorted(saved_buffers - set(buffers))
-    if missing or unexpected:
-        msg = (f"{ds.dir} does not match the model: missing from the checkpoint: {sorted(missing) or 'none'}; "
-               f"in the checkpoint but not in the model: {unexpected or 'none'}")
-        if strict:
-            raise CheckpointError(msg + " (strict=False loads the rest)")
-        warnings.warn(msg, stacklevel=4)
+    _refuse_or_warn_unmatched(ds.dir, sorted(missing), unexpected, strict)
     buffers = [k for k in buffers if k in saved_buffers]
     sd = model.state_dict(keep_vars=True)
     for key in buffers:
