@@ -253,13 +253,9 @@ def step_batches(groups: list, early: dict, limit: int | None = None, size=lambd
 DEVICE_CAST_BATCH_NUMEL = 1 << 24
 
 
-def _cast_numel(g) -> int:
-    """Elements of group ``g``'s gradient the device step copies to fp32 (0: used as it is)."""
-    return g.master_grad_cast_numel
-
-
 def device_step_batches(groups: list) -> list[list]:
     """The device step's batches: consecutive groups until their fp32 gradient copies reach
     :data:`DEVICE_CAST_BATCH_NUMEL`; one batch when the gradients are fp32 already. See [Note:
     fp32 gradients only for the groups being stepped] in _engine/storage.py."""
-    return [batch for batch, _ in step_batches(groups, {}, limit=DEVICE_CAST_BATCH_NUMEL, size=_cast_numel)]
+    return [batch for batch, _ in step_batches(groups, {}, limit=DEVICE_CAST_BATCH_NUMEL,
+                                               size=lambda g: g.master_grad_cast_numel)]
