@@ -36,6 +36,7 @@ from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
 from ._model.install import install
 from ._model.memory import MemoryReport, measure
+from ._model.tiled_loss import tiled_causal_lm_loss
 from ._mechanisms.host_memory import release_freed_host_memory
 from ._optim.layouts import layout_of
 from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
@@ -46,7 +47,7 @@ __all__ = [
     "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
-    "choose_preset",
+    "choose_preset", "tiled_causal_lm_loss",
     # for the front ends' loaders (zero_strategy.transformers.from_pretrained): See [Note: weights
     # that arrive at setup] in _engine/deferred_weights.py
     "DeferredWeights", "defer_weights",
@@ -111,6 +112,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
     owned = frozenset(k for k, opt in enumerate(optimizers) if layout_of(opt, cfg) == "owned")
+    hf.tiled_loss_targets(model, cfg.tiled_loss)  # refuse a model the tiled loss cannot serve before sharding it
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,

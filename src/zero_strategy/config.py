@@ -135,6 +135,17 @@ class ZeroConfig:
             between steps, whose next step would take it again (glibc's ``malloc_trim``; a
             no-op without glibc), so the process holds what it uses rather than what it once
             freed. See [Note: releases where a phase ends] in _mechanisms/host_memory.py.
+        tiled_loss: a Hugging Face ``*ForCausalLM`` called with ``labels`` (or ``shift_labels``) in
+            training mode computes its head and loss chunk by chunk over the tokens, recomputed in
+            backward, so the (tokens x vocab) logits never exist whole; ``outputs.logits`` is then
+            None. ``True`` picks the chunk (about 64 MiB of fp32 logits), an integer is the chunk in
+            tokens; ``False`` (default) leaves the model's own loss. See [Note: the tiled loss] in
+            _model/tiled_loss.py.
+        activation_offload: with gradient checkpointing on (a Hugging Face model's
+            ``gradient_checkpointing_enable()``), the inputs each checkpointed layer keeps for its
+            recomputation wait on the host instead of the device (pinned buffers, copied on a side
+            stream); on a CPU run they are already there. See [Note: activation offload] in
+            _mechanisms/activation_offload.py.
     """
 
     stage: int = 3
@@ -155,6 +166,8 @@ class ZeroConfig:
     offload_states_during_generation: bool | tuple[str, ...] = ()
     optimizer_layout: str = "auto"
     release_host_memory: bool = True
+    tiled_loss: bool | int = False
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -187,6 +200,9 @@ class ZeroConfig:
         set_("prefetch", _as_int("prefetch", self.prefetch, 0))
         _as_bool("cast_forward_inputs", self.cast_forward_inputs)
         _as_bool("release_host_memory", self.release_host_memory)
+        _as_bool("activation_offload", self.activation_offload)
+        if not isinstance(self.tiled_loss, bool):
+            set_("tiled_loss", _as_int("tiled_loss", self.tiled_loss, 1))
         if _as_bool("overlap_step", self.overlap_step):
             if self.offload_optimizer is None or stage == 1:
                 raise ZeroConfigError("overlap_step", "needs optimizer offload at stage 2 or 3 (the step "
@@ -259,6 +275,8 @@ class ZeroConfig:
             **({"auto": True} if self.auto else {}),
             **({"optimizer_layout": self.optimizer_layout} if self.optimizer_layout != "auto" else {}),
             **({} if self.release_host_memory else {"release_host_memory": False}),
+            **({"tiled_loss": self.tiled_loss} if self.tiled_loss is not False else {}),
+            **({"activation_offload": True} if self.activation_offload else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }
