@@ -505,7 +505,8 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 
 
 def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto", *, world_size: int | None = None,
-                  available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM) -> ZeroConfig:
+                  available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM,
+                  activations: int = 0) -> ZeroConfig:
     """The config ``zero_auto`` would choose for ``model`` (materialised or on the meta device).
 
     ``available``: per-rank memory to plan for (an :class:`AvailableMemory`); default:
@@ -514,7 +515,10 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     takes the minimum over the ranks. ``world_size``: ranks to plan for
     (default: the initialised process group's, else 1). Logs the table of candidates;
     raises ``MemoryError`` saying how much more host memory or NVMe space would make one
-    fit when none does. See [Note: zero_auto] in _zero_auto.py.
+    fit when none does. ``activations``: activation bytes per rank to count on the device beside
+    the model states (``estimate_activations(...).peak_with_checkpointing``; the tiled loss and
+    checkpointing lower it), so a long sequence can tip the choice toward more sharding or offload.
+    See [Note: zero_auto] in _zero_auto.py.
     """
     cfg = ZeroConfig.load(config).replace(auto=True, offload_optimizer=None, offload_params=None)
     if world_size is None:
@@ -522,4 +526,4 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     if available is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         available = _auto.measure_local(single_device(model, None), cfg, max(1, local_ranks))
-    return _auto.choose(model, cfg, world_size, available, headroom=headroom)
+    return _auto.choose(model, cfg, world_size, available, headroom=headroom, activations=activations)

@@ -2,7 +2,8 @@
 (tests/test_tiled_loss_memory.py).
 
 A 2-layer Llama (hidden 32) with a 32,000-token vocabulary at stage 3, one sequence of
-``seq`` tokens, trained by ``model(input_ids=ids, labels=ids).loss.backward(); opt.step()``. After
+``seq`` tokens, trained by ``outputs = model(input_ids=ids, labels=ids); outputs.loss.backward();
+opt.step()`` (the output, and with it the untiled logits, held through backward). After
 a warm-up step, the growth of RssAnon (/proc/self/status) during one step, its peak sampled every
 millisecond by a thread (matmuls release the GIL), with glibc unmapping freed blocks
 (tests/_rss.py). The tiled run goes first, so the untiled one's freed logits cannot hide in it.
@@ -54,11 +55,11 @@ def measure(seq: int, vocab: int, tiled) -> dict:
     losses = []
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        outputs = model(input_ids=ids, labels=ids)  # the HF idiom: the output (and its logits) held
+        outputs.loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(outputs.loss.item())
 
     step()  # warm-up: gradient buffers
     growth = peak_growth(step)
