@@ -31,7 +31,8 @@ from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
 from ._engine.placement import single_device
-from ._model import gather, generation, hf, saves
+from ._model import activation_offload, gather, generation, hf, saves
+from ._model.activation_offload import offloaded_checkpoint
 from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
 from ._model.install import install
@@ -47,7 +48,7 @@ __all__ = [
     "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
-    "choose_preset", "tiled_causal_lm_loss",
+    "choose_preset", "tiled_causal_lm_loss", "offloaded_checkpoint",
     # for the front ends' loaders (zero_strategy.transformers.from_pretrained): See [Note: weights
     # that arrive at setup] in _engine/deferred_weights.py
     "DeferredWeights", "defer_weights",
@@ -113,6 +114,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
     owned = frozenset(k for k, opt in enumerate(optimizers) if layout_of(opt, cfg) == "owned")
     hf.tiled_loss_targets(model, cfg.tiled_loss)  # refuse a model the tiled loss cannot serve before sharding it
+    activation_offload.refuse_without_checkpointing_layers(model, cfg.activation_offload)
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,

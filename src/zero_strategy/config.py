@@ -145,7 +145,7 @@ class ZeroConfig:
             ``gradient_checkpointing_enable()``), the inputs each checkpointed layer keeps for its
             recomputation wait on the host instead of the device (pinned buffers, copied on a side
             stream); on a CPU run they are already there. See [Note: activation offload] in
-            _mechanisms/activation_offload.py.
+            _model/activation_offload.py.
     """
 
     stage: int = 3
