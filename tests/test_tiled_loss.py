@@ -143,6 +143,22 @@ def test_the_hf_loop_trains_like_the_model_itself(tied, stage):
     zs.teardown(model)
 
 
+def test_shift_labels_alone_ask_for_the_loss_as_a_sequence_parallel_shard_does():
+    """A sequence-parallel data loader gives each rank ``shift_labels`` (its shard's labels, shifted
+    before splitting) and no ``labels``; they win over ``labels`` when both come, as in
+    ``ForCausalLMLoss``."""
+    base = _llama(tied=False)
+    model, _ = zs.setup(copy.deepcopy(base), None, {"stage": 1, "tiled_loss": 3})
+    batch = next(_batches(512))
+    shift = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    want = ForCausalLMLoss(base(batch["input_ids"]).logits, None, 512, shift_labels=shift)
+    got = model(input_ids=batch["input_ids"], shift_labels=shift)
+    torch.testing.assert_close(got.loss, want, rtol=1e-6, atol=1e-6)
+    both = model(input_ids=batch["input_ids"], labels=torch.zeros_like(shift), shift_labels=shift)
+    torch.testing.assert_close(both.loss, want, rtol=1e-6, atol=1e-6)
+    zs.teardown(model)
+
+
 def test_eval_calls_without_labels_and_logits_to_keep_take_the_models_own_path():
     base = _llama(tied=False)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
