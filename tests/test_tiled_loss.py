@@ -259,7 +259,7 @@ def test_a_model_whose_loss_tiling_would_change_is_refused_before_it_is_sharded(
 def test_the_config_takes_true_false_or_a_chunk_in_tokens():
     assert zs.ZeroConfig(tiled_loss=True).tiled_loss is True
     assert zs.ZeroConfig(tiled_loss=2048.0).tiled_loss == 2048
-    for bad in (0, -1, "yes"):
+    for bad in (0, -1, "yes", 2.5, float("nan")):
         with pytest.raises(zs.ZeroConfigError, match="tiled_loss"):
             zs.ZeroConfig(tiled_loss=bad)
     for cfg in (zs.ZeroConfig(tiled_loss=512), zs.ZeroConfig(tiled_loss=True), zs.ZeroConfig()):

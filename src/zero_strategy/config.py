@@ -202,7 +202,11 @@ class ZeroConfig:
         _as_bool("release_host_memory", self.release_host_memory)
         _as_bool("activation_offload", self.activation_offload)
         if not isinstance(self.tiled_loss, bool):
-            set_("tiled_loss", _as_int("tiled_loss", self.tiled_loss, 1))
+            chunk = self.tiled_loss if isinstance(self.tiled_loss, (int, float)) else None
+            if chunk is None or chunk < 1 or (isinstance(chunk, float) and not chunk.is_integer()):
+                raise ZeroConfigError("tiled_loss", f"expected true, false or a chunk of at least 1 token, got "
+                                      f"{self.tiled_loss!r}", "Write true (the default chunk), false, or e.g. 1024.")
+            set_("tiled_loss", int(chunk))
         if _as_bool("overlap_step", self.overlap_step):
             if self.offload_optimizer is None or stage == 1:
                 raise ZeroConfigError("overlap_step", "needs optimizer offload at stage 2 or 3 (the step "
