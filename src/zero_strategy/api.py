@@ -31,7 +31,7 @@ from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
 from ._engine.placement import single_device
-from ._model import activation_offload, gather, generation, hf, saves
+from ._model import activation_offload, gather, generation, hf, saves, tiled_mlp
 from ._model.activation_offload import offloaded_checkpoint
 from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
@@ -115,6 +115,7 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     owned = frozenset(k for k, opt in enumerate(optimizers) if layout_of(opt, cfg) == "owned")
     hf.tiled_loss_targets(model, cfg.tiled_loss)  # refuse a model the tiled loss cannot serve before sharding it
     activation_offload.refuse_without_checkpointing_layers(model, cfg.activation_offload)
+    tiled_mlp.tiled_mlp_targets(model, cfg.tiled_mlp)
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
