@@ -118,3 +118,18 @@ def test_a_model_without_a_gated_mlp_is_refused():
     assert not zs.is_set_up(model)
     with pytest.raises(zs.ZeroConfigError, match="tiled_mlp"):
         zs.ZeroConfig(tiled_mlp=0)
+
+
+def test_the_activation_estimate_counts_what_the_tiled_model_saves():
+    from zero_strategy.estimate import estimate_activations
+
+    config = _config()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model, _ = zs.setup(transformers.LlamaForCausalLM(config).train(), None, {"stage": 1, "tiled_mlp": 4})
+    for b, s in [(1, 8), (2, 24)]:
+        ids = torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(s))
+        estimate = estimate_activations(config, b, s, "fp32", "sdpa", tiled_mlp=4)
+        assert abs(estimate.without_checkpointing - _saved_bytes(model, ids)) <= 8 * b
+        assert estimate.mlp_transient == 4 * 4 * b * 4 * config.intermediate_size and estimate.tiled_mlp == 4
+    zs.teardown(model)

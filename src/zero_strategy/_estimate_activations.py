@@ -73,7 +73,10 @@ def _count(name: str, value: Any) -> int:
 # the transient is one chunk's: the recomputed logits (e·cV, and their fp32 upcast 4cV below
 # fp32), the log-softmax (4cV), its two fp32 gradients (8cV) and their cast (e·cV below fp32),
 # plus, below fp32, the head's gradient summed in fp32 (4Vh; its cast to the compute dtype is the
-# gradient itself, a model state, as the untiled head's is).
+# gradient itself, a model state, as the untiled head's is). With the tiled MLP (chunks of c'
+# tokens of each sequence) a layer's MLP saves nothing of its own (its input is the norm's output,
+# counted above), and its backward holds one chunk's four intermediates again (4e·b·c'·f) and,
+# below fp32, its three weights' gradients summed in fp32 (12hf): ``mlp_transient``.
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class ActivationEstimate:
     rotary: int         # the rotary cos/sin tables (part of ``outside``)
     loss_transient: int = 0  # what the loss holds beyond ``outside`` at the start of backward
     tiled_loss: int | None = None  # chunk tokens of the tiled loss; None: the model's own loss
+    mlp_transient: int = 0  # the tiled MLP: one chunk's intermediates while its backward recomputes them
+    tiled_mlp: int | None = None  # chunk tokens of the tiled MLP; None: the MLP whole
 
     @property
     def without_checkpointing(self) -> int:
@@ -104,13 +109,14 @@ class ActivationEstimate:
 
     @property
     def peak_without_checkpointing(self) -> int:
-        """Saved activations plus the loss's transient: the step's activation peak, at the loss."""
-        return self.without_checkpointing + self.loss_transient
+        """Saved activations plus the larger transient: the loss's, or a tiled MLP's in backward."""
+        return self.without_checkpointing + max(self.loss_transient, self.mlp_transient)
 
     @property
     def peak_with_checkpointing(self) -> int:
         """The larger of the loss's moment (every layer's input, the loss) and one layer's recomputation."""
-        return max(self.layers * self.layer_input + self.outside + self.loss_transient, self.with_checkpointing)
+        return max(self.layers * self.layer_input + self.outside + self.loss_transient,
+                   self.with_checkpointing + self.mlp_transient)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "without_checkpointing": self.without_checkpointing,
@@ -123,13 +129,15 @@ _LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
 
 
 def estimate_activations(hf_config: Any, batch_size: int, seq_len: int, precision: str = "bf16",
-                         attention: str | None = None, tiled_loss: bool | int = False) -> ActivationEstimate:
+                         attention: str | None = None, tiled_loss: bool | int = False,
+                         tiled_mlp: bool | int = False) -> ActivationEstimate:
     """Activation bytes per rank of a Llama-style Hugging Face decoder (``hf_config``: its config).
 
     ``attention``: ``"eager"`` or ``"sdpa"``; default: the config's ``attn_implementation``
     (``"sdpa"`` when unset, as transformers chooses). Assumes training with
     ``use_cache=False`` (a KV cache would hold k and v of every layer besides). ``tiled_loss``: as
-    ``ZeroConfig(tiled_loss=...)`` (True: the default chunk; an int: chunk tokens).
+    ``ZeroConfig(tiled_loss=...)`` (True: the default chunk; an int: chunk tokens); ``tiled_mlp``
+    likewise (True: chunks of the hidden size in tokens).
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _LLAMA_STYLE:
@@ -148,7 +156,10 @@ def estimate_activations(hf_config: Any, batch_size: int, seq_len: int, precisio
                               "Pass --attention eager or sdpa (flash-attention saves what sdpa does).")
     sbh, sb = s * b * h, s * b
     norm = (4 + 2 * e) * sbh + 4 * sb
-    mlp = 4 * e * s * b * f
+    mlp, mlp_chunk, mlp_transient = 4 * e * s * b * f, None, 0
+    if tiled_mlp is not False:  # See [Note: the tiled MLP] in _model/tiled_mlp.py: its input is the norm's output
+        mlp_chunk = min(s, h if tiled_mlp is True else _count("tiled_mlp", tiled_mlp))
+        mlp, mlp_transient = 0, 4 * e * b * mlp_chunk * f + (12 * h * f if e < 4 else 0)
     if attention == "eager":
         attn = 4 * e * sbh + (4 + (e if e < 4 else 0)) * a * s * s * b
     else:
@@ -166,4 +177,5 @@ def estimate_activations(hf_config: Any, batch_size: int, seq_len: int, precisio
                      + (4 if e < 4 else 0) * v * h)
     return ActivationEstimate(batch_size=b, seq_len=s, layers=layers, precision=precision, attention=attention,
                               per_layer=int(2 * norm + attn + mlp), layer_input=e * sbh, outside=outside,
-                              rotary=rotary, loss_transient=int(transient), tiled_loss=chunk)
+                              rotary=rotary, loss_transient=int(transient), tiled_loss=chunk,
+                              mlp_transient=int(mlp_transient), tiled_mlp=mlp_chunk)

@@ -91,6 +91,8 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                       help="attention kernel (default: the config's, else sdpa as transformers picks)")
     acts.add_argument("--tiled-loss", type=_positive_int, nargs="?", const=0, default=None, metavar="CHUNK",
                       help="with the tiled loss (ZeroConfig tiled_loss), optionally its chunk in tokens")
+    acts.add_argument("--tiled-mlp", type=_positive_int, nargs="?", const=0, default=None, metavar="CHUNK",
+                      help="with the tiled MLP (ZeroConfig tiled_mlp), optionally its chunk in tokens")
     here = parser.add_argument_group("this machine: will the run fit its memory and disks?")
     here.add_argument("--this-machine", action="store_true",
                       help="set the ranks on this machine (--gpus-per-node, else --world-size) beside its free "
@@ -238,8 +240,9 @@ def _extras(args, hf_config, model, estimates, kwargs) -> dict:
             raise ZeroConfigError("--batch-size", "activations need the model's shape",
                                   "Pass --model DIR (a Hugging Face config) instead of --params.")
         tiled = False if args.tiled_loss is None else (args.tiled_loss or True)
+        tiled_mlp = False if args.tiled_mlp is None else (args.tiled_mlp or True)
         act = estimate_activations(hf_config, args.batch_size, args.seq_len, estimates[0].precision, args.attention,
-                                   tiled_loss=tiled)
+                                   tiled_loss=tiled, tiled_mlp=tiled_mlp)
         for row in rows:
             row["activations"] = act.to_dict()
         lines.append(f"activations per rank ({act.batch_size} x {act.seq_len} tokens, {act.precision}, "
