@@ -159,6 +159,36 @@ def test_shift_labels_alone_ask_for_the_loss_as_a_sequence_parallel_shard_does()
     zs.teardown(model)
 
 
+def test_a_lora_model_gets_the_tiled_loss_of_its_base_and_a_lora_head_is_refused():
+    """PEFT's ``PeftModelForCausalLM`` calls the base model's ``forward``, which carries the tiled loss;
+    a head under LoRA is no plain ``nn.Linear``: refused."""
+    peft = pytest.importorskip("peft")
+    base = _llama(tied=False)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(base), lora)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(copy.deepcopy(base), lora)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    model, opt = zs.setup(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+                          {"stage": 3, "param_persistence_threshold": 0, "tiled_loss": 5})
+    for batch in _batches(512, steps=2):
+        outputs = model(**batch)
+        outputs.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = ref(**batch).loss
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert outputs.logits is None
+        assert outputs.loss.item() == pytest.approx(want.item(), rel=1e-6)
+    zs.teardown(model)
+    lora_head = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="lm_head"):
+        zs.setup(lora_head, None, {"stage": 3, "tiled_loss": True})
+
+
 def test_eval_calls_without_labels_and_logits_to_keep_take_the_models_own_path():
     base = _llama(tied=False)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
