@@ -137,6 +137,27 @@ def library_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Mod
 
 
 
+def kept_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """id(param) -> fp32 for the floating parameters a transformers model keeps in fp32 when it computes
+    in ``compute_dtype`` (its ``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules`` under fp16:
+    the plan its own ``from_pretrained`` follows), matched as its loader matches them. See
+    [Note: parameters kept in fp32] in _engine/units.py."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    if pretrained is None or compute_dtype == torch.float32:
+        return {}
+    kept: dict[int, torch.dtype] = {}
+    for prefix, module in model.named_modules():
+        plan = module._get_dtype_plan(compute_dtype) if isinstance(module, pretrained) else {}
+        if not plan:
+            continue
+        patterns = re.compile("|".join(f"(?:{p})" for p in plan))
+        for name, p in module.named_parameters():
+            if p.is_floating_point() and patterns.search(name):
+                kept.setdefault(id(p), plan[next(k for k in plan if re.search(k, name))])
+    return kept
+
+
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
     """See [Note: generate() under stage 3]; gathers once when the engine's policy says so (See
     [Note: gathered for generation] in _model/generation.py), with the training state the config names
