@@ -183,3 +183,82 @@ def test_a_converter_that_computes_values_is_refused_by_name(tmp_path):
                                               r"\(transformers' WeightConverter of \['Halve'\].*computes new values"
                                               r".*from_pretrained and then zero_strategy.setup"):
         from_pretrained(HalvedLlamaForCausalLM, tmp_path)
+
+
+@pytest.mark.parametrize("conversion", ["transpose", "chunk"])
+def test_conversions_that_move_the_last_dimension_or_split_a_tensor(tmp_path, conversion):
+    """Beyond the expert merges: a converter that transposes (the element ids path: See [Note:
+    conversions run on row ids]) and one that splits a fused tensor into several parameters
+    (a fused ``qkv``), registered for a model class as a family's mapping would be, saved by
+    transformers (which reverts them) and loaded equal to transformers' own load, at stage 3."""
+    import zero_strategy as zs
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Chunk, Transpose, WeightConverter
+
+    from zero_strategy.transformers import from_pretrained
+    from _models import tiny_llama_config
+
+    name = f"{conversion.capitalize()}dLlamaForCausalLM"
+    model_class = type(name, (transformers.LlamaForCausalLM,), {})
+    converter = (WeightConverter(source_patterns="mlp.down_proj.weight", target_patterns="mlp.down_proj.weight",
+                                 operations=[Transpose(0, 1)]) if conversion == "transpose" else
+                 WeightConverter(source_patterns="self_attn.qkv_proj.weight",
+                                 target_patterns=["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                  "self_attn.v_proj.weight"], operations=[Chunk(dim=0)]))
+    register_checkpoint_conversion_mapping(name, [converter], overwrite=True)
+    config = tiny_llama_config()
+    config.num_key_value_heads = config.num_attention_heads  # q, k and v of one size: Chunk's equal thirds
+    torch.manual_seed(1)
+    model_class(config).save_pretrained(tmp_path)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert any(k.endswith("qkv_proj.weight") for k in keys) == (conversion == "chunk")
+    ref = model_class.from_pretrained(tmp_path).eval()
+    model, _ = zs.setup(from_pretrained(model_class, tmp_path), None,
+                        zs.ZeroConfig(stage=3, param_persistence_threshold=0))
+    full = zs.full_state_dict(model)
+    for key, want in ref.state_dict().items():
+        assert torch.equal(full[key], want), key
+
+
+@pytest.mark.parametrize("layout", ["merge_experts", "transpose"])
+def test_any_range_of_a_converted_parameter_reads_the_values_the_conversion_gives(layout):
+    """Every [start, end) of the flattened parameter, read in slices, equals the same range of the
+    conversion run on the whole tensors: rows (an expert merge) and elements (a transpose)."""
+    from zero_strategy.checkpoint._converted import ConvertedGroup
+
+    class Slice:
+        def __init__(self, t):
+            self.t = t
+
+        def get_shape(self):
+            return list(self.t.shape)
+
+        def get_dtype(self):
+            return "F32"
+
+        def __getitem__(self, index):
+            return self.t[index]
+
+    torch.manual_seed(2)
+    if layout == "merge_experts":
+        tensors = {f"e.{i}.{w}": torch.randn(3, 5) for i in range(4) for w in ("w1", "w3")}
+        sources = {p: [f"e.{i}.{p}" for i in range(4)] for p in ("w1", "w3")}
+
+        def convert(inputs):
+            return {"gate_up": torch.cat([torch.stack(inputs["w1"]), torch.stack(inputs["w3"])], dim=1)}
+    else:
+        tensors = {"w": torch.randn(6, 4)}
+        sources = {"w": ["w"]}
+
+        def convert(inputs):
+            return {"wt": inputs["w"][0].t().contiguous()}
+    group = ConvertedGroup("test", sources, convert, lambda k: Slice(tensors[k]), lambda d: torch.float32)
+    [(name, shape)] = group.targets.items()
+    want = convert({p: [tensors[k] for k in keys] for p, keys in sources.items()})[name].reshape(-1)
+    assert (group._rows is not None) == (layout == "merge_experts")
+    for start in range(0, want.numel(), 7):
+        for end in (start + 1, start + 13, want.numel()):
+            end = min(end, want.numel())
+            assert torch.equal(group.read(name, start, end), want[start:end]), (start, end)
