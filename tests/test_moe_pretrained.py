@@ -56,7 +56,11 @@ def _config(family: str):
 
 def _save(directory, family: str) -> str:
     torch.manual_seed(7)
-    transformers.AutoModelForCausalLM.from_config(_config(family)).save_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family))
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zeros at init, the routing's own bias once trained
+            buf.copy_(torch.randn(buf.shape))
+    model.save_pretrained(directory)
     return str(directory)
 
 

@@ -162,7 +162,12 @@ def _mismatched_sizes(model, read: "_Renamed", ignore: bool) -> dict[str, tuple]
 
 
 def _fill(model, read) -> list[str]:
-    return load_sharded_weights(model, read, strict=False)  # what the checkpoint lacks keeps its init
+    """This rank's slices of the parameters; then the persistent buffers again, whole: the model's
+    ``_init_weights``, run on every module at setup, resets some that the checkpoint holds
+    (DeepSeek-V3's ``e_score_correction_bias`` to zeros), which ``from_pretrained`` loads after it."""
+    missing = load_sharded_weights(model, read, strict=False)  # what the checkpoint lacks keeps its init
+    _load_buffers(model, read)
+    return missing
 
 
 def _init_module(model, module) -> None:
@@ -303,7 +308,7 @@ def _refuse_quantized(config) -> None:
         "that directory here")
 
 
-def _load_buffers(model, read: _Renamed) -> None:
+def _load_buffers(model, read) -> None:
     """Persistent buffers the checkpoint holds, whole (they are small, and every rank keeps them)."""
     with torch.no_grad():
         for name, buf in model.named_buffers():
