@@ -411,6 +411,7 @@ def build_units(
     owned_optimizers: frozenset[int] = frozenset(),
     release_host_memory: bool = False,
     kept_dtypes: dict[int, torch.dtype] | None = None,
+    loaded_later: frozenset[int] = frozenset(),
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
@@ -420,7 +421,8 @@ def build_units(
     ``owned_optimizers``: the optimizers whose groups take the ownership layout (See [Note:
     the ownership layout] in _engine/flat.py), balanced over all their groups together.
     ``kept_dtypes``: id(param) -> the dtype it computes in instead of ``compute_dtype`` (See
-    [Note: parameters kept in fp32]).
+    [Note: parameters kept in fp32]). ``loaded_later``: ids of meta parameters a pending load
+    fills whole, materialized without initialization (_engine/materialize.py).
     """
     owner_load = [0] * comm.world_size
     unit_modules = find_unit_modules(model, unit_classes)
@@ -459,7 +461,7 @@ def build_units(
         if any(p.is_meta for p in unit_params):  # a large unit: what the units before it freed goes first
             release_if_large(release_host_memory, 4 * sum(p.numel() for p in unit_params))
             materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
-                             unit_params, device, comm, param_init_fn, first_name)
+                             unit_params, device, comm, param_init_fn, first_name, loaded_later)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
         for pid in owned_by[unit_name]:
             p = params[pid]

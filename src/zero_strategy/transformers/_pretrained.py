@@ -310,10 +310,12 @@ def _refuse_quantized(config) -> None:
 
 def _load_buffers(model, read) -> None:
     """Persistent buffers the checkpoint holds, whole (they are small, and every rank keeps them)."""
+    persistent = set(model.state_dict(keep_vars=True))
     with torch.no_grad():
         for name, buf in model.named_buffers():
-            if read.shape_of([name]) is not None:
-                buf.copy_(read([name], 0, buf.numel()).reshape(buf.shape))
+            values = read([name], 0, buf.numel()) if name in persistent else None
+            if values is not None:
+                buf.copy_(values.reshape(buf.shape))
 
 
 def _load_generation_config(model, directory: Path) -> None:
