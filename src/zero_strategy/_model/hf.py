@@ -266,18 +266,12 @@ def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict
     reverted = revert_weight_conversion(model, dict(kept))
     if set(reverted) == set(kept) and all(reverted[k] is kept[k] for k in kept):
         return entries, None
-    convert = functools.partial(_reverted, weakref.proxy(model), revert_weight_conversion)
+    convert = functools.partial(revert_weight_conversion, model)  # held for this save only
     by_batch = arrival_specs(engine, entries, None, convert)
     whole = {k: (t.dtype, list(t.shape)) for k, t in reverted.items()}
     if len(by_batch) != len(whole) or any(whole.get(n) != (d, s) for n, d, s in by_batch):
         return None  # a conversion across units: needs every tensor at once. See [Note: converted saves]
     return entries, convert
-
-
-def _reverted(model: nn.Module, revert: Callable, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' own reverse conversion (per-expert tensors from fused ones, names back) of one
-    batch. See [Note: converted saves] in _model/saves.py."""
-    return revert(model, batch)
 
 
 def _shard_plan(specs: list[tuple[str, torch.dtype, list[int]]], max_shard_size) -> list[list[int]]:

@@ -193,6 +193,10 @@ class _SafetensorsReader:
                                           f"model.safetensors.index.json places there ({err})") from None
         return None
 
+    def slice_of(self, name: str):
+        """The safetensors slice of tensor ``name`` (``get_shape()``, ``get_dtype()``, ``[rows]``), or None."""
+        return self._slice([name])
+
     def shape_of(self, candidates: list[str]) -> tuple[list[int], torch.dtype] | None:
         sl = self._slice(candidates)
         if sl is None:

@@ -265,10 +265,10 @@ def _key_map(model, weight_map: dict[str, str], read) -> tuple[dict[str, str], d
             to_checkpoint.setdefault(target, key)
     converted: dict[str, ConvertedGroup] = {}
     for first, (converter, keys) in sources.items():
-        what = (f"{type(model).__name__}: {first} (transformers' {type(converter).__name__} of "
-                f"{[type(op).__name__ for op in getattr(converter, 'operations', [])]} over {converter.source_patterns})")
-        group = ConvertedGroup(what, keys, _conversion(model, first, converter),
-                               lambda key: read._slice([key]), dtype_of_safetensors)
+        ops = [type(op).__name__ for op in getattr(converter, "operations", [])]
+        what = (f"{type(model).__name__}: {first} (transformers' {type(converter).__name__} of {ops} over "
+                f"{converter.source_patterns})")
+        group = ConvertedGroup(what, keys, _conversion(model, first, converter), read.slice_of, dtype_of_safetensors)
         converted.update({name: group for name in group.targets if name in meta_state})
     model._weight_conversions = [t for t in transforms if t.was_used()]  # what save_pretrained reverts, as
     # after transformers' own from_pretrained
