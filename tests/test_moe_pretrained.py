@@ -20,7 +20,11 @@ saved by transformers, on 2 ranks at stages 1 and 3, each against transformers' 
   forward and in the logits, as transformers keeps it.
 
 What cannot be read in slices is refused by name, with the fix, before anything is read: a
-checkpoint quantized on disk (gpt-oss's MXFP4) and a converter that computes values.
+checkpoint quantized on disk (gpt-oss's MXFP4) and a converter that computes values or casts.
+Every kind of operation transformers' conversion mapping uses is tried through its own
+``WeightConverter``: read in slices, it gives what the converter gives on the values, or it is
+refused by name (Inkling2's cast of the unembedding to the parameter's dtype, Inkling2-Loop's
+dequantization of its experts); a kind the mapping adds later fails the test until it is tried.
 """
 
 from __future__ import annotations
@@ -266,3 +270,97 @@ def test_any_range_of_a_converted_parameter_reads_the_values_the_conversion_give
         for end in (start + 1, start + 13, want.numel()):
             end = min(end, want.numel())
             assert torch.equal(group.read(name, start, end), want[start:end]), (start, end)
+
+
+def _every_op_in_the_mapping() -> set[str]:
+    from transformers.conversion_mapping import _build_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    return {type(op).__name__ for transforms in _build_checkpoint_conversion_mapping().values()
+            for t in transforms or [] if isinstance(t, WeightConverter) for op in t.operations}
+
+
+def _op_cases():
+    """(op, its WeightConverter's patterns, source shapes per pattern, what is expected) for every kind
+    of operation transformers' conversion mapping uses, with the arguments the mapping gives it."""
+    from transformers import core_model_loading as c
+
+    return {
+        "Chunk": ([c.Chunk(dim=0)], ["qkv"], ["q", "k", "v"], {"qkv": [(6, 4)]}, "loads"),
+        "Split": ([c.Split(dim=0)], ["qkv"], ["q", "kv"], {"qkv": [(6, 4)]}, "loads"),
+        "Concatenate": ([c.MergeModulelist(dim=0), c.Concatenate(dim=1)], ["w1", "w3"], ["gate_up"],
+                        {"w1": [(3, 5)] * 4, "w3": [(3, 5)] * 4}, "loads"),
+        "MergeModulelist": ([c.MergeModulelist(dim=0)], ["w2"], ["down"], {"w2": [(5, 3)] * 4}, "loads"),
+        "Transpose": ([c.Transpose(0, 1)], ["w"], ["wt"], {"w": [(6, 4)]}, "loads"),
+        "Interleave": ([c.MergeModulelist(dim=0), c.Concatenate(dim=1), c.Interleave(dim=1)], ["w1", "w3"],
+                       ["gate_up"], {"w1": [(3, 5)] * 2, "w3": [(3, 5)] * 2}, "loads"),
+        "PermuteForRope": ([c.PermuteForRope()], ["wq"], ["q"], {"wq": [(8, 4)]}, "loads"),
+        "ErnieFuseAndSplitTextVisionExperts": ([c.ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)],
+                                               ["gate", "up"], ["text", "vision"],
+                                               {"gate": [(3, 5)] * 4, "up": [(3, 5)] * 4}, "loads"),
+        "Inkling2LoopMergeMessageQueries": ([c.Inkling2LoopMergeMessageQueries()], ["queries", "kv_queries"],
+                                            ["query"], {"queries": [(4, 5)], "kv_queries": [(4, 5)]}, "loads"),
+        "Inkling2UnpadVocab": ([c.Inkling2UnpadVocab()], ["unembed"], ["lm_head"], {"unembed": [(6, 4)]},
+                               "refused: the elements' ids came back as \\['torch.float32'\\]"),
+        "Inkling2LoopDequantizeExperts": ([c.Inkling2LoopDequantizeExperts()], ["w", "scale", "amax", "denominator"],
+                                          ["gate_up"], {"w": [(2, 3, 32)], "scale": [(2, 3, 1)]},  # MXFP8
+                                          "refused: the elements' ids came back as \\['torch.float32'\\]"),
+    }
+
+
+def test_every_kind_of_operation_in_transformers_mapping_loads_in_slices_or_is_refused_by_name():
+    """Each operation transformers' conversion mapping uses, run through its own WeightConverter:
+    read in slices it gives exactly what the converter gives on the values, or it is refused by
+    name (a cast to the parameter's dtype, a dequantization). No kind of operation goes untried."""
+    from transformers.core_model_loading import WeightConverter
+
+    from zero_strategy.checkpoint import CheckpointError
+    from zero_strategy.checkpoint._converted import ConvertedGroup
+    from zero_strategy.transformers._pretrained import _conversion
+
+    cases = _op_cases()
+    assert _every_op_in_the_mapping() <= set(cases), "a new kind of operation in transformers' mapping: add it here"
+
+    class Model:  # what the operations ask of the model: its config, a parameter's shape and dtype
+        config = transformers.PretrainedConfig(num_attention_heads=2, vocab_size=6, unpadded_vocab_size=5)
+
+        def get_parameter(self, name):
+            return torch.empty({"q": (2, 4), "kv": (4, 4)}.get(name, (1,)))
+
+    model = Model()
+    torch.manual_seed(3)
+    for name, (ops, sources, targets, shapes, expected) in cases.items():
+        converter = WeightConverter(source_patterns=sources, target_patterns=targets, operations=ops)
+        tensors = {f"{p}.{i}": torch.randn(s) for p, ss in shapes.items() for i, s in enumerate(ss)}
+        keys = {p: [f"{p}.{i}" for i in range(len(ss))] for p, ss in shapes.items()}
+        slices = {k: _ArraySlice(t) for k, t in tensors.items()}
+        convert = _conversion(model, targets[0], converter)
+        if expected != "loads":
+            with pytest.raises(CheckpointError, match=f"{name}.*{expected.removeprefix('refused: ')}"):
+                ConvertedGroup(name, keys, convert, slices.get, lambda d: torch.float32)
+            continue
+        group = ConvertedGroup(name, keys, convert, slices.get, lambda d: torch.float32)
+        want = convert({p: [tensors[k] for k in ks] for p, ks in keys.items()})
+        assert set(group.targets) == set(want), name
+        for target, values in want.items():
+            flat = values.reshape(-1)
+            for start in range(0, flat.numel(), 5):
+                for end in (start + 1, start + 11, flat.numel()):
+                    end = min(end, flat.numel())
+                    assert torch.equal(group.read(target, start, end), flat[start:end]), (name, target, start, end)
+
+
+class _ArraySlice:
+    """A safetensors slice over a tensor in memory."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def get_shape(self):
+        return list(self.t.shape)
+
+    def get_dtype(self):
+        return "F32"
+
+    def __getitem__(self, index):
+        return self.t[index]

@@ -68,7 +68,9 @@ class ConvertedGroup:
         except Exception as err:  # noqa: BLE001 - a conversion that cannot run on ids is refused below
             raise _computes(self.what, f"{type(err).__name__}: {err}") from None
         if set(out) != set(self.targets) or any(t.dtype != torch.int64 for t in out.values()):
-            raise _computes(self.what, "its result is not a rearrangement of the checkpoint's elements")
+            dtypes = sorted({str(t.dtype) for t in out.values()})
+            raise _computes(self.what, f"its result is not a rearrangement of the checkpoint's elements: the "
+                                       f"elements' ids came back as {dtypes}")
         seen = torch.cat([t.reshape(-1) for t in out.values()])
         if seen.numel() and (seen.min() < 0 or seen.max() >= n or torch.unique(seen).numel() != seen.numel()):
             raise _computes(self.what, "its result repeats or invents elements")
@@ -150,6 +152,6 @@ class ConvertedGroup:
 
 def _computes(what: str, why: str) -> CheckpointError:
     return CheckpointError(
-        f"{what}: this conversion cannot be read in slices ({why}): it computes new values rather than "
-        "rearranging the checkpoint's. Load with transformers' from_pretrained and then zero_strategy.setup, "
+        f"{what}: this conversion cannot be read in slices ({why}): it computes new values (or casts) "
+        "rather than only rearranging the checkpoint's. Load with transformers' from_pretrained and then zero_strategy.setup, "
         "or save the converted model once with save_pretrained and load that directory")
