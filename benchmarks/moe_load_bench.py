@@ -1,6 +1,9 @@
 """CPU benchmark: per-rank memory of loading a mixture-of-experts checkpoint and setting it up at
 stage 3, 2 ranks, gloo: ``zero_strategy.transformers.from_pretrained`` + ``setup`` beside
-transformers' ``from_pretrained`` + ``setup`` (every rank reads the whole model).
+transformers' ``from_pretrained`` + ``setup`` (every rank reads the whole model), and beside
+FSDP2's usual load (rank 0 reads the model with ``from_pretrained``, the others build it on the
+meta device; ``fully_shard`` per decoder layer and the root, then ``set_model_state_dict`` with
+``broadcast_from_rank0=True``).
 
 A Mixtral (8 experts per layer, its per-expert tensors on disk as transformers saves them) is
 written once in fp32; each system then runs in fresh processes. Each rank samples its
@@ -33,7 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, "out", "moe_load_bench.json")
-SYSTEMS = ("ours", "transformers")
+SYSTEMS = ("ours", "transformers", "fsdp2")
 
 
 def parse_args(argv=None):
@@ -124,16 +127,19 @@ def worker(args) -> None:
     baseline = anon_rss()
     sampler = Sampler()
     start = time.perf_counter()
-    if args.worker == "ours":
-        model = from_pretrained(AutoModelForCausalLM, args.dir)
+    if args.worker == "fsdp2":
+        share = fsdp2_load(args.dir, rank)
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.dir)
-    model, _ = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), "zero3")
+        if args.worker == "ours":
+            model = from_pretrained(AutoModelForCausalLM, args.dir)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(args.dir)
+        model, _ = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), "zero3")
+        engine = zs.engine_of(model)
+        share = sum((hi - lo) * 4 for g in engine.groups for _, lo, hi, _ in g.slot_ranges_in_shard())
     seconds = time.perf_counter() - start
     peak = sampler.stop() - baseline
     after = anon_rss() - baseline
-    engine = zs.engine_of(model)
-    share = sum((hi - lo) * 4 for g in engine.groups for _, lo, hi, _ in g.slot_ranges_in_shard())
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, dict(rank=rank, peak_anon=peak, after_anon=after, seconds=seconds,
                                       bytes_read=read["bytes"] if args.worker == "ours" else None, share=share))
@@ -142,6 +148,34 @@ def worker(args) -> None:
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def fsdp2_load(directory: str, rank: int) -> int:
+    """FSDP2's usual rank-0 load and broadcast; returns this rank's bytes of parameters (its shards)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        full = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+        full = {}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if rank != 0:  # (its rotary frequencies, computed rather than loaded, would be recomputed before use:
+        model.to_empty(device="cpu")  # a few hundred bytes, which the memory measured here does not see)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return sum(p.to_local().numel() * 4 for p in model.parameters())
 
 
 def main(argv=None) -> int:
