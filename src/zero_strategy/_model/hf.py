@@ -147,14 +147,14 @@ def kept_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> dict[int, torch
     if pretrained is None or compute_dtype == torch.float32:
         return {}
     kept: dict[int, torch.dtype] = {}
-    for prefix, module in model.named_modules():
-        plan = module._get_dtype_plan(compute_dtype) if isinstance(module, pretrained) else {}
-        if not plan:
-            continue
-        patterns = re.compile("|".join(f"(?:{p})" for p in plan))
-        for name, p in module.named_parameters():
-            if p.is_floating_point() and patterns.search(name):
-                kept.setdefault(id(p), plan[next(k for k in plan if re.search(k, name))])
+    for _, module in model.named_modules():
+        plan_of = getattr(module, "_get_dtype_plan", None) if isinstance(module, pretrained) else None
+        plan = plan_of(compute_dtype) if callable(plan_of) else {}  # (a transformers without it: none)
+        patterns = [(re.compile(key.replace("*", ".*")), dtype) for key, dtype in plan.items()]  # its globs
+        for name, p in module.named_parameters() if patterns else ():
+            dtype = next((d for pattern, d in patterns if pattern.search(name)), None)
+            if dtype is not None and p.is_floating_point():
+                kept.setdefault(id(p), dtype)
     return kept
 
 
