@@ -37,6 +37,14 @@ the gradient buckets and the staging buffers, as the engine allocates them (See 
 estimated working set] in _estimate_working_set.py), and ``peak_device`` / ``peak_host``:
 resting + working set, what a rank needs. Activations (``estimate_activations``) and
 allocator fragmentation are not counted.
+
+What a run writes to disk besides its NVMe swap files: ``checkpoint_bytes``, the whole
+``save_checkpoint`` directory (every rank's file together: each trainable parameter's fp32
+master and its optimizer state, (4 + S)Ψ, and the frozen parameters in the compute dtype,
+PΨf; whatever the stage, since a checkpoint holds the training state, not the device's
+copy), and ``export_bytes``, one ``save_pretrained`` of the model in the compute dtype,
+P(Ψ + Ψf). They are what ``zero-strategy estimate --this-machine`` sets beside the disk's
+free space.
 """
 
 from __future__ import annotations
@@ -74,6 +82,8 @@ class MemoryEstimate:
     ``working_set_*``: the categories of ``memory_report(...).peak_working_set`` (gathered
     units and gradient buckets on the device, staging in host memory), None where they
     cannot be known (no model given, or DDP). See [Note: the estimated working set].
+    ``checkpoint_bytes`` / ``export_bytes``: the whole run's ``save_checkpoint`` directory and
+    one ``save_pretrained`` (all ranks together, not per rank; see the module docstring).
     """
 
     stage: int
@@ -94,6 +104,8 @@ class MemoryEstimate:
     working_set_gathered: int | None = None
     working_set_grad_buckets: int | None = None
     working_set_staging: int | None = None
+    checkpoint_bytes: int = 0
+    export_bytes: int = 0
 
     @property
     def total_device(self) -> int:
@@ -265,6 +277,8 @@ def _one(psi: int, psi_f: int, n: int, stage: int, p: int, g: int, k: int, preci
     if ws is not None:
         est.update(working_set_gathered=ws.gathered, working_set_grad_buckets=ws.grad_buckets,
                    working_set_staging=ws.staging)
+    # the training state a checkpoint holds: fp32 masters + optimizer state, frozen in the compute dtype
+    est.update(checkpoint_bytes=(4 + state_bytes) * psi + p * psi_f, export_bytes=p * (psi + psi_f))
     return MemoryEstimate(stage=stage, world_size=n, offload_optimizer=_offload_name(opt),
                           offload_params=_offload_name(par), precision=precision, num_params=psi,
                           frozen_params=psi_f, **est)
