@@ -582,7 +582,7 @@ def _extra_state(reader: _Reader, meta: Metadata) -> Any:
 
 
 # ------------------------------------------------------------ after reading
-def _publish(engine, streamed: bool) -> None:
+def _publish(engine, streamed: bool = False) -> None:
     """Compute-dtype parameters from the loaded shards, as after an optimizer step. ``streamed``:
     the streamed groups' shards were written chunk by chunk as they loaded (See [Note: a streamed
     resume]): only their all-gather is left."""
