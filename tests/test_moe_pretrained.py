@@ -72,9 +72,9 @@ def _save(directory, family: str) -> str:
 def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     dirs = {f: _save(root / f, f) for f in FAMILIES}
-    cases = [dict(name=f"{f}-{stage}", dir=dirs[f], stage=stage, saved=str(root / f"saved-{f}-{stage}"),
+    cases = [dict(case=f"{f}-{stage}", dir=dirs[f], stage=stage, saved=str(root / f"saved-{f}-{stage}"),
                   saved_ref=str(root / f"ref-{f}-{stage}")) for f in FAMILIES for stage in (1, 3)]
-    cases.append(dict(name="deepseek_v3-bf16", dir=dirs["deepseek_v3"], stage=3, dtype="bfloat16", train=False))
+    cases.append(dict(case="deepseek_v3-bf16", dir=dirs["deepseek_v3"], stage=3, dtype="bfloat16", train=False))
     return root, dirs, launch_cases("moe_pretrained.py", 2, cases, key=lambda r: r["case"], timeout=420)
 
 

@@ -87,7 +87,7 @@ def run(case: dict) -> dict:
     for h in hooks:
         h.remove()
     element_size = next(iter(ref.parameters())).element_size()
-    report = dict(case=case["name"], logit_diff=logit_diff, kept=kept, kept_in_forward=seen_dtypes,
+    report = dict(case=case["case"], logit_diff=logit_diff, kept=kept, kept_in_forward=seen_dtypes,
                   bytes_read=sum(counts.values()), own_bytes=_own_bytes(model, element_size),
                   keys_read=sorted(counts), units=len(zs.engine_of(model).units))
     if case.get("train", True):
