@@ -119,7 +119,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
-                        owned_optimizers=owned)
+                        owned_optimizers=owned, kept_dtypes=hf.kept_dtypes(model, cfg.compute_dtype),
+                        loaded_later=deferred_weights.loaded_whole(model, pending))
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]

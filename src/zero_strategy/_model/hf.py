@@ -64,8 +64,11 @@ it is called with an empty ``state_dict`` first, and the empty weights file it w
 is then replaced. The library's path is taken unchanged (whole model, as before) where
 streaming would change the result: an explicit ``state_dict``, ``push_to_hub``,
 ``distributed_checkpoint``, ``safe_serialization=False``, a quantized or
-adapter-carrying model, or a model whose saved names the library converts
-(``revert_weight_conversion`` renames or merges something).
+adapter-carrying model. A model whose saved names and layout the library converts
+(``revert_weight_conversion``: a mixture-of-experts layer's fused experts written back one
+tensor per expert, renamed keys) is streamed too, each unit's tensors converted as they
+arrive (See [Note: converted saves] in _model/saves.py), unless the conversion joins
+tensors of several units, which takes the library's path.
 
 [Note: streamed adapter saves]
 ``PeftModel.save_pretrained`` filters ``self.state_dict()`` down to the adapter, so at
@@ -93,7 +96,7 @@ from torch import nn
 from .._engine.engine import refuse_while_offloaded
 from .gather import full_state_dict, modified_on_every_rank, unit_values, whole_model_pass
 from .generation import around_generate
-from .saves import arrival_order, out_dtype, write_entries
+from .saves import BatchConversion, arrival_specs, out_dtype, write_entries
 from .tiled_loss import causal_lm_forward, refuse_untileable
 
 if TYPE_CHECKING:
@@ -162,6 +165,27 @@ def tiled_loss_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.
     return [(module, "forward", causal_lm_forward(module, chunk)) for module in tiled_loss_targets(model, tiled)]
 
 
+def kept_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """id(param) -> fp32 for the floating parameters a transformers model keeps in fp32 when it computes
+    in ``compute_dtype`` (its ``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules`` under fp16:
+    the plan its own ``from_pretrained`` follows), matched as its loader matches them. See
+    [Note: parameters kept in fp32] in _engine/units.py."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    if pretrained is None or compute_dtype == torch.float32:
+        return {}
+    kept: dict[int, torch.dtype] = {}
+    for _, module in model.named_modules():
+        plan_of = getattr(module, "_get_dtype_plan", None) if isinstance(module, pretrained) else None
+        plan = plan_of(compute_dtype) if callable(plan_of) else {}  # (a transformers without it: none)
+        patterns = [(re.compile(key.replace("*", ".*")), dtype) for key, dtype in plan.items()]  # its globs
+        for name, p in module.named_parameters() if patterns else ():
+            dtype = next((d for pattern, d in patterns if pattern.search(name)), None)
+            if dtype is not None and p.is_floating_point():
+                kept.setdefault(id(p), dtype)
+    return kept
+
+
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
     """See [Note: generate() under stage 3]; gathers once when the engine's policy says so (See
     [Note: gathered for generation] in _model/generation.py), with the training state the config names
@@ -226,8 +250,8 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
 
     def save_pretrained(save_directory, *args, dtype: torch.dtype | None = None, **kwargs):
         engine, model = engine_ref(), module_ref()
-        names = None if engine is None or engine.ended or args else _streamable_names(engine, model, kwargs)
-        if names is None:
+        streamable = None if engine is None or engine.ended or args else _streamable_names(engine, model, kwargs)
+        if streamable is None:
             if dtype is not None and engine is not None and not engine.ended and kwargs.get("state_dict") is None:
                 if model is not engine.model:
                     raise ValueError("zero_strategy: save_pretrained(dtype=...) of a submodule of the set-up model "
@@ -241,13 +265,15 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
         should = getattr(model, "should_save_on_this_rank", None)
         main = should(main) if callable(should) else main
         with whole_model_pass(engine):  # See [Note: releases where a phase ends]
-            _write_streamed(engine, model, names, os.fspath(save_directory), main, kwargs, dtype)
+            _write_streamed(engine, model, *streamable, os.fspath(save_directory), main, kwargs, dtype)
     return save_pretrained
 
 
-def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict) -> dict[str, torch.Tensor] | None:
-    """The entries to write (name -> parameter or buffer), or None where the library's own path
-    must run. See [Note: streamed save_pretrained]."""
+def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict
+                      ) -> tuple[dict[str, torch.Tensor], BatchConversion | None] | None:
+    """The entries to write (name -> parameter or buffer) and the conversion of their names and
+    layout the library applies on save (None: none), or None where the library's own path must
+    run. See [Note: streamed save_pretrained]."""
     if (kwargs.get("state_dict") is not None or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
             or kwargs.get("safe_serialization", True) is False or getattr(model, "hf_quantizer", None) is not None
             or getattr(model, "_hf_peft_config_loaded", False)):
@@ -264,10 +290,16 @@ def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict) -> d
     kept = remove_tied_weights_from_state_dict(dict(meta), model)
     if any(k not in meta or kept[k] is not meta[k] for k in kept):
         return None  # the library cloned or made something: not a plain selection
+    entries = {k: entries[k] for k in meta if k in kept}
     reverted = revert_weight_conversion(model, dict(kept))
-    if set(reverted) != set(kept) or any(reverted[k] is not kept[k] for k in kept):
-        return None  # renamed or merged on save: needs every tensor at once
-    return {k: entries[k] for k in meta if k in kept}
+    if set(reverted) == set(kept) and all(reverted[k] is kept[k] for k in kept):
+        return entries, None
+    convert = functools.partial(revert_weight_conversion, model)  # held for this save only
+    by_batch = arrival_specs(engine, entries, None, convert)
+    whole = {k: (t.dtype, list(t.shape)) for k, t in reverted.items()}
+    if len(by_batch) != len(whole) or any(whole.get(n) != (d, s) for n, d, s in by_batch):
+        return None  # a conversion across units: needs every tensor at once. See [Note: converted saves]
+    return entries, convert
 
 
 def _shard_plan(specs: list[tuple[str, torch.dtype, list[int]]], max_shard_size) -> list[list[int]]:
@@ -315,12 +347,13 @@ def _add_variant(name: str, variant: str | None) -> str:
     return f"{stem}.{variant}.{ext}"
 
 
-def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, torch.Tensor], directory: str,
-                    main: bool, kwargs: dict, dtype: torch.dtype | None) -> None:
-    """Split ``entries`` into files with the library's rule, in the order they arrive, and write them
-    unit by unit (main only), with the index where there is more than one file."""
-    order = arrival_order(engine, entries)
-    specs = [(n, out_dtype(entries[n], dtype), list(engine.full_shape(entries[n]))) for n in order]
+def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, torch.Tensor],
+                    convert: BatchConversion | None, directory: str, main: bool, kwargs: dict,
+                    dtype: torch.dtype | None) -> None:
+    """Split ``entries`` (under the names ``convert`` gives) into files with the library's rule, in the
+    order they arrive, and write them unit by unit (main only), with the index where there is more
+    than one file."""
+    specs = arrival_specs(engine, entries, dtype, convert)
     files = _shard_plan(specs, kwargs.get("max_shard_size", "50GB"))
     variant = kwargs.get("variant")
     weights = _add_variant(WEIGHTS_NAME, variant)
@@ -328,7 +361,7 @@ def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, t
              [weights.replace(".safetensors", f"-{i + 1:05d}-of-{len(files):05d}.safetensors")
               for i in range(len(files))])
     file_of = {specs[i][0]: names[f] for f, idx in enumerate(files) for i in idx}
-    write_entries(engine, entries, directory, main, file_of, names, dtype)
+    write_entries(engine, entries, directory, main, file_of, names, dtype, convert)
     if not main or len(files) == 1:
         return
     if os.path.isfile(os.path.join(directory, weights)):
