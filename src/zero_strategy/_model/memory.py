@@ -117,6 +117,8 @@ def measure(engine, optimizers=()) -> MemoryReport:
                     add("optimizer_state", offloaded, v)
     for t in engine.transfers.staging_tensors():
         add("staging", True, t)
+    for t in engine.background_save.staging_tensors():  # an asynchronous save's copies, until written
+        add("staging", True, t)
     if engine.swap is not None:  # NVMe: the slot pool is host staging, the rest is on disk
         for t in engine.swap.staging_tensors():
             add("staging", True, t)

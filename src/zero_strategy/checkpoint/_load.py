@@ -209,6 +209,7 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
     Where it raises, that rank raises its exception, the other ranks a ``CheckpointError``.
     """
     engine = engine_of(model)
+    engine.background_save.wait()  # an asynchronous save in flight first (See [Note: asynchronous saves])
     refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     zopts = resolve_zero_optimizers(engine, optimizer)
     error, own, reader, prepared = None, None, None, None
