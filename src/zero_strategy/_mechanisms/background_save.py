@@ -46,6 +46,8 @@ class BackgroundSave:
         #: how many bytes are staged now and at most since the last job began (for tests and reports)
         self.staged_bytes = 0
         self.peak_staged_bytes = 0
+        #: jobs started since setup
+        self.started = 0
         _LIVE.add(self)
 
     # -------------------------------------------------------------- the job
@@ -59,6 +61,7 @@ class BackgroundSave:
         the error of) the previous job first."""
         self.wait()
         self._what, self._error = what, None
+        self.started += 1
         self.peak_staged_bytes = self.staged_bytes
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"zero_strategy save {what}",
                                         daemon=False)

@@ -237,6 +237,7 @@ class ZeroStrategy(DDPStrategy):
         self._in_call = False
         if keep:
             self._teardown_lightning_only()
+            _checkpoint.wait(module)  # the end of fit waits for an asynchronous save, raising its failure
             return
         if module is not None and is_set_up(module) and (error is not None or interrupted):
             # See [Note: no collective on the error path] in api.py: release without gathering
@@ -350,7 +351,7 @@ class ZeroStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            _checkpoint.remove(filepath)
+            _checkpoint.remove(filepath, self.lightning_module)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         if Path(checkpoint_path).is_file():
