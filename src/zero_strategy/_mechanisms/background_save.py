@@ -8,12 +8,14 @@ thread while training goes on. This object knows nothing of checkpoints: it hold
   overlap, so their files and their collectives come in one order on every rank);
 * the host buffers the job has staged and not yet written (``staging_tensors``, counted by
   ``memory_report`` under "staging"), which the job drops one by one as they reach the disk;
-* the job's exception, kept until someone waits: ``wait()`` (the next save, a load, teardown,
-  the end of a Lightning fit) raises it, and once. [Note: no silent background failure]: a
-  failed write must reach the user. When nobody waited before the interpreter exits, the
-  exit handler below prints it to stderr and logs it. The thread is not a daemon, so the
-  interpreter's exit waits for a save still writing (Python joins such threads before
-  ``atexit`` handlers run) instead of cutting it off.
+* the job's exception, kept until someone waits (See [Note: no silent background failure]).
+
+[Note: no silent background failure]
+A failed write must reach the user. ``wait()`` (the next save, a load, teardown, the end of a
+Lightning fit) raises the job's exception, once. When nobody waited before the interpreter
+exits, the exit handler below prints it to stderr and logs it. The thread is not a daemon, so
+the interpreter's exit waits for a save still writing (Python joins such threads before
+``atexit`` handlers run) instead of cutting it off half-way.
 """
 
 from __future__ import annotations
