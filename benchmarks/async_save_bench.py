@@ -136,6 +136,9 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # DCP overwrites its own, as we do
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()

@@ -96,6 +96,7 @@ def case_parity(root: Path) -> dict:
     train(model, opt, range(2))
     release = threading.Event()
     hold_writer(release)
+    staged_before = zs.memory_report(model).by_category["staging"]
     zs.save_checkpoint(root / "async", model, opt, extra_state={"step": 2, "t": torch.arange(3)}, async_save=True)
     returned_before_written = not (root / "async").exists()
     staged_held = zs.memory_report(model).by_category["staging"]
@@ -103,6 +104,8 @@ def case_parity(root: Path) -> dict:
     release.set()
     zs.checkpoint.wait_for_save(model)
     _save._before_background_write = None
+    staged_kept = zs.memory_report(model).by_category["staging"]  # the buffers kept for the next save
+    zs.checkpoint.wait_for_save(model, release_buffers=True)
     staged_after = zs.memory_report(model).by_category["staging"]
     rank_file = root / "sync" / f"rank{dist.get_rank():05d}-of-{dist.get_world_size():05d}.safetensors"
     async_final = weights(model)
@@ -110,8 +113,8 @@ def case_parity(root: Path) -> dict:
     dist.barrier()
     return dict(case="parity", returned_before_written=returned_before_written,
                 losses_equal=sync_losses == async_losses, weights_equal=equal(sync_final, async_final),
-                same_files=same_files(root / "sync", root / "async"), staged_held=staged_held,
-                staged_after=staged_after, rank_file_bytes=rank_file.stat().st_size)
+                same_files=same_files(root / "sync", root / "async"), staged_before=staged_before,
+                staged_held=staged_held, staged_kept=staged_kept, staged_after=staged_after, rank_file_bytes=rank_file.stat().st_size)
 
 
 def case_bounded(root: Path) -> dict:

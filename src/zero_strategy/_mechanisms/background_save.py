@@ -10,6 +10,16 @@ thread while training goes on. This object knows nothing of checkpoints: it hold
   ``memory_report`` under "staging"), which the job drops one by one as they reach the disk;
 * the job's exception, kept until someone waits (See [Note: no silent background failure]).
 
+[Note: staging buffers kept]
+Copying into freshly allocated host memory ran at ~1 GB/s here (each new page is faulted in and
+zeroed by the kernel; pinned memory costs more to allocate), into memory touched before at
+~10 GB/s (192 MB: 180 ms against 18 ms, torch 2.13, one CPU thread). The save's staging call is
+what training waits for, so a written buffer is kept, by dtype and size, and the next save of
+the same model takes it again: from the second save on, staging runs at copy speed. What is kept
+is at most the last save's buffers, one copy of the rank's files (or ``async_save_staging_bytes``),
+counted by ``memory_report`` under "staging" like the staged ones, and freed with the engine
+(``teardown``) or by ``zero_strategy.checkpoint.wait_for_save(model, release_buffers=True)``.
+
 [Note: no silent background failure]
 A failed write must reach the user. ``wait()`` (the next save, a load, teardown, the end of a
 Lightning fit) raises the job's exception, once. When nobody waited before the interpreter
@@ -44,6 +54,8 @@ class BackgroundSave:
         self._what = ""
         self._lock = threading.Condition()
         self._staged: list[torch.Tensor] = []
+        #: written buffers kept for the next save, by (dtype, numel, pinned): See [Note: staging buffers kept]
+        self._free: dict[tuple, list[torch.Tensor]] = {}
         self._after_success: list[Callable[[], None]] = []
         #: how many bytes are staged now and at most since the last job began (for tests and reports)
         self.staged_bytes = 0
@@ -118,6 +130,25 @@ class BackgroundSave:
             self._lock.wait_for(lambda: not self._staged or self.staged_bytes + nbytes <= limit
                                 or self._thread is None or not self._thread.is_alive())
 
+    def buffer(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A host buffer to stage ``numel`` elements into: a written one of this shape if one is kept
+        (See [Note: staging buffers kept]), else a new one (``pinned``: page-locked, for GPU copies)."""
+        with self._lock:
+            kept = self._free.get((dtype, numel, pinned))
+            if kept:
+                return kept.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+
+    def keep_only_used(self) -> None:
+        """Free the kept buffers this save did not take (a model whose files changed shape)."""
+        with self._lock:
+            self._free.clear()
+
+    def release_buffers(self) -> None:
+        """Free every kept buffer (call it after :meth:`wait`: a running job's come back when written)."""
+        with self._lock:
+            self._free.clear()
+
     def stage(self, t: torch.Tensor) -> None:
         """``t`` (a host buffer of the job) is held until :meth:`drop`: counted by memory reports."""
         with self._lock:
@@ -131,18 +162,26 @@ class BackgroundSave:
                 if s is t:
                     del self._staged[i]
                     self.staged_bytes -= t.untyped_storage().nbytes()
+                    self._free.setdefault(_key(t), []).append(t)
                     self._lock.notify_all()
                     return
 
     def drop_all(self) -> None:
         with self._lock:
+            for t in self._staged:
+                self._free.setdefault(_key(t), []).append(t)
             self._staged.clear()
             self.staged_bytes = 0
             self._lock.notify_all()
 
     def staging_tensors(self) -> list[torch.Tensor]:
+        """Every host buffer held: staged and not yet written, and kept for the next save."""
         with self._lock:
-            return list(self._staged)
+            return list(self._staged) + [t for kept in self._free.values() for t in kept]
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return t.dtype, t.numel(), t.is_pinned()
 
 
 @atexit.register

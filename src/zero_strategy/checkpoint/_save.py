@@ -116,14 +116,21 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
             _save_across_groups(path, model, engine, optimizer, extra_state)
 
 
-def wait_for_save(model: torch.nn.Module) -> None:
+def wait_for_save(model: torch.nn.Module, *, release_buffers: bool = False) -> None:
     """Block until the model's asynchronous save (if any) is on disk, and raise its error if it failed.
 
     ``load_checkpoint``, the next ``save_checkpoint`` and ``teardown`` call it themselves; call it
     before reading a checkpoint from another process, or before ``destroy_process_group()``.
     Local to each rank (the save's own agreement already ran on its thread).
+    ``release_buffers``: also free the host buffers kept for the next asynchronous save (See
+    [Note: staging buffers kept] in _mechanisms/background_save.py); the next one allocates again.
     """
-    engine_of(model).background_save.wait()
+    background = engine_of(model).background_save
+    try:
+        background.wait()
+    finally:
+        if release_buffers:
+            background.release_buffers()
 
 
 def _save_across_groups(path, model, engine, optimizer, extra_state) -> None:
@@ -546,6 +553,7 @@ def _stage(queue: Queue, bg, tmp: Path, model, engine, zopts, extra_state) -> Me
             extra_meta, data = _serialized_extra_state(extra_state)
             if data is not None:
                 queue.put(("bytes", EXTRA_STATE_FILE, data))
+        bg.keep_only_used()  # kept buffers this save did not take: the files changed shape
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = f"rank {comm.rank} could not stage its checkpoint file for {tmp}: {describe(err)}"
     owned_state = {layout.index: layout.param_state for layout in groups if layout.owned}
@@ -571,7 +579,7 @@ def _stage_pieces(queue: Queue, bg, limit: int | None, pieces) -> None:
             chunk = flat[start:start + step]
             bg.room_for(chunk.numel() * chunk.element_size(), limit)
             on_gpu = chunk.device.type == "cuda"
-            host = torch.empty(chunk.numel(), dtype=chunk.dtype, pin_memory=on_gpu)
+            host = bg.buffer(chunk.numel(), chunk.dtype, pinned=on_gpu)  # See [Note: staging buffers kept]
             host.copy_(chunk, non_blocking=on_gpu)
             event = None
             if on_gpu:
@@ -616,14 +624,14 @@ def _background_write(bg, queue: Queue, channel, path: Path, tmp: Path, owned: O
                 error = f"rank {_rank_of(channel)} could not write its checkpoint file in {tmp}: {describe(err)}"
                 if item[0] == "piece":
                     bg.drop(item[2])
+        if item[0] == "abort":  # staging failed somewhere: every rank stops, nothing to agree on
+            return
         if error is None:
             try:
                 records.extend(_close(writer, rank))
                 writer = None
             except Exception as err:  # noqa: BLE001
                 error = f"rank {_rank_of(channel)} could not write its checkpoint file in {tmp}: {describe(err)}"
-        if item[0] == "abort":
-            return
         _background_commit(channel, path, owned, item[1], records, error)
     except CheckpointError as err:
         raise CheckpointError(f"the asynchronous save of {path} failed (nothing was published there: a "
