@@ -26,8 +26,8 @@ Usage (from the repository root)::
     python benchmarks/async_save_bench.py                       # 3 rounds, 16 steps, a save every 5
     python benchmarks/async_save_bench.py --rounds 1 --steps 6 --every 3 --width 256   # quick check
 
-It re-launches itself under ``torch.distributed.run --nproc-per-node 2``; rank 0 prints the table
-and writes ``benchmarks/out/async_save_bench.json``.
+It re-launches itself under ``torch.distributed.run --nproc-per-node 2`` (``--ranks``); rank 0 prints
+the table and writes ``benchmarks/out/async_save_bench.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--every", type=int, default=5, help="save after every this many steps")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=2, help="ranks (2 fill this machine's 2 cores; 1 leaves the "
+                   "writer a core)")
     p.add_argument("--no-dcp", action="store_true", help="skip the DDP + DCP async_save systems")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--out", default=DEFAULT_OUT)
@@ -68,7 +70,7 @@ def launch(args) -> int:
         os.remove(args.out)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
            os.path.abspath(__file__), "--worker", *sys.argv[1:]]
     subprocess.run(cmd, env=env, cwd=REPO, timeout=1800)
     return 0 if os.path.exists(args.out) else 1
@@ -202,7 +204,8 @@ def report(args, systems, walls, save_calls, saves, load_before, load_after, roo
                     f"{(1e3 * c) if c is not None else float('nan'):>14.1f}"
                     f"{(c / cost['sync']) if c is not None and cost['sync'] > 0 else float('nan'):>13.3f}")
     print("\n".join(rows))
-    print(f"{saves} saves per run of {args.steps} steps; checkpoint {rank_bytes / 2**20:.1f} MiB; "
+    print(f"{args.ranks} rank(s); {saves} saves per run of {args.steps} steps; checkpoint "
+          f"{rank_bytes / 2**20:.1f} MiB; "
           f"load average {load_before:.2f} before, {load_after:.2f} after")
     out = {"settings": {k: v for k, v in vars(args).items() if k not in ("worker", "out")},
            "saves_per_run": saves, "checkpoint_bytes": rank_bytes, "wall_s": walls, "save_call_s": save_calls,

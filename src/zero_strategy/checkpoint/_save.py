@@ -109,11 +109,11 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     asynchronous = engine.config.async_save if async_save is None else async_save
     if not isinstance(asynchronous, bool):
         raise TypeError(f"save_checkpoint: async_save must be True, False or None (the config's), got {async_save!r}")
+    if asynchronous:  # no release around it: the copies it keeps are the memory it needs, and it is fast
+        _start_async_save(path, model, engine, optimizer, extra_state)
+        return
     with whole_model_pass(engine):  # See [Note: releases where a phase ends]
-        if asynchronous:
-            _start_async_save(path, model, engine, optimizer, extra_state)
-        else:
-            _save_across_groups(path, model, engine, optimizer, extra_state)
+        _save_across_groups(path, model, engine, optimizer, extra_state)
 
 
 def wait_for_save(model: torch.nn.Module, *, release_buffers: bool = False) -> None:
