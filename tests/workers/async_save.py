@@ -191,6 +191,7 @@ def case_write_error(root: Path) -> dict:
     except zs.CheckpointError as err:
         message = str(err)
     next_written = (root / "next").exists()
+    dist.barrier()  # rank 0's writer removed the directory before its wait returned; the others look after that
     leftovers = sorted(p.name for p in root.iterdir() if p.name.startswith(_save.SAVE_PREFIX))
     check, check_opt = build()
     extra = zs.load_checkpoint(path, check, check_opt)

@@ -498,7 +498,7 @@ def _start_async_save(path, model, engine, optimizer, extra_state) -> None:
     bg = engine.background_save
     path = Path(path).absolute()
     if comm.replica_index != 0:  # hybrid: the first shard group writes; See [Note: hybrid checkpoints]
-        bg.start(str(path), lambda _: _background_commit(channel, path, None, None, [], None))
+        bg.start(str(path), lambda _: _as_save_failure(path, _background_commit, channel, path, None, None, [], None))
         return
     zopts = resolve_zero_optimizers(engine, optimizer)
     decision, owned = None, None
@@ -517,7 +517,7 @@ def _start_async_save(path, model, engine, optimizer, extra_state) -> None:
         if kind == "error":
             raise CheckpointError(value)
         tmp = save_dir(path.parent, value)
-        bg.start(str(path), lambda bg: _background_write(bg, queue, channel, path, tmp, owned))
+        bg.start(str(path), lambda bg: _as_save_failure(path, _background_write, bg, queue, channel, path, tmp, owned))
         started = True
         meta = _stage(queue, bg, tmp, model, engine, zopts, extra_state)
     except BaseException:
@@ -633,14 +633,20 @@ def _background_write(bg, queue: Queue, channel, path: Path, tmp: Path, owned: O
             except Exception as err:  # noqa: BLE001
                 error = f"rank {_rank_of(channel)} could not write its checkpoint file in {tmp}: {describe(err)}"
         _background_commit(channel, path, owned, item[1], records, error)
-    except CheckpointError as err:
-        raise CheckpointError(f"the asynchronous save of {path} failed (nothing was published there: a "
-                              f"previous checkpoint at that path is intact): {err}") from None
     finally:
         if writer is not None:
             writer.abort()
         if owned is not None:
             owned.remove()  # a no-op once the directory became the checkpoint
+
+
+def _as_save_failure(path: Path, job, *args) -> None:
+    """Run ``job(*args)``; any failure becomes the CheckpointError the next wait raises, naming the save."""
+    try:
+        job(*args)
+    except Exception as err:  # noqa: BLE001 - See [Note: no silent background failure]
+        raise CheckpointError(f"the asynchronous save of {path} failed (nothing was published there: a "
+                              f"previous checkpoint at that path is intact): {describe(err)}") from err
 
 
 def _close(writer, rank) -> list[FileRecord]:
