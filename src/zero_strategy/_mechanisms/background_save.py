@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BackgroundSave"]
+__all__ = ["BackgroundSave", "join_saves_to"]
 
 _log = logging.getLogger("zero_strategy")
 _LIVE: "weakref.WeakSet[BackgroundSave]" = weakref.WeakSet()
@@ -182,6 +182,16 @@ class BackgroundSave:
 
 def _key(t: torch.Tensor) -> tuple:
     return t.dtype, t.numel(), t.is_pinned()
+
+
+def join_saves_to(path: str) -> None:
+    """Wait for every save of this process still writing to ``path`` (another model's too: a load of a
+    checkpoint another model is saving must not read it half-written). Their failures stay with
+    their models, raised by their own next wait."""
+    for save in list(_LIVE):
+        thread = save._thread
+        if thread is not None and save._what == path and thread is not threading.current_thread():
+            thread.join()
 
 
 @atexit.register
