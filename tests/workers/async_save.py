@@ -8,7 +8,7 @@ args: ``dir`` (a folder the test owns) and ``cases`` (names, run in this order b
   staging bytes ``memory_report`` counted while the writer was held and after it finished.
 * ``bounded``: the same save with ``async_save_staging_bytes=4096`` through the config: the
   most bytes ever staged, and whether the files equal the synchronous save's.
-* ``next_save_waits``: the writer held for 1.5 s by a timer; the next save returns only after
+* ``next_save_waits``: the writer held for 2.5 s by a timer; the next save returns only after
   the first checkpoint is complete.
 * ``teardown_waits``: the same for ``teardown``.
 * ``write_error``: rank 1's writer fails with ENOSPC; the next save raises on every rank, the
@@ -37,6 +37,7 @@ import zero_strategy as zs
 from zero_strategy.checkpoint import _save
 
 GLOBAL = 8
+HOLD = 2.5  # seconds the writer is held in the waiting cases (the save itself returns in well under that)
 
 
 def build(**config):
@@ -142,7 +143,7 @@ def _held_for(seconds: float) -> float:
 def case_next_save_waits(root: Path) -> dict:
     model, opt = build(async_save=True)
     train(model, opt, range(1))
-    began = _held_for(1.5)
+    began = _held_for(HOLD)
     zs.save_checkpoint(root / "first", model, opt)
     returned_at = time.monotonic() - began
     _save._before_background_write = None
@@ -158,7 +159,7 @@ def case_next_save_waits(root: Path) -> dict:
 def case_teardown_waits(root: Path) -> dict:
     model, opt = build(async_save=True)
     train(model, opt, range(1))
-    began = _held_for(1.5)
+    began = _held_for(HOLD)
     zs.save_checkpoint(root / "torn", model, opt)
     returned_at = time.monotonic() - began
     zs.teardown(model)
