@@ -57,6 +57,7 @@ class BackgroundSave:
         #: written buffers kept for the next save, by (dtype, numel, pinned): See [Note: staging buffers kept]
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._after_success: list[Callable[[], None]] = []
+        self._accepting = False
         #: how many bytes are staged now and at most since the last job began (for tests and reports)
         self.staged_bytes = 0
         self.peak_staged_bytes = 0
@@ -76,6 +77,7 @@ class BackgroundSave:
         self.wait()
         self._what, self._error = what, None
         self.started += 1
+        self._accepting = True  # after_success callbacks, until the job ends
         self.peak_staged_bytes = self.staged_bytes
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"zero_strategy save {what}",
                                         daemon=False)
@@ -86,9 +88,13 @@ class BackgroundSave:
             job(self)
         except BaseException as err:  # noqa: BLE001 - kept and raised by wait(): see the module docstring
             self._error = err
-            self._after_success.clear()
+            with self._lock:
+                self._after_success.clear()
+                self._accepting = False
         else:
-            callbacks, self._after_success = self._after_success, []
+            with self._lock:
+                callbacks, self._after_success = self._after_success, []
+                self._accepting = False
             for fn in callbacks:
                 try:
                     fn()
@@ -115,7 +121,7 @@ class BackgroundSave:
         """Run ``fn`` on the job's thread once the pending job succeeds (never if it fails); False
         (and ``fn`` not kept) when no job is running, so the caller runs it now."""
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            if not self._accepting:
                 return False
             self._after_success.append(fn)
             return True
