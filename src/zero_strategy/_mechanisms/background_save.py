@@ -66,11 +66,6 @@ class BackgroundSave:
         _LIVE.add(self)
 
     # -------------------------------------------------------------- the job
-    @property
-    def pending(self) -> bool:
-        """Whether a job was started and not yet waited for (running, or finished unseen)."""
-        return self._thread is not None
-
     def start(self, what: str, job: Callable[["BackgroundSave"], None]) -> None:
         """Run ``job(self)`` on a new thread; ``what`` names it in messages. Waits for (and raises
         the error of) the previous job first."""
