@@ -18,11 +18,13 @@ policies, chosen per launch by ``use_cpu``:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+import _launch
 import _procs
 from _procs import HERE, ROOT, free_port
 
@@ -41,11 +43,57 @@ def accelerate_run(script: Path, script_args: list[str], config: Path = CPU_CONF
                    launch_args: tuple[str, ...] = (), use_cpu: bool = True) -> str:
     """``accelerate launch --config_file CONFIG [launch_args] SCRIPT [script_args]``; its combined log.
     A launch that outlives ``timeout`` is killed with every rank it started. ``env`` (default
-    :func:`launch_env` of ``use_cpu``) replaces the launch's environment."""
+    :func:`launch_env` of ``use_cpu``) replaces the launch's environment. Always Accelerate's own
+    launcher: the tests of the command users type (the recipe's, the DeepSpeed configs') use this."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
            "--num_processes", str(ranks), "--main_process_port", str(free_port()), *launch_args, str(script),
            *script_args]
     return _procs.run(cmd, timeout, env=env or launch_env(use_cpu), cwd=cwd or ROOT, merge_stderr=True).stdout
+
+
+# [Note: warm Accelerate launches]
+# ``accelerate launch`` with a single-machine MULTI_GPU-type config does two things: it turns its
+# arguments and config file into environment variables (``prepare_multi_gpu_env``), and it runs
+# torchrun, which starts each rank with that environment plus its own per-rank variables. Each
+# launch cost three cold interpreters (the launcher, which imports torch, and two ranks importing
+# torch and transformers): about 10 s of CPU, 30 launches a suite. So where a test launches a
+# worker on that config, the environment comes from Accelerate's own parser and env preparation,
+# run here, and the ranks fork warm from tests/_launch.py's forkserver with torchrun's per-rank
+# variables (TORCHELASTIC_USE_AGENT_STORE=False: no agent holds the store, rank 0 does, as under
+# a plain ``init_process_group``). Anything else (DeepSpeed or FSDP configs, several machines,
+# extra launch arguments) and ``accelerate_run`` itself keep the real launcher, so the command
+# users type is still tested (test_accelerate_zero.py's recipe run, test_accelerate_deepspeed_config.py).
+# ZS_TEST_COLD_START=1 makes every launch the real one.
+
+
+def _warm_rank_envs(config: Path, ranks: int, env: dict, script: Path, script_args: list[str]) -> list[dict] | None:
+    """Each rank's environment as ``accelerate launch --config_file CONFIG`` with torchrun would give it,
+    or None where that launch is not a single-machine torchrun launch. See [Note: warm Accelerate launches]."""
+    if not _launch._WARM:
+        return None
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    port = free_port()
+    argv = ["--config_file", str(config), "--num_processes", str(ranks), "--main_process_port", str(port),
+            str(script), *script_args]
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # what the launcher process would read
+    try:
+        args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+        if not args.multi_gpu or args.cpu or args.use_deepspeed or args.use_fsdp or args.num_machines != 1:
+            return None
+        shared = prepare_multi_gpu_env(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    shared.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                  GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_WORLD_SIZE=str(ranks),
+                  TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+                  TORCHELASTIC_USE_AGENT_STORE="False",
+                  TORCH_NCCL_ASYNC_ERROR_HANDLING=shared.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
+    return [dict(shared, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(ranks)]
 
 
 def accelerate_launch(worker: str, args: dict, config: Path = CPU_CONFIG, ranks: int = 2, timeout: float = 240.0,
@@ -67,7 +115,13 @@ def accelerate_launch(worker: str, args: dict, config: Path = CPU_CONFIG, ranks:
 
 def _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu):
     (out / "args.json").write_text(json.dumps(args))
-    log = accelerate_run(HERE / "workers" / worker, [str(out)], config, ranks, timeout, cwd, env, launch_args, use_cpu)
+    script = HERE / "workers" / worker
+    rank_envs = None if launch_args else _warm_rank_envs(config, ranks, env or launch_env(use_cpu), script, [str(out)])
+    if rank_envs is None:
+        log = accelerate_run(script, [str(out)], config, ranks, timeout, cwd, env, launch_args, use_cpu)
+    else:
+        log = _launch.run_warm_ranks(script, [str(out)], rank_envs, out, timeout, f"accelerate launch {worker}",
+                                     cwd=cwd or ROOT)
     return _procs.read_reports(out, ranks, worker, log), log
 
 

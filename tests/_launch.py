@@ -88,13 +88,19 @@ def launch_cases(worker: str, world_size: int, cases: list, key, timeout: float 
 # was minutes of the suite. Ranks now fork from a forkserver that imported torch once
 # (with OMP_NUM_THREADS=1, which OpenMP reads when torch loads it): the same script runs
 # as __main__ via runpy with the same environment, argv, sys.path, log file and kill on
-# timeout. Only torch and torch._dynamo are preloaded: every worker imports both anyway
+# timeout. Preloaded (PRELOADED): torch and torch._dynamo, which every worker imports anyway
 # (zero_strategy's hooks are torch.compiler.disable boundaries, which import dynamo), and
-# neither reads anything a launch sets per rank. Lightning is not: it fixes
-# rank_zero_only.rank from the environment at import. The import-order tests (what
-# importing zero_strategy or the Lightning hook pulls in) run their own subprocess.
+# transformers' model and Trainer modules (with Accelerate, which the Trainer imports): about
+# 3 s more of CPU per rank of every Hugging Face worker, and forked pages cost the others
+# nothing. None of them reads at import anything a launch sets per rank (checked by recording
+# every environment read during the imports: only Hugging Face's cache, hub and logging
+# settings, which a launch inherits unchanged). Lightning is not: it fixes
+# rank_zero_only.rank from the environment at import. Nor is zero_strategy (a worker that
+# counts collectives wraps them before importing it). The import-order tests (what importing
+# zero_strategy or the Lightning hook pulls in) run their own subprocess.
 # ZS_TEST_COLD_START=1 restores the fresh-interpreter start.
 _WARM = os.environ.get("ZS_TEST_COLD_START") != "1"
+PRELOADED = ["torch", "torch._dynamo", "transformers.modeling_utils", "transformers.trainer"]
 _FORKSERVER = None
 
 
@@ -104,7 +110,7 @@ def _forkserver():
         import multiprocessing
         import multiprocessing.forkserver
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch._dynamo"])
+        ctx.set_forkserver_preload(PRELOADED)
         import multiprocessing.util
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment at start: OpenMP reads it at load
@@ -232,8 +238,27 @@ def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) ->
     port = free_port()
     started = time.monotonic()
     procs = [_start_rank(worker, rank, world_size, port, out) for rank in range(world_size)]
+    _wait_ranks(procs, started, timeout, f"{worker} on {world_size} ranks", out)
+    return _procs.read_reports(out, world_size, worker)
+
+
+def run_warm_ranks(script: Path, argv: list[str], rank_envs: list[dict], out: Path, timeout: float,
+                   what: str, cwd: Path | None = None) -> str:
+    """``python SCRIPT ARGV...`` once per environment of ``rank_envs``, every rank forked warm ([Note:
+    warm worker start]) and logging to ``<out>/rank<r>.log``; their logs joined in rank order. The
+    launch a test would otherwise start through a launcher whose only work is these environments
+    (tests/_accelerate_launch.py)."""
+    started = time.monotonic()
+    procs = [(_WarmRank(str(script), argv, env, out / f"rank{r}.log", cwd), None) for r, env in enumerate(rank_envs)]
+    _wait_ranks(procs, started, timeout, what, out)
+    return "\n".join((out / f"rank{r}.log").read_text() for r in range(len(rank_envs)))
+
+
+def _wait_ranks(procs: list, started: float, timeout: float, what: str, out: Path) -> None:
+    """Wait for every rank of a launch that started at ``started``; past ``timeout`` kill them all and
+    fail with each rank's log tail."""
+    world_size = len(procs)
     deadline = started + timeout
-    what = f"{worker} on {world_size} ranks"
     for p, log in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -247,7 +272,6 @@ def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) ->
             if log is not None:
                 log.close()
     _procs.note_launch_time(what, timeout, time.monotonic() - started)
-    return _procs.read_reports(out, world_size, worker)
 
 
 def launch_faulty(worker: str, world_size: int, args: dict, survivors: list[int], out: Path,

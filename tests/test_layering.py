@@ -37,7 +37,7 @@ LAYERS = [
     # a set-up model's surface outside the step: imports the engine, never imported by it
     ("model surface", ["_model"]),
     ("optimizer step", ["_optim"]),
-    ("planning", ["estimate", "_estimate_activations", "_estimate_working_set", "_zero_auto"]),
+    ("planning", ["estimate", "_estimate_activations", "_estimate_working_set", "_estimate_machine", "_zero_auto"]),
     ("plain-PyTorch API", ["api"]),
     ("checkpoints", ["checkpoint"]),
     ("command line", ["cli"]),

@@ -229,6 +229,32 @@ def test_a_checkpoint_streams_a_group_larger_than_a_slot_and_loads_back_exactly(
     _assert_equal_state(whole_opt, opt)
 
 
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_resume_streams_a_group_larger_than_a_slot_and_continues_exactly(tmp_path, stage):
+    """``load_checkpoint`` into a run whose largest group streams reads master and state into the
+    slots chunk by chunk and writes the parameter shard the same way (before, the group came in
+    whole, twice: to load, then to publish); the resumed run then trains as the run that never
+    stopped, bit for bit (See [Note: a streamed resume] in checkpoint/_load.py)."""
+    buffer = BUFFER // 2
+    model, opt = _setup(_model(), OPTIMIZERS["adamw_fused"], _nvme(tmp_path / "swap", buffer=buffer), stage)
+    slots, per_slot = _slot_bound(model)
+    assert _largest_state_bytes(model) > 2 * slots * per_slot, "the model could not tell a whole group from the slots"
+    train(model, opt, range(2))
+    zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+    train(model, opt, range(2, 4))
+    torch.manual_seed(1)  # other initial weights: the load must overwrite every one
+    resumed, resumed_opt = _setup(TinyLM(layers=2, dim=48, vocab=2048), OPTIMIZERS["adamw_fused"],
+                                  _nvme(tmp_path / "swap2", buffer=buffer), stage)
+    zs.memory_report(resumed, reset_peak=True)
+    zs.load_checkpoint(tmp_path / "ckpt", resumed, resumed_opt)
+    assert zs.memory_report(resumed).peak_working_set["staging"] <= slots * per_slot
+    train(resumed, resumed_opt, range(2, 4))
+    ref, mine = zs.full_state_dict(model), zs.full_state_dict(resumed)
+    for k in ref:
+        torch.testing.assert_close(mine[k], ref[k], rtol=0, atol=0, msg=k)
+    _assert_equal_state(resumed_opt, opt)
+
+
 def test_a_streamed_step_that_fails_part_way_is_not_resumed(tmp_path):
     model, opt = _setup(_model(), OPTIMIZERS["adamw_fused"], _nvme(tmp_path))
     train(model, opt, range(1))

@@ -74,3 +74,20 @@ def test_the_process_holds_no_whole_group_staging(results):
         assert res["largest_group_state"] > bound - res["growth"] + 8 * MiB, "the bound could not tell a whole-group slot"
         assert res["staging"] <= staging, where
         assert res["growth"] <= bound, where
+
+
+def test_a_resume_holds_no_whole_group_either(results):
+    """``load_checkpoint`` into a fresh run of the same model streams the root group through the
+    slots (See [Note: a streamed resume] in checkpoint/_load.py): the process grows by the
+    staging slots and working memory, never by a whole group's master and moments (which the
+    checkpoint's memory-mapped files do not count: they are file pages, not anonymous)."""
+    for rank, res in enumerate(results[repr(CASES[2])]):
+        staging = res["slots"] * max(res["buffer_size"], 24 * 1024)
+        bound = staging + 8 * MiB
+        where = (f"rank {rank}: anonymous RSS grew {res['resume_growth'] / MiB:.1f} MiB while resuming, bound "
+                 f"{bound / MiB:.1f} MiB ({res['slots']} slots); one whole group's state: "
+                 f"{res['largest_group_state'] / MiB:.1f} MiB")
+        print(where)
+        assert res["largest_group_state"] > bound, "the bound could not tell a whole group"
+        assert res["resume_growth"] <= bound, where
+

@@ -32,11 +32,13 @@ from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
 from ._engine.placement import single_device
-from ._model import gather, generation, hf, saves
+from ._model import activation_offload, gather, generation, hf, saves, tiled_mlp
+from ._model.activation_offload import offloaded_checkpoint
 from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
 from ._model.install import install
 from ._model.memory import MemoryReport, measure
+from ._model.tiled_loss import tiled_causal_lm_loss
 from ._mechanisms.host_memory import release_freed_host_memory
 from ._optim.layouts import layout_of
 from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
@@ -47,7 +49,7 @@ __all__ = [
     "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
-    "choose_preset",
+    "choose_preset", "tiled_causal_lm_loss", "offloaded_checkpoint",
     # for the front ends' loaders (zero_strategy.transformers.from_pretrained): See [Note: weights
     # that arrive at setup] in _engine/deferred_weights.py
     "DeferredWeights", "defer_weights",
@@ -114,6 +116,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
     owned = frozenset(k for k, opt in enumerate(optimizers) if layout_of(opt, cfg) == "owned")
+    hf.tiled_loss_targets(model, cfg.tiled_loss)  # refuse a model the tiled loss cannot serve before sharding it
+    activation_offload.refuse_without_checkpointing_layers(model, cfg.activation_offload)
+    tiled_mlp.tiled_mlp_targets(model, cfg.tiled_mlp)
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
@@ -514,7 +519,8 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 
 
 def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto", *, world_size: int | None = None,
-                  available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM) -> ZeroConfig:
+                  available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM,
+                  activations: int = 0) -> ZeroConfig:
     """The config ``zero_auto`` would choose for ``model`` (materialised or on the meta device).
 
     ``available``: per-rank memory to plan for (an :class:`AvailableMemory`); default:
@@ -523,7 +529,10 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     takes the minimum over the ranks. ``world_size``: ranks to plan for
     (default: the initialised process group's, else 1). Logs the table of candidates;
     raises ``MemoryError`` saying how much more host memory or NVMe space would make one
-    fit when none does. See [Note: zero_auto] in _zero_auto.py.
+    fit when none does. ``activations``: activation bytes per rank to count on the device beside
+    the model states (``estimate_activations(...).peak_with_checkpointing``; the tiled loss and
+    checkpointing lower it), so a long sequence can tip the choice toward more sharding or offload.
+    See [Note: zero_auto] in _zero_auto.py.
     """
     cfg = ZeroConfig.load(config).replace(auto=True, offload_optimizer=None, offload_params=None)
     if world_size is None:
@@ -531,4 +540,4 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     if available is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         available = _auto.measure_local(single_device(model, None), cfg, max(1, local_ranks))
-    return _auto.choose(model, cfg, world_size, available, headroom=headroom)
+    return _auto.choose(model, cfg, world_size, available, headroom=headroom, activations=activations)

@@ -89,6 +89,20 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     acts.add_argument("--seq-len", type=_positive_int, default=None, metavar="S", help="tokens per sequence")
     acts.add_argument("--attention", choices=("eager", "sdpa"), default=None,
                       help="attention kernel (default: the config's, else sdpa as transformers picks)")
+    acts.add_argument("--tiled-loss", type=_positive_int, nargs="?", const=0, default=None, metavar="CHUNK",
+                      help="with the tiled loss (ZeroConfig tiled_loss), optionally its chunk in tokens")
+    acts.add_argument("--tiled-mlp", type=_positive_int, nargs="?", const=0, default=None, metavar="CHUNK",
+                      help="with the tiled MLP (ZeroConfig tiled_mlp), optionally its chunk in tokens")
+    here = parser.add_argument_group("this machine: will the run fit its memory and disks?")
+    here.add_argument("--this-machine", action="store_true",
+                      help="set the ranks on this machine (--gpus-per-node, else --world-size) beside its free "
+                           "memory and the free space of the disks below; without a GPU the table counts device "
+                           "and host as one memory")
+    here.add_argument("--nvme-path", default=None, metavar="DIR",
+                      help="where the NVMe swap files go (default: the config's path, $ZERO_STRATEGY_NVME_PATH, "
+                           "else the engine's default)")
+    here.add_argument("--save-dir", default=".", metavar="DIR",
+                      help="where checkpoints and the export go (default: the current directory)")
 
 
 def _no_transformers() -> ZeroConfigError:
@@ -156,9 +170,16 @@ def _run_estimate(args: argparse.Namespace) -> int:
         kwargs.update({name: getattr(args, name) for name in names})
     _apply_nodes(args, kwargs)
     hf_config, model = _load_hf_model(args.model) if args.model else (None, args.params)
+    if args.this_machine:
+        from ._estimate_machine import gpu_free_bytes
+        args.gpu_free = gpu_free_bytes()
+        if args.gpu_free is None:
+            kwargs["device"] = "cpu"  # no GPU here: device and host are one memory
     result = estimate_memory(model, **kwargs)
     estimates = result if isinstance(result, list) else [result]
     extras = _extras(args, hf_config, model, estimates, kwargs)
+    if args.this_machine:
+        _this_machine(args, estimates, extras, config if args.config is not None else None)
     if args.json:
         print(json.dumps([{**e.to_dict(), **extra} for e, extra in zip(estimates, extras["rows"])], indent=2))
     else:
@@ -218,14 +239,65 @@ def _extras(args, hf_config, model, estimates, kwargs) -> dict:
         if hf_config is None:
             raise ZeroConfigError("--batch-size", "activations need the model's shape",
                                   "Pass --model DIR (a Hugging Face config) instead of --params.")
-        act = estimate_activations(hf_config, args.batch_size, args.seq_len, estimates[0].precision, args.attention)
+        tiled = False if args.tiled_loss is None else (args.tiled_loss or True)
+        tiled_mlp = False if args.tiled_mlp is None else (args.tiled_mlp or True)
+        act = estimate_activations(hf_config, args.batch_size, args.seq_len, estimates[0].precision, args.attention,
+                                   tiled_loss=tiled, tiled_mlp=tiled_mlp)
         for row in rows:
             row["activations"] = act.to_dict()
         lines.append(f"activations per rank ({act.batch_size} x {act.seq_len} tokens, {act.precision}, "
                      f"{act.attention} attention): {gib(act.without_checkpointing)} without checkpointing, "
                      f"{gib(act.with_checkpointing)} with one checkpoint per layer (peak: every layer's input "
                      "+ one layer recomputed)")
+        loss = (f"the tiled loss ({act.tiled_loss} tokens a chunk)" if act.tiled_loss else
+                "the model's own loss (--tiled-loss to tile it)")
+        lines.append(f"  the loss adds {gib(act.loss_transient)} at the start of backward with {loss}: peak "
+                     f"{gib(act.peak_without_checkpointing)} without checkpointing, "
+                     f"{gib(act.peak_with_checkpointing)} with")
     return {"rows": rows, "lines": lines}
+
+
+def _this_machine(args, estimates, extras: dict, config: ZeroConfig | None) -> None:
+    """Each setup's needs on this machine beside its free memory and disks: a ``this_machine``
+    key per JSON row and lines under the table (see _estimate_machine.py)."""
+    import os
+
+    from ._estimate_machine import fit_on_this_machine
+    from ._mechanisms.available_memory import host_available_bytes, human_bytes
+    from ._mechanisms.nvme_files import default_base
+    from .config import NVMeOffload
+
+    ranks = args.gpus_per_node or args.world_size or 1
+    policy = next((p for p in (getattr(config, "offload_optimizer", None), getattr(config, "offload_params", None))
+                   if isinstance(p, NVMeOffload) and p.path), None)
+    nvme_path = args.nvme_path or (policy.path if policy else None) or os.environ.get("ZERO_STRATEGY_NVME_PATH") \
+        or str(default_base())
+    activations = next((row["activations"]["with_checkpointing"] for row in extras["rows"] if "activations" in row), 0)
+    memory = host_available_bytes()
+    fits = [fit_on_this_machine(est, ranks, nvme_path, args.save_dir, activation_bytes=activations,
+                                memory_available=memory, gpu_free=args.gpu_free, has_gpu=args.gpu_free is not None)
+            for est in estimates]
+    first = fits[0]
+    gpu = "no GPU (device and host are one memory)" if args.gpu_free is None else \
+        f"{human_bytes(args.gpu_free)} free on the fullest GPU"
+    disks = (f"{_free_text(first.swap_free)} free on the disk of {nvme_path} (swap files) and {args.save_dir} "
+             "(checkpoint, export)" if first.same_disk else
+             f"{_free_text(first.swap_free)} free at {nvme_path} (swap files), {_free_text(first.save_free)} at "
+             f"{args.save_dir} (checkpoint, export)")
+    extras["lines"].append(f"this machine, {ranks} rank(s): {human_bytes(memory)} memory available, {gpu}; {disks}")
+    if activations:
+        extras["lines"].append("  (memory counts each rank's activations with one checkpoint per layer)")
+    for est, fit, row in zip(estimates, fits, extras["rows"]):
+        row["this_machine"] = fit.to_dict()
+        disk = (f"disk {human_bytes(fit.swap_disk)} swap + {human_bytes(est.checkpoint_bytes)} checkpoint + "
+                f"{human_bytes(est.export_bytes)} export")
+        verdict = "fits" if fit.fits else "does not fit: " + "; ".join(fit.shortfalls())
+        extras["lines"].append(f"  {est.label:<28} memory {human_bytes(fit.memory_needed)}, {disk}: {verdict}")
+
+
+def _free_text(nbytes: int | None) -> str:
+    from ._mechanisms.available_memory import human_bytes
+    return "unknown" if nbytes is None else human_bytes(nbytes)
 
 
 # ------------------------------------------------------------------ consolidate

@@ -145,6 +145,22 @@ class ZeroConfig:
         async_save_staging_bytes: the most host memory an asynchronous save holds staged on one rank;
             ``None``: one copy of the rank's checkpoint files. A smaller limit makes the save wait
             for the disk once that much is staged (the save returns when the rest fits).
+        tiled_loss: a Hugging Face ``*ForCausalLM`` called with ``labels`` (or ``shift_labels``) in
+            training mode computes its head and loss chunk by chunk over the tokens, recomputed in
+            backward, so the (tokens x vocab) logits never exist whole; ``outputs.logits`` is then
+            None. ``True`` picks the chunk (about 64 MiB of fp32 logits), an integer is the chunk in
+            tokens; ``False`` (default) leaves the model's own loss. See [Note: the tiled loss] in
+            _model/tiled_loss.py.
+        tiled_mlp: each gated MLP (``gate_proj``/``up_proj``/``down_proj``: Llama, Mistral, Qwen)
+            runs over chunks of the sequence in training, recomputed in backward, so it keeps one
+            chunk's intermediates instead of the sequence's. ``True``: chunks of as many tokens as
+            the hidden size; an integer: the chunk in tokens. See [Note: the tiled MLP] in
+            _model/tiled_mlp.py.
+        activation_offload: with gradient checkpointing on (a Hugging Face model's
+            ``gradient_checkpointing_enable()``), the inputs each checkpointed layer keeps for its
+            recomputation wait on the host instead of the device (pinned buffers, copied on a side
+            stream); on a CPU run they are already there. See [Note: activation offload] in
+            _model/activation_offload.py.
     """
 
     stage: int = 3
@@ -167,6 +183,9 @@ class ZeroConfig:
     release_host_memory: bool = True
     async_save: bool = False
     async_save_staging_bytes: int | None = None
+    tiled_loss: bool | int = False
+    tiled_mlp: bool | int = False
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -199,6 +218,9 @@ class ZeroConfig:
         set_("prefetch", _as_int("prefetch", self.prefetch, 0))
         _as_bool("cast_forward_inputs", self.cast_forward_inputs)
         _as_bool("release_host_memory", self.release_host_memory)
+        _as_bool("activation_offload", self.activation_offload)
+        set_("tiled_loss", _as_chunk("tiled_loss", self.tiled_loss))
+        set_("tiled_mlp", _as_chunk("tiled_mlp", self.tiled_mlp))
         if _as_bool("overlap_step", self.overlap_step):
             if self.offload_optimizer is None or stage == 1:
                 raise ZeroConfigError("overlap_step", "needs optimizer offload at stage 2 or 3 (the step "
@@ -277,6 +299,9 @@ class ZeroConfig:
             **({"async_save": True} if self.async_save else {}),
             **({"async_save_staging_bytes": self.async_save_staging_bytes}
                if self.async_save_staging_bytes is not None else {}),
+            **({"tiled_loss": self.tiled_loss} if self.tiled_loss is not False else {}),
+            **({"tiled_mlp": self.tiled_mlp} if self.tiled_mlp is not False else {}),
+            **({"activation_offload": True} if self.activation_offload else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }
@@ -367,6 +392,17 @@ class ZeroConfig:
 
 
 _FIELD_NAMES = [f.name for f in dataclasses.fields(ZeroConfig)]
+
+
+def _as_chunk(key: str, value: Any) -> bool | int:
+    """``tiled_loss`` / ``tiled_mlp``: true (the default chunk), false, or a chunk of at least 1 token."""
+    if isinstance(value, bool):
+        return value
+    chunk = value if isinstance(value, (int, float)) else None
+    if chunk is None or not chunk >= 1 or (isinstance(chunk, float) and not chunk.is_integer()):
+        raise ZeroConfigError(key, f"expected true, false or a chunk of at least 1 token, got {value!r}",
+                              "Write true (the default chunk), false, or e.g. 1024.")
+    return int(chunk)
 
 
 # ------------------------------------------------------------------ presets

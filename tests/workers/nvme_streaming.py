@@ -10,6 +10,7 @@ import copy
 import ctypes
 import ctypes.util
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -97,8 +98,38 @@ def memory(case, path):
            "largest_group_state": 12 * max(g.shard_numel for g in engine.trainable_groups),
            "slots": engine.swap.pool.count, "buffer_size": nv["buffer_size"],
            "staging": after.by_category["staging"], "kept": after.kept_bytes}
+    ckpt = Path(path) / "rss-ckpt"
+    zs.save_checkpoint(ckpt, model, opt)
     zs.teardown(model, keep_weights=False)
+    del model, opt
+    res["resume_growth"] = _resume_growth(ckpt, _nvme(path, "rss-resume", case["buffer"]))
     return res
+
+
+def _resume_growth(ckpt, nv) -> int:
+    """Peak anonymous RSS above the level after setup while ``load_checkpoint`` resumes the run."""
+    torch.manual_seed(1)
+    model = TinyLM(layers=2, dim=256, vocab=16384)
+    model, opt = zs.setup(model, torch.optim.AdamW(param_groups(model)),
+                          zs.ZeroConfig(stage=3, param_persistence_threshold=0, offload_optimizer=nv,
+                                        offload_params=nv))
+    dist.barrier()
+    base = _anon()
+    peak = [base]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(0.002):
+            peak[0] = max(peak[0], _anon())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    zs.load_checkpoint(ckpt, model, opt)
+    stop.set()
+    sampler.join()
+    growth = max(peak[0], _anon()) - base
+    zs.teardown(model, keep_weights=False)
+    return growth
 
 
 def main():

@@ -392,8 +392,23 @@ class FlatGroup:
                 uploaded = self.params.take_master(self.master.detach(), self.transfers)
                 if uploaded is not None:
                     uploaded.wait()
-            if self.shard_params and self.state is ShardState.SHARDED:
-                return None
+        return self._shard_into_full()
+
+    def publish_shard(self, comm: Collectives) -> Handle | None:
+        """:meth:`publish_master` for a resting shard already written from the master (a streamed
+        load wrote it chunk by chunk): only the all-gather where parameters are materialized."""
+        own = self._shard_into_full()
+        if own is None:
+            return None
+        with torch.no_grad(), preserve_version(self.full):
+            return comm.all_gather(self.full, own, async_op=True, label=self.name)
+
+    def _shard_into_full(self) -> torch.Tensor | None:
+        """Where ``full`` is materialized, the resting shard into this rank's slice of it, which is
+        returned (the one to all-gather); None where nothing is to be gathered."""
+        if self.shard_params and self.state is ShardState.SHARDED:
+            return None
+        with torch.no_grad():
             own = self.own(self.full)
             with preserve_version(self.full):
                 if own.data_ptr() != self.param_shard.data_ptr():  # the shard rests elsewhere (offload)

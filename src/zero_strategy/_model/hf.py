@@ -94,6 +94,7 @@ from .._engine.engine import refuse_while_offloaded
 from .gather import full_state_dict, modified_on_every_rank, unit_values, whole_model_pass
 from .generation import around_generate
 from .saves import arrival_order, out_dtype, write_entries
+from .tiled_loss import causal_lm_forward, refuse_untileable
 
 if TYPE_CHECKING:
     from .._engine.engine import ZeroEngine
@@ -132,6 +133,33 @@ def library_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Mod
     return shadows
 
 
+
+
+def tiled_loss_targets(model: nn.Module, tiled: bool | int) -> list[nn.Module]:
+    """The transformers ``*ForCausalLM`` modules in ``model`` whose loss ``ZeroConfig(tiled_loss=tiled)``
+    replaces; a model it cannot serve is refused (``setup`` asks before it shards anything)."""
+    if tiled is False:
+        return []
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    causal_lms = [m for m in model.modules() if pretrained is not None and isinstance(m, pretrained)
+                  and type(m).__name__.endswith("ForCausalLM")]
+    if not causal_lms:
+        raise ValueError(
+            f"zero_strategy: tiled_loss is set but {type(model).__name__} holds no transformers *ForCausalLM "
+            "model, whose loss it replaces. For a model of your own, drop tiled_loss and compute the loss with "
+            "zero_strategy.tiled_causal_lm_loss(model.lm_head, hidden_states, labels).")
+    for module in causal_lms:
+        refuse_untileable(module)
+    return causal_lms
+
+
+def tiled_loss_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Module, str, Callable]]:
+    """The ``forward`` shadows that give each causal LM :func:`tiled_loss_targets` finds the tiled loss.
+    See [Note: the tiled loss in a Hugging Face model] in _model/tiled_loss.py."""
+    tiled = engine.config.tiled_loss
+    chunk = None if tiled is True else tiled
+    return [(module, "forward", causal_lm_forward(module, chunk)) for module in tiled_loss_targets(model, tiled)]
 
 
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:

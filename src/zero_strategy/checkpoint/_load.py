@@ -41,6 +41,7 @@ and its message says the model is partly loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -52,7 +53,9 @@ import torch
 
 from .._engine.engine import refuse_while_offloaded
 from .._mechanisms.background_save import join_saves_to
+from .._mechanisms import nvme_stream
 from .._model.gather import whole_model_pass
+from .._optim.chunked_step import stopped_part_way
 from ..api import engine_of
 from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
@@ -187,12 +190,15 @@ class PreparedLoad:
             finally:
                 self.close()
             agree(self.engine.comm, error)
-            _publish(self.engine)
+            _publish(self.engine, streamed=self.streams_groups)
         for zopt, (updates, scaler) in zip(self.zopts, self.hyper):
             _apply_hyperparameters(updates)
             if scaler is not None and zopt.scaler.enabled:
                 zopt.scaler.load_state_dict(scaler)
         return self.extra
+
+    #: streamed groups are loaded and published chunk by chunk (See [Note: a streamed resume])
+    streams_groups = True
 
     def _copy(self) -> None:
         """The copy itself, every check passed: shards, optimizer state, buffers."""
@@ -332,8 +338,82 @@ def _fqn_in_checkpoint(alias: dict[str, str], names: list[str]) -> str | None:
 def _load_shards(reader: _Reader, names, engine, zopts) -> None:
     alias = reader.meta.alias_map()
     for g in engine.groups:
+        if g.master_streams:  # See [Note: a streamed resume]
+            _load_streamed_group(reader, g, zopts[g.optimizer_index] if zopts else None, names, alias)
+            continue
         with g.resident(write_back=True):  # NVMe-swapped state comes in, and goes back loaded
             _load_group(reader, g, zopts, names, alias)
+
+
+# [Note: a streamed resume]
+# A flat group whose master and optimizer state are larger than an NVMe staging slot is
+# stepped and saved chunk by chunk (See [Note: bounded staging] in _mechanisms/nvme_stream.py),
+# but a load used to bring it in whole: the group's master, its state rebuilt as whole
+# tensors, and then the whole set again to publish the parameters. On the 748M model that
+# was 0.30-0.34 W per rank on resume, above training's bound. Now a load goes the way the
+# group's first step does: the saved state's keys join the swap set evicted
+# (``nvme_stream.register``), and one stream over the set's chunks [a, b) reads the master's
+# chunk (a parameter the checkpoint lacks keeps its value, as strict=False promises), copies
+# the checkpoint's elements of master and state into the chunk's views (the state's padding
+# zero, as a whole-tensor load leaves it), writes the chunk back, and casts the master's chunk
+# into the parameter shard (``take_master``, chunk by chunk into the parameter swap set at
+# stage 3). So a resume holds the slots and one source tensor, as the step does, and the
+# group is published when the stream ends (its all-gather at stages 1-2).
+
+
+def _chunk_ranges(g, a: int, b: int):
+    """(slot, lo, hi, where) of ``slot_ranges_in_shard`` clipped to shard elements [a, b), ``where``
+    relative to ``a``: the part of each parameter that a chunk of the shard holds."""
+    for s, lo, hi, where in g.slot_ranges_in_shard():
+        x0, x1 = max(where.start, a), min(where.stop, b)
+        if x0 < x1:
+            yield s, lo + (x0 - where.start), lo + (x1 - where.start), slice(x0 - a, x1 - a)
+
+
+def _load_streamed_group(reader: _Reader, g, zopt, names, alias) -> None:
+    """Master, optimizer state and parameter shard of a streamed group from the checkpoint, one
+    chunk at a time. See [Note: a streamed resume]."""
+    masters, master = g.masters, g.master
+    sources = {id(s.param): _fqn_in_checkpoint(alias, names[id(s.param)]) for s in g.slots}
+    state: dict[str, Any] = {}
+    state_keys: dict[str, torch.dtype] = {}
+    if zopt is not None:
+        zopt.optimizer.state.pop(master, None)
+        found = _flat_state_sources(reader.meta, g, names, alias)
+        first = reader.meta.groups[reader.meta.params[found[0][1]].group] if found else None
+        if first is not None and (first.state_tensors or first.state_scalars):
+            state_keys = {key: dtype_from_name(dname) for key, dname in first.state_tensors.items()}
+            for key, dt in state_keys.items():  # evicted, to be written chunk by chunk
+                state[key] = torch.empty(0, dtype=dt, device=master.device)
+                nvme_stream.register(masters.swap, g, "opt", f"state.{key}", state[key], g.shard_numel)
+            for key, sc in first.state_scalars.items():
+                state[key] = (torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"]),
+                                           device=master.device if sc["on_param_device"] else "cpu")
+                              .reshape(sc["shape"]) if sc["tensor"] else sc["value"])
+    chunks = masters.stream(fresh=True)  # the master read; the state's chunks are written whole
+    try:
+        with contextlib.closing(chunks):
+            for a, b, views in chunks:
+                for key in state_keys:
+                    views[f"state.{key}"].zero_()
+                for s, lo, hi, where in _chunk_ranges(g, a, b):
+                    fqn = sources[id(s.param)]
+                    if fqn is None:
+                        continue  # missing: allowed by strict=False, keeps its value and state
+                    reader.fill(views["master"][where], fqn, lo, hi, lambda grp: grp.weight_tensor)
+                    for key in state_keys:
+                        reader.fill(views[f"state.{key}"][where], fqn, lo, hi,
+                                    lambda grp, key=key: grp.state_tensor(key))
+                event = g.params.take_master(views["master"], g.transfers, start=a)
+                if event is not None:
+                    event.wait()
+    except BaseException as e:
+        raise stopped_part_way(masters, f"flat group {g.name!r}, loaded in chunks", e) from e
+    finally:
+        master.data = torch.empty(0, dtype=master.dtype, device=master.device)
+    masters.swap.wait_writes()
+    if state:
+        zopt.optimizer.state[master] = state
 
 
 def _load_group(reader: _Reader, g, zopts, names, alias) -> None:
@@ -505,10 +585,15 @@ def _extra_state(reader: _Reader, meta: Metadata) -> Any:
 
 
 # ------------------------------------------------------------ after reading
-def _publish(engine) -> None:
-    """Compute-dtype parameters from the loaded shards, as after an optimizer step."""
+def _publish(engine, streamed: bool = False) -> None:
+    """Compute-dtype parameters from the loaded shards, as after an optimizer step. ``streamed``:
+    the streamed groups' shards were written chunk by chunk as they loaded (See [Note: a streamed
+    resume]): only their all-gather is left."""
     handles = []
     for g in engine.groups:
+        if streamed and g.master_streams:
+            handles.append(g.publish_shard(engine.comm))
+            continue
         with g.resident(write_back=True):  # NVMe: master in, updated parameter shard out
             handles.append(g.publish_master(engine.comm))
     for h in handles:
@@ -584,7 +669,10 @@ _DEEPSPEED_IMPLEMENTATION_FIELDS = frozenset({"foreach", "fused", "capturable", 
 
 class DeepSpeedLoad(PreparedLoad):
     """A DeepSpeed checkpoint's load, every check passed (See [Note: DeepSpeed's layout] in _deepspeed.py):
-    the same phases as our own format's, copying out of DeepSpeed's memory-mapped rank files."""
+    the same phases as our own format's, copying out of DeepSpeed's memory-mapped rank files. Each
+    group comes in whole (not yet streamed as our format's are)."""
+
+    streams_groups = False
 
     def _copy(self) -> None:
         ds: DeepSpeedCheckpoint = self.reader
