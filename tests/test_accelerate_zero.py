@@ -31,8 +31,9 @@ COMMON = {"gas": 2, "clip": 0.3, "steps": 4, "resume_at": 2}
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Launched as a user's shell does (no ACCELERATE_USE_CPU: ZeroAccelerator sets it)."""
-    args = {"mode": "launch", "presets": PRESETS, "resume_save_preset": "zero3", "resume_load_preset": "zero2",
-            **COMMON}
+    # the save is asynchronous (the config's async_save): load_state of a new run waits for it
+    args = {"mode": "launch", "presets": PRESETS, "resume_save_preset": {"preset": "zero3", "async_save": True},
+            "resume_load_preset": "zero2", **COMMON}
     out = tmp_path_factory.mktemp("accelerate_parity")
     reports, _ = accelerate_launch("accelerate_parity.py", args, timeout=180, out=out, use_cpu=False)
     return out, reports
@@ -64,9 +65,11 @@ def test_training_equals_accelerate_ddp(launched, preset):
 
 @pytest.mark.multiprocess
 def test_save_state_then_load_state_resumes_across_stages(launched):
-    """Saved under zero3 at step 2, resumed into a fresh model under zero2: same run as uninterrupted."""
+    """Saved under zero3 at step 2 (asynchronously), resumed into a fresh model under zero2: same run as
+    uninterrupted."""
     out, reports = launched
     for r in reports:
+        assert r["background_saves"] == 1
         assert r["resume_loaded_rel"] == 0.0
         assert r["resume_final_rel"] < 1e-6
         assert {"zero_model", "zero_strategy_accelerate.json", "scheduler.bin",

@@ -14,6 +14,7 @@ The model object is the user's own, sharded in place; no wrapper module.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 import weakref
@@ -53,6 +54,8 @@ __all__ = [
     # that arrive at setup] in _engine/deferred_weights.py
     "DeferredWeights", "defer_weights",
 ]
+
+_log = logging.getLogger("zero_strategy")
 
 # [Note: engine lookup without keeping models alive]
 # id(model) -> engine, weakly: the model's own hooks keep its engine alive, so both
@@ -229,6 +232,12 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
     """
     engine = engine_of(model)
     failing = error if error is not None else failing_exception()
+    # an asynchronous save still writing finishes first; its failure is raised once the model is
+    # released below (on the error path it is logged: the error being handled comes first)
+    save_error = engine.background_save.wait(raise_error=False)
+    if save_error is not None and failing is not None:
+        _log.error("zero_strategy: an asynchronous checkpoint save failed: %s", save_error)
+        save_error = None
     if failing is not None or engine.comm.failed or not engine.is_idle:
         why = (f"raised {type(failing).__name__}: {str(failing)[:300]}" if failing is not None
                else "tore down after a failed collective or in the middle of an iteration")
@@ -253,6 +262,8 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
                 p.data = full[name].to(engine.device, engine.compute_dtype)  # full_state_dict: on the host
+    if save_error is not None:
+        raise save_error
 
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:

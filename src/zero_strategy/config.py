@@ -135,6 +135,16 @@ class ZeroConfig:
             between steps, whose next step would take it again (glibc's ``malloc_trim``; a
             no-op without glibc), so the process holds what it uses rather than what it once
             freed. See [Note: releases where a phase ends] in _mechanisms/host_memory.py.
+        async_save: ``zero_strategy.save_checkpoint`` (and every front end's save: Lightning's
+            ``trainer.save_checkpoint`` and ``ModelCheckpoint``, Accelerate's ``save_state``, the
+            Hugging Face Trainer's checkpoints) returns once this rank's shards are copied into host
+            buffers, and a background thread writes them; the checkpoint appears complete (or not at
+            all) when the write ends. The next save, ``load_checkpoint``, ``teardown``,
+            ``zero_strategy.checkpoint.wait_for_save`` and the end of a Lightning fit wait for it and
+            raise its error. See [Note: asynchronous saves] in checkpoint/_save.py.
+        async_save_staging_bytes: the most host memory an asynchronous save holds staged on one rank;
+            ``None``: one copy of the rank's checkpoint files. A smaller limit makes the save wait
+            for the disk once that much is staged (the save returns when the rest fits).
         tiled_loss: a Hugging Face ``*ForCausalLM`` called with ``labels`` (or ``shift_labels``) in
             training mode computes its head and loss chunk by chunk over the tokens, recomputed in
             backward, so the (tokens x vocab) logits never exist whole; ``outputs.logits`` is then
@@ -171,6 +181,8 @@ class ZeroConfig:
     offload_states_during_generation: bool | tuple[str, ...] = ()
     optimizer_layout: str = "auto"
     release_host_memory: bool = True
+    async_save: bool = False
+    async_save_staging_bytes: int | None = None
     tiled_loss: bool | int = False
     tiled_mlp: bool | int = False
     activation_offload: bool = False
@@ -235,6 +247,9 @@ class ZeroConfig:
                                   f"{self.optimizer_layout!r}{_suggest(str(self.optimizer_layout), OPTIMIZER_LAYOUTS)}",
                                   "Use 'auto' (the layout follows the optimizer), or 'owned' to step whole "
                                   "parameters with any per-tensor optimizer.")
+        _as_bool("async_save", self.async_save)
+        if self.async_save_staging_bytes is not None:
+            set_("async_save_staging_bytes", _as_int("async_save_staging_bytes", self.async_save_staging_bytes, 1))
         if self.collective_timeout is not None:
             timeout = _as_float("collective_timeout", self.collective_timeout)
             if not timeout > 0 or timeout == float("inf"):
@@ -281,6 +296,9 @@ class ZeroConfig:
             **({"auto": True} if self.auto else {}),
             **({"optimizer_layout": self.optimizer_layout} if self.optimizer_layout != "auto" else {}),
             **({} if self.release_host_memory else {"release_host_memory": False}),
+            **({"async_save": True} if self.async_save else {}),
+            **({"async_save_staging_bytes": self.async_save_staging_bytes}
+               if self.async_save_staging_bytes is not None else {}),
             **({"tiled_loss": self.tiled_loss} if self.tiled_loss is not False else {}),
             **({"tiled_mlp": self.tiled_mlp} if self.tiled_mlp is not False else {}),
             **({"activation_offload": True} if self.activation_offload else {}),

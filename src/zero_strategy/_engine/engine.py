@@ -40,6 +40,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .._comm.collectives import Collectives
 from .._config.policies import NVMeOffload
 from .._config.state_kinds import KINDS
+from .._mechanisms.background_save import BackgroundSave
 from .._mechanisms.host_memory import ReleasePoints
 from .flat import FlatGroup, ParamSlot, ShardState
 from .placement import offload_services, single_device, size_swap_pool
@@ -303,6 +304,9 @@ class ZeroEngine:
         #: what zero_strategy.offload_states moved to the host: an OffloadedStates of
         #: _model/offload_states.py (None: nothing offloaded); the hooks only read its kinds
         self.offloaded = None
+        #: the asynchronous checkpoint save in flight, if any (checkpoint/_save.py): waited for by the
+        #: next save, a load and teardown; its staged buffers count in memory_report
+        self.background_save = BackgroundSave()
         self._register_hooks()
 
     def __repr__(self) -> str:

@@ -24,9 +24,9 @@ and both re-sharding and streaming consolidation are a few lines over it.
 from ._consolidate import consolidate, parse_size
 from ._layout import FORMAT_VERSION, CheckpointError
 from ._load import load_checkpoint, load_metadata
-from ._save import save_checkpoint
+from ._save import save_checkpoint, wait_for_save
 from ._sharded_weights import load_full_state_dict, load_sharded_weights, safetensors_reader
 
-__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "CheckpointError", "FORMAT_VERSION",
+__all__ = ["save_checkpoint", "wait_for_save", "load_checkpoint", "consolidate", "CheckpointError", "FORMAT_VERSION",
            "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader",
            "load_full_state_dict"]

@@ -48,6 +48,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import api as zs
+from ..checkpoint import CheckpointError
 from . import _checkpoint, _summary, _toggle
 from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
@@ -235,15 +236,23 @@ class ZeroStrategy(DDPStrategy):
         keep = (self._in_call and self._keep_engine and error is None and not interrupted
                 and module is not None and is_set_up(module))
         self._in_call = False
+        save_error = None
+        if error is None:
+            try:  # the end of fit (or any call) waits for an asynchronous save; its failure is raised last
+                _checkpoint.wait(module)
+            except CheckpointError as err:
+                save_error = err
         if keep:
             self._teardown_lightning_only()
-            return
-        if module is not None and is_set_up(module) and (error is not None or interrupted):
-            # See [Note: no collective on the error path] in api.py: release without gathering
-            zs.teardown(module, error=error)
-        if module is not None:
-            self._release(module)
-        super().teardown()
+        else:
+            if module is not None and is_set_up(module) and (error is not None or interrupted):
+                # See [Note: no collective on the error path] in api.py: release without gathering
+                zs.teardown(module, error=error)
+            if module is not None:
+                self._release(module)
+            super().teardown()
+        if save_error is not None:
+            raise save_error
 
     def _release(self, module) -> None:
         """Remove the engine: a plain module with full weights again, sharded memory freed (every rank).
@@ -350,7 +359,7 @@ class ZeroStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            _checkpoint.remove(filepath)
+            _checkpoint.remove(filepath, self.lightning_module)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         if Path(checkpoint_path).is_file():

@@ -57,6 +57,8 @@ of these two methods are not called on a ZeRO model.
   Trainer writes (``adapter_model.safetensors``, ``adapter_config.json``, the tokenizer,
   ``training_args.bin``). Other models go through ``full_state_dict(rank0_only=True)``.
 * ``_load_best_model`` (``load_best_model_at_end``): from the best checkpoint's shards.
+* The end of ``train()`` waits for an asynchronous checkpoint save (``async_save``) still writing,
+  through a callback's ``on_train_end``, and raises its failure.
 * Gradients: the Trainer clears them with ``model.zero_grad()``, which cannot reach
   gradient shards; a callback calls the optimizer's ``zero_grad()`` after each step.
 
@@ -83,7 +85,7 @@ from transformers import Trainer, TrainerCallback
 from .. import api
 from .._engine.plan import plan_for
 from ..accelerate import ZeroAccelerator
-from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint
+from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint, wait_for_save
 from ._vllm_sync import adopt_vllm_weight_sync, weight_push_overrides
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
@@ -94,11 +96,19 @@ MIGRATION = ('move it to the trainer: zero_trainer(Trainer)(..., args=TrainingAr
 
 
 class _ZeroGradAfterStep(TrainerCallback):
-    """The Trainer calls ``model.zero_grad()``; gradient shards are cleared by the optimizer."""
+    """The Trainer calls ``model.zero_grad()``; gradient shards are cleared by the optimizer.
+
+    At the end of training it waits for an asynchronous checkpoint save still writing
+    (``async_save`` in the config), raising its failure, as Lightning's ``fit`` does.
+    """
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None:
             optimizer.zero_grad()
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None and api.is_set_up(model):
+            wait_for_save(model)
 
 
 class _TrainerZeroAccelerator(ZeroAccelerator):
