@@ -135,6 +135,12 @@ class ZeroConfig:
             between steps, whose next step would take it again (glibc's ``malloc_trim``; a
             no-op without glibc), so the process holds what it uses rather than what it once
             freed. See [Note: releases where a phase ends] in _mechanisms/host_memory.py.
+        sequence_parallel_size: Ulysses sequence parallelism: groups of this many consecutive
+            ranks share each sample, every rank holding 1/N of its sequence, with an all-to-all
+            from sequence shards to head shards around attention (DeepSpeed's key of the same
+            name). It must divide the number of ranks; the other factor is data parallel, and
+            ZeRO still shards over every rank. 1: off. See [Note: sequence parallelism] in
+            _model/sequence_parallel.py and docs/guides/long-sequences.md.
     """
 
     stage: int = 3
@@ -155,6 +161,7 @@ class ZeroConfig:
     offload_states_during_generation: bool | tuple[str, ...] = ()
     optimizer_layout: str = "auto"
     release_host_memory: bool = True
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -206,6 +213,7 @@ class ZeroConfig:
         if self.shard_group_size is not None and self.shard_group_size != "node":
             size = _as_int("shard_group_size", self.shard_group_size, 1)
             set_("shard_group_size", size)
+        set_("sequence_parallel_size", _as_int("sequence_parallel_size", self.sequence_parallel_size, 1))
         set_("offload_states_during_generation",
              _as_generation_offload(self.offload_states_during_generation))
         if self.optimizer_layout not in OPTIMIZER_LAYOUTS:
@@ -259,6 +267,7 @@ class ZeroConfig:
             **({"auto": True} if self.auto else {}),
             **({"optimizer_layout": self.optimizer_layout} if self.optimizer_layout != "auto" else {}),
             **({} if self.release_host_memory else {"release_host_memory": False}),
+            **({"sequence_parallel_size": self.sequence_parallel_size} if self.sequence_parallel_size > 1 else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }

@@ -94,6 +94,7 @@ from .._engine.engine import refuse_while_offloaded
 from .gather import full_state_dict, modified_on_every_rank, unit_values, whole_model_pass
 from .generation import around_generate
 from .saves import arrival_order, out_dtype, write_entries
+from .sequence_parallel import check_heads, ulysses_attention
 
 if TYPE_CHECKING:
     from .._engine.engine import ZeroEngine
@@ -132,6 +133,70 @@ def library_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Mod
     return shadows
 
 
+
+
+#: what sequence parallelism cannot split (See [Note: sequence parallelism] in _model/sequence_parallel.py)
+_SP_REFUSED_ATTENTION = ("flex_attention", "paged")
+
+
+def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
+    """Run ``model``'s attention under Ulysses sequence parallelism over ``sp``; returns the undo.
+
+    The model's own attention function (``config._attn_implementation``: sdpa, eager, flash)
+    is wrapped by :func:`ulysses_attention` and registered in transformers' attention
+    registry under a name of its own, which the model's config then names: this model
+    changes, other models of the process (a reference, a teacher) do not, and no module's
+    code is replaced. A registered name that is not a mask kind also tells transformers to
+    build no attention mask for the shard (the wrapper masks the whole sequence causally).
+    Refuses, naming the fix, what cannot be split: a model outside transformers, encoder-
+    decoders, sliding-window or linear-attention layers, flex and paged attention, head
+    counts the group does not divide."""
+    n = sp.size
+    transformers = sys.modules.get("transformers")
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if transformers is None or not isinstance(impl, str) or not hasattr(transformers, "AttentionInterface"):
+        raise ValueError(f"sequence_parallel_size={n}: sequence parallelism wraps the attention of a Hugging Face "
+                         f"transformers model (through its attention registry); {type(model).__name__} is not one. "
+                         "Use a transformers model, or sequence_parallel_size=1")
+    _refuse_unsplittable(config, impl, n)
+    if impl == "eager":
+        base = getattr(sys.modules.get(type(model).__module__), "eager_attention_forward", None)
+    else:
+        base = transformers.AttentionInterface._global_mapping.get(impl)
+    if base is None:
+        raise ValueError(f"sequence_parallel_size={n}: cannot find the attention function {impl!r} of "
+                         f"{type(model).__name__}; load the model with attn_implementation='sdpa' (or 'eager')")
+    name = f"zero_ulysses_{impl}_{id(model):x}"
+    transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp))
+    config._attn_implementation = name
+
+    def undo() -> None:
+        if config._attn_implementation == name:
+            config._attn_implementation = impl
+        transformers.AttentionInterface._global_mapping.pop(name, None)
+
+    return undo
+
+
+def _refuse_unsplittable(config, impl: str, n: int) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    what = type(config).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"sequence_parallel_size={n}: {what} is an encoder-decoder; sequence parallelism splits "
+                         "causal decoder-only models. Use sequence_parallel_size=1")
+    if impl.startswith(_SP_REFUSED_ATTENTION):
+        raise ValueError(f"sequence_parallel_size={n}: attn_implementation={impl!r} is not supported under sequence "
+                         "parallelism; load the model with attn_implementation='sdpa' (or 'eager', or flash)")
+    kinds = set(getattr(text, "layer_types", None) or ())
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    if sliding or kinds - {"full_attention"}:
+        raise ValueError(f"sequence_parallel_size={n}: {what} has sliding-window or linear-attention layers "
+                         f"({sorted(kinds) or 'sliding_window'}), which sequence parallelism does not split yet; "
+                         "use a model with full attention only, or sequence_parallel_size=1")
+    heads = getattr(text, "num_attention_heads", None)
+    if isinstance(heads, int):
+        check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, n, f" of {what}")
 
 
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
