@@ -28,6 +28,7 @@ from ._comm.collectives import Collectives
 from ._comm.faults import failing_exception
 from ._comm.hybrid import hybrid_groups
 from ._comm.sequence_parallel import SequenceParallelGroup, sequence_parallel_group as _sp_group
+from ._comm.sequence_parallel import sequence_parallel_groups
 from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
@@ -50,6 +51,8 @@ __all__ = [
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
     "choose_preset", "shard_sequence", "sequence_parallel_loss", "sequence_parallel_loader",
     "sequence_parallel_group",
+    # for the front ends' device meshes and data loaders: See [Note: sequence parallelism]
+    "sequence_parallel_groups", "SequenceParallelGroup",
     # for the front ends' loaders (zero_strategy.transformers.from_pretrained): See [Note: weights
     # that arrive at setup] in _engine/deferred_weights.py
     "DeferredWeights", "defer_weights",
@@ -144,12 +147,16 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     return model, (zero_opts[0] if zero_opts else None)
 
 
-def _sequence_parallel_of(model: nn.Module) -> SequenceParallelGroup:
+def _sequence_parallel_of(model) -> SequenceParallelGroup:
+    """``model``'s SP group; a :class:`SequenceParallelGroup` given instead is itself (a front end
+    prepares data loaders before the model they feed)."""
+    if isinstance(model, SequenceParallelGroup):
+        return model
     engine = engine_of(model)
     return engine.sequence_parallel or SequenceParallelGroup(None, 0, 1)
 
 
-def _pad_token_id(model: nn.Module) -> int:
+def _pad_token_id(model) -> int:
     pad = getattr(getattr(model, "config", None), "pad_token_id", None)
     return pad if isinstance(pad, int) else 0
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["SequenceParallelGroup", "sequence_parallel_group", "SequenceToHeads", "HeadsToSequence",
-           "SumOverGroup", "gather_sequence"]
+__all__ = ["SequenceParallelGroup", "sequence_parallel_group", "sequence_parallel_groups", "SequenceToHeads",
+           "HeadsToSequence", "SumOverGroup", "sum_over_group", "gather_sequence"]
 
 
 class SequenceParallelGroup:
@@ -38,23 +38,38 @@ class SequenceParallelGroup:
 def sequence_parallel_group(size: int, process_group=None) -> SequenceParallelGroup:
     """The SP group of this rank for ``sequence_parallel_size=size``: ranks ``[g*size, (g+1)*size)``.
 
-    Every rank creates every group, in the same order, as ``dist.new_group`` requires;
     ``size`` must divide the world (the quotient is the data-parallel degree)."""
     if size == 1:
         return SequenceParallelGroup(None, 0, 1)
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"ZeroConfig(sequence_parallel_size={size}) needs torch.distributed initialized with "
-                         f"a multiple of {size} ranks (torchrun --nproc-per-node {size}, accelerate launch, ...); "
-                         "in a single process set sequence_parallel_size=1")
     if process_group is not None:
         raise ValueError("ZeroConfig(sequence_parallel_size=...) builds its groups from the whole world; pass "
                          "process_group=None (sequence parallelism inside a subgroup is not supported)")
+    return sequence_parallel_groups(size)[0]
+
+
+#: (default group, size) -> (SP group, data-parallel group): made once per world, so a front end's
+#: device mesh and the model's attention use the same process groups
+_GROUPS: dict[tuple[int, int], tuple[SequenceParallelGroup, dist.ProcessGroup]] = {}
+
+
+def sequence_parallel_groups(size: int) -> tuple[SequenceParallelGroup, dist.ProcessGroup]:
+    """(this rank's SP group, its data-parallel group: the ranks at its place in every SP group).
+
+    Every rank creates every group, in the same order, as ``dist.new_group`` requires."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"sequence parallelism of size {size} needs torch.distributed initialized with a multiple "
+                         f"of {size} processes (torchrun --nproc-per-node {size}, accelerate launch, ...); in a "
+                         "single process use a size of 1")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % size:
-        raise ValueError(f"ZeroConfig(sequence_parallel_size={size}) must divide the number of ranks, {world}; "
-                         f"use a divisor of {world} (the ranks left over are data parallel)")
-    group, _ = dist.new_subgroups_by_enumeration([list(range(g * size, (g + 1) * size)) for g in range(world // size)])
-    return SequenceParallelGroup(group, rank % size, size)
+        raise ValueError(f"sequence parallelism of size {size} must divide the number of processes, {world}; use a "
+                         f"divisor of {world} (the processes left over are data parallel)")
+    key = (id(dist.distributed_c10d._get_default_group()), size)
+    if key not in _GROUPS:
+        sp, _ = dist.new_subgroups_by_enumeration([list(range(g * size, (g + 1) * size)) for g in range(world // size)])
+        dp, _ = dist.new_subgroups_by_enumeration([list(range(i, world, size)) for i in range(size)])
+        _GROUPS[key] = (SequenceParallelGroup(sp, rank % size, size), dp)
+    return _GROUPS[key]
 
 
 def _all_to_all(chunks: torch.Tensor, group) -> torch.Tensor:
