@@ -23,7 +23,7 @@ from zero_strategy._model.sequence_parallel import shard_batch
 
 REFUSALS = {
     "size-not-dividing-world": "size 4 must divide the number of processes, 2",
-    "not-a-transformers-model": "Sequential is not one. Use a transformers model",
+    "not-a-transformers-model": "Sequential is not one and holds none. Use a transformers model",
     "sliding-window": "MistralConfig has sliding-window",
     "heads-not-divisible": "must divide the number of attention heads (3",
     "kv-heads-not-divisible": "3 key/value heads",

@@ -140,43 +140,61 @@ _SP_REFUSED_ATTENTION = ("flex_attention", "paged")
 
 
 def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
-    """Run ``model``'s attention under Ulysses sequence parallelism over ``sp``; returns the undo.
+    """Run the attention of the transformers models in ``model`` under Ulysses sequence
+    parallelism over ``sp``; returns the undo.
 
-    The model's own attention function (``config._attn_implementation``: sdpa, eager, flash)
-    is wrapped by :func:`ulysses_attention` and registered in transformers' attention
-    registry under a name of its own, which the model's config then names: this model
-    changes, other models of the process (a reference, a teacher) do not, and no module's
-    code is replaced. A registered name that is not a mask kind also tells transformers to
-    build no attention mask for the shard (the wrapper masks the whole sequence causally).
-    Refuses, naming the fix, what cannot be split: a model outside transformers, encoder-
-    decoders, sliding-window or linear-attention layers, flex and paged attention, head
-    counts the group does not divide."""
+    ``model`` is a transformers model, or holds some (a LightningModule, a PEFT model): the
+    outermost ones are wrapped. Each one's attention function (``config._attn_implementation``:
+    sdpa, eager, flash) is wrapped by :func:`ulysses_attention` and registered in transformers'
+    attention registry under a name of its own, which that model's config then names: the
+    model changes, other models of the process (a reference, a teacher) do not, and no
+    module's code is replaced. A registered name that is not a mask kind also tells
+    transformers to build no attention mask for the shard (the wrapper masks the whole
+    sequence causally). Refuses, naming the fix, what cannot be split: no transformers model,
+    encoder-decoders, sliding-window or linear-attention layers, flex and paged attention,
+    head counts the group does not divide."""
     n = sp.size
     transformers = sys.modules.get("transformers")
-    config = getattr(model, "config", None)
-    impl = getattr(config, "_attn_implementation", None)
-    if transformers is None or not isinstance(impl, str) or not hasattr(transformers, "AttentionInterface"):
-        raise ValueError(f"sequence_parallel_size={n}: sequence parallelism wraps the attention of a Hugging Face "
-                         f"transformers model (through its attention registry); {type(model).__name__} is not one. "
-                         "Use a transformers model, or sequence_parallel_size=1")
-    _refuse_unsplittable(config, impl, n)
-    if impl == "eager":
-        base = getattr(sys.modules.get(type(model).__module__), "eager_attention_forward", None)
-    else:
-        base = transformers.AttentionInterface._global_mapping.get(impl)
-    if base is None:
-        raise ValueError(f"sequence_parallel_size={n}: cannot find the attention function {impl!r} of "
-                         f"{type(model).__name__}; load the model with attn_implementation='sdpa' (or 'eager')")
-    name = f"zero_ulysses_{impl}_{id(model):x}"
-    transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp))
-    config._attn_implementation = name
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    models = _outermost(model, pretrained) if pretrained is not None else []
+    if not models or not hasattr(transformers, "AttentionInterface"):
+        raise ValueError(f"sequence_parallel_size={n}: sequence parallelism wraps the attention of Hugging Face "
+                         f"transformers models (through their attention registry); {type(model).__name__} is not "
+                         "one and holds none. Use a transformers model, or sequence_parallel_size=1")
+    plans = [(m, m.config, m.config._attn_implementation) for m in models]
+    for m, config, impl in plans:
+        _refuse_unsplittable(config, impl, n)
+    undos = []
+    for m, config, impl in plans:
+        if impl == "eager":
+            base = getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None)
+        else:
+            base = transformers.AttentionInterface._global_mapping.get(impl)
+        if base is None:
+            raise ValueError(f"sequence_parallel_size={n}: cannot find the attention function {impl!r} of "
+                             f"{type(m).__name__}; load the model with attn_implementation='sdpa' (or 'eager')")
+        name = f"zero_ulysses_{impl}_{id(m):x}"
+        transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp))
+        config._attn_implementation = name
+        undos.append((config, impl, name))
 
     def undo() -> None:
-        if config._attn_implementation == name:
-            config._attn_implementation = impl
-        transformers.AttentionInterface._global_mapping.pop(name, None)
+        for config, impl, name in undos:
+            if config._attn_implementation == name:
+                config._attn_implementation = impl
+            transformers.AttentionInterface._global_mapping.pop(name, None)
 
     return undo
+
+
+def _outermost(model: nn.Module, kind: type) -> list[nn.Module]:
+    """The modules of ``kind`` in ``model`` that no other module of ``kind`` holds."""
+    if isinstance(model, kind):
+        return [model]
+    found: list[nn.Module] = []
+    for child in model.children():
+        found.extend(_outermost(child, kind))
+    return found
 
 
 def _refuse_unsplittable(config, impl: str, n: int) -> None:
