@@ -340,7 +340,7 @@ class ZeroAccelerator(Accelerator):
     def _check_attention(self, model: nn.Module) -> None:
         """``sp_attn_implementation`` must be the model's own: the one that is wrapped (DeepSpeed refuses
         a mismatch the same way)."""
-        handler = getattr(self.parallelism_config, "sp_handler", None) if self.sequence_parallel.size > 1 else None
+        handler = getattr(self.state.parallelism_config, "sp_handler", None) if self.sequence_parallel.size > 1 else None
         wanted = getattr(handler, "sp_attn_implementation", None)
         have = getattr(getattr(model, "config", None), "_attn_implementation", None)
         if wanted is not None and have is not None and wanted != have:
