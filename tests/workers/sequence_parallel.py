@@ -64,11 +64,14 @@ def run(case: dict) -> dict:
     ref_opt = optimizer(case.get("optimizer", "sgd"), ref.parameters())
     model = copy.deepcopy(base)
     config = dict(stage=case["stage"], param_persistence_threshold=0, sequence_parallel_size=sp,
-                  gradient_clipping=clip)
+                  gradient_clipping=clip, precision=case.get("precision", "fp32"))
     if case.get("offload"):
-        config["offload_optimizer"] = case["offload"]
+        where = case["offload"] if case["offload"] == "cpu" else {"device": "nvme", "path": f"{case['nvme_path']}/r{rank}"}
+        config["offload_optimizer"] = where
         if case["stage"] == 3:
-            config["offload_params"] = case["offload"]
+            config["offload_params"] = where
+    if case.get("preset"):  # a preset (zero_auto) instead of a stage
+        config = dict(preset=case["preset"], sequence_parallel_size=sp)
     model, zopt = zs.setup(model, optimizer(case.get("optimizer", "sgd"), model.parameters()), config)
     losses, ref_losses = [], []
     for step in range(steps):
@@ -103,7 +106,7 @@ def run(case: dict) -> dict:
         mean = torch.tensor([step_loss])
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    full = zs.full_state_dict(model)
+    full = {k: v.float() for k, v in zs.full_state_dict(model).items()}
     wdiff, worst = worst_rel_diff(full, ref.state_dict())
     zs.teardown(model, keep_weights=False)
     return dict(case=case, losses=losses, ref_losses=ref_losses, weight_rel_diff=wdiff, worst_tensor=worst,
