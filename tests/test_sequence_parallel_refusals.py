@@ -3,7 +3,8 @@ something else; and its batch shard is what one process would compute on the who
 
 Issue 40. The multi-process cases run on 2 ranks (tests/workers/sequence_parallel_cases.py):
 a size that does not divide the world, a model outside transformers, a sliding-window model,
-head counts the group does not divide, flex attention, packed sequences, left padding. A
+head counts the group does not divide, flex attention, packed sequences, left padding,
+``generate()`` on a model set up with it. A
 refused setup leaves the model's attention as it was. The one-process tests check the config
 field, the DeepSpeed key and ``shard_batch`` against slices of the whole-sequence tensors.
 """
@@ -30,6 +31,7 @@ REFUSALS = {
     "flex-attention": "attn_implementation='flex_attention' is not supported",
     "packed-sequences": "no packing",
     "left-padding": "padding at the end of each row",
+    "generate": "generate() is not supported on a model set up with sequence_parallel_size=2",
 }
 
 
@@ -47,8 +49,10 @@ def test_what_cannot_be_split_is_refused_by_name(case):
     got = refusals().get(case)
     assert got is not None, "the case did not run"
     assert got["type"] == "ValueError" and REFUSALS[case] in got["message"], got
-    if case not in ("packed-sequences", "left-padding"):  # refused at setup: the model is as it was
+    if case not in ("packed-sequences", "left-padding", "generate"):  # refused at setup: the model is as it was
         assert got["attn_after"] == got["attn_before"], got
+    if case == "generate":
+        assert got["generated_after_teardown"] == 5, got  # teardown gives the model its generate() back
 
 
 def test_the_config_field_takes_sizes_of_one_and_more():

@@ -55,6 +55,8 @@ def refusal(case: str) -> dict:
     try:
         model, _ = zs.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
                             {"preset": "zero2", "sequence_parallel_size": sp})
+        if case == "generate":
+            model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)
         if case in ("packed-sequences", "left-padding"):
             ids = torch.randint(1, VOCAB, (1, 16))
             batch = dict(input_ids=ids, labels=ids)
@@ -67,8 +69,12 @@ def refusal(case: str) -> dict:
     except (ValueError, RuntimeError) as e:
         after = getattr(getattr(model, "config", None), "_attn_implementation", None)
         if zs.is_set_up(model):
-            zs.teardown(model, keep_weights=False)
-        return dict(case=case, type=type(e).__name__, message=str(e), attn_before=before, attn_after=after)
+            zs.teardown(model, keep_weights=True)
+        generated = None
+        if case == "generate":  # torn down: the model's own generate() again
+            generated = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape[1]
+        return dict(case=case, type=type(e).__name__, message=str(e), attn_before=before, attn_after=after,
+                    generated_after_teardown=generated)
 
 
 def samples(step: int) -> dict:

@@ -152,7 +152,8 @@ def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
     transformers to build no attention mask for the shard (the wrapper masks the whole
     sequence causally). Refuses, naming the fix, what cannot be split: no transformers model,
     encoder-decoders, sliding-window or linear-attention layers, flex and paged attention,
-    head counts the group does not divide."""
+    head counts the group does not divide; and ``generate()`` on the wrapped models raises
+    until teardown."""
     n = sp.size
     transformers = sys.modules.get("transformers")
     pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
@@ -176,15 +177,30 @@ def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
         name = f"zero_ulysses_{impl}_{id(m):x}"
         transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp))
         config._attn_implementation = name
-        undos.append((config, impl, name))
+        refuse = _refuse_generate(n)
+        if hasattr(m, "generate"):
+            m.generate = refuse
+        undos.append((m, config, impl, name, refuse))
 
     def undo() -> None:
-        for config, impl, name in undos:
+        for m, config, impl, name, refuse in undos:
             if config._attn_implementation == name:
                 config._attn_implementation = impl
             transformers.AttentionInterface._global_mapping.pop(name, None)
+            if m.__dict__.get("generate") is refuse:
+                del m.__dict__["generate"]
 
     return undo
+
+
+def _refuse_generate(n: int) -> Callable:
+    """``generate()`` under sequence parallelism would run each rank's whole prompt as a shard
+    (and decode one token as N): refused, naming the fix."""
+    def generate(*args, **kwargs):
+        raise ValueError(f"generate() is not supported on a model set up with sequence_parallel_size={n}: the "
+                         "attention expects each rank to hold 1/N of every sequence. Generate with a model set up "
+                         "without sequence parallelism (zero_strategy.teardown(model) first, or a copy)")
+    return generate
 
 
 def _outermost(model: nn.Module, kind: type) -> list[nn.Module]:
