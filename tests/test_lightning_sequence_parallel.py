@@ -5,7 +5,9 @@ data-parallel ranks and hands ``training_step`` this rank's shard.
 Issue 40. tests/workers/lightning_sequence_parallel.py: a LightningModule holding a tiny Llama,
 a DataLoader of whole samples (a prompt masked with -100), ``training_step`` returning
 ``zero_strategy.sequence_parallel_loss``; the reference trains a copy in one process in the
-order Lightning's sampler gives, with torch's SGD and ``clip_grad_norm_``.
+order Lightning's sampler gives, with torch's SGD and ``clip_grad_norm_``. Fabric's case:
+``ZeroFabricStrategy(sequence_parallel_size=2)``, ``fabric.setup_dataloaders`` and
+``zero_strategy.shard_sequence`` in the loop.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 from _launch import launch
 
 TOL = 1e-5
-CASES = [dict(name="stage3", stage=3), dict(name="stage2-accumulate-clip", stage=2, accumulate=2, clip=0.05)]
+CASES = [dict(name="stage3", stage=3), dict(name="stage2-accumulate-clip", stage=2, accumulate=2, clip=0.05),
+         dict(name="fabric-stage3", stage=3, fabric=True)]
 
 
 @functools.lru_cache(maxsize=None)

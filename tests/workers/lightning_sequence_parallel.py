@@ -64,9 +64,11 @@ def run_case(case: dict, world: int) -> dict:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
     ref_losses = []
     data = samples()
-    # Lightning shuffles a training loader through a DistributedSampler (seed 0); under SP it
-    # spans the data-parallel ranks only (one here), so both ranks read this order
-    order = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
+    # Lightning's Trainer shuffles a training loader through a DistributedSampler (seed 0), Fabric
+    # keeps the loader's order; under SP it spans the data-parallel ranks only (one here), so both
+    # ranks read this order
+    fabric = case.get("fabric", False)
+    order = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=not fabric, seed=0))
     for i, sample in enumerate(data[j] for j in order):
         loss = reference(input_ids=sample["input_ids"][None], labels=sample["labels"][None]).loss
         (loss / accumulate).backward()
@@ -76,6 +78,8 @@ def run_case(case: dict, world: int) -> dict:
                 torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
             ref_opt.step()
             ref_opt.zero_grad()
+    if fabric:
+        return run_fabric(case, base, data, world) | dict(ref_losses=ref_losses, reference=reference)
     module = LitLlama(base)
     trainer = pl.Trainer(accelerator="cpu", devices=world,
                          strategy=zs.ZeroStrategy(stage=case["stage"], sequence_parallel_size=2),
@@ -89,10 +93,39 @@ def run_case(case: dict, world: int) -> dict:
                 weight_rel_diff=worst_rel_diff(state, reference.state_dict())[0])
 
 
+def run_fabric(case: dict, model, data, world: int) -> dict:
+    """Fabric, as its users write a loop: the loaders from ``setup_dataloaders``, each batch sharded
+    with ``zero_strategy.shard_sequence``."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=world,
+                    strategy=zs.ZeroFabricStrategy(stage=case["stage"], sequence_parallel_size=2))
+    fabric.launch()
+    wrapped, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    losses = []
+    for batch in fabric.setup_dataloaders(DataLoader(data, batch_size=1)):
+        shard = zs.shard_sequence(batch, model)
+        out = wrapped(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+        loss = model.loss_function(logits=out.logits, labels=None, shift_labels=shard["shift_labels"],
+                                   vocab_size=VOCAB)
+        loss = zs.sequence_parallel_loss(loss, shard["shift_labels"], model)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, state={k: v.float() for k, v in zs.full_state_dict(model).items()})
+
+
 def main() -> None:
     args, out = start()
     world = torch.distributed.get_world_size()
-    finish(out, run_named_cases(args["cases"], lambda case: run_case(case, world)))
+    finish(out, run_named_cases(args["cases"], lambda case: compared(run_case(case, world))))
+
+
+def compared(res: dict) -> dict:
+    if "state" in res:  # the Fabric case: weights compared here, not sent
+        res["weight_rel_diff"] = worst_rel_diff(res.pop("state"), res.pop("reference").state_dict())[0]
+    return res
 
 
 if __name__ == "__main__":
