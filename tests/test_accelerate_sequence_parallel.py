@@ -52,6 +52,7 @@ def test_the_alst_loop_trains_like_one_process(name):
         assert rep["sp_group_ranks"] == [0, 1] and rep["engine_sp"] == 2, rep
         # both ranks read every sample, each half of it: 4 steps of 32/2 tokens
         assert rep["dl_len"] == 4 and rep["seqlens"] == [16, 16, 16, 16], rep
+        assert rep["adapter_is_identity"], "DeepSpeed's adapter hook: the prepared loader is already sharded"
         for step, (got, want) in enumerate(zip(rep["losses"], rep["ref_losses"], strict=True)):
             assert abs(got - want) <= TOL * abs(want), f"rank {rank} step {step}: {got} vs one process {want}"
         assert rep["weight_rel_diff"][0] <= TOL, rep["weight_rel_diff"]

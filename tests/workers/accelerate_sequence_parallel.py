@@ -108,6 +108,7 @@ def main() -> None:
         finish(out, report)
 
     report["dl_len"] = len(dl)
+    report["adapter_is_identity"] = accelerator.deepspeed_ulysses_dl_adapter(dl, model) is dl
     sp_size = parallelism_config.sp_size if parallelism_config else 1
     if sp_size > 1:
         sp_group = accelerator.torch_device_mesh["sp"].get_group()

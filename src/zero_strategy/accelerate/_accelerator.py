@@ -369,6 +369,14 @@ class ZeroAccelerator(Accelerator):
         self._dataloaders.append(prepared)
         return api.sequence_parallel_loader(prepared, sp)
 
+    def deepspeed_ulysses_dl_adapter(self, dl, model):
+        """Accelerate's hook for a loader prepared apart from the model: here every prepared loader
+        is already sharded (See [Note: sequence parallelism under Accelerate]), so it comes back as it is."""
+        if self.sequence_parallel.size == 1 or isinstance(getattr(dl, "sp", None), api.SequenceParallelGroup):
+            return dl
+        raise ValueError("ZeroAccelerator.deepspeed_ulysses_dl_adapter: pass a loader returned by "
+                         "accelerator.prepare(...), which under sequence parallelism yields each rank's shard")
+
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if evaluation_mode:
             if self.is_zero_model(model):
