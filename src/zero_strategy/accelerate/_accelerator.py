@@ -180,6 +180,12 @@ class ZeroAccelerator(Accelerator):
         from torch.distributed.device_mesh import DeviceMesh
 
         _refuse_sequence_parallel_size(size, self.num_processes)
+        dp = (getattr(parallelism, "dp_replicate_size", 1) or 1) * (getattr(parallelism, "dp_shard_size", 1) or 1)
+        if dp not in (1, self.num_processes // size):
+            raise ValueError(f"ZeroAccelerator: ParallelismConfig asks for {dp} data-parallel ranks (dp_replicate_size x "
+                             f"dp_shard_size) beside sp_size={size}, but {self.num_processes} processes leave "
+                             f"{self.num_processes // size}; drop the dp sizes (ZeRO shards over every rank) or set "
+                             f"them to {self.num_processes // size}")
         sp, dp_group = api.sequence_parallel_groups(size)
         mesh = torch.arange(self.num_processes).view(self.num_processes // size, size)
         self.state.device_mesh = DeviceMesh.from_group([dp_group, sp.group], self.device.type, mesh=mesh,
