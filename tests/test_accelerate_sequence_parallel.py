@@ -69,6 +69,16 @@ def test_an_sp_attention_other_than_the_models_is_refused():
         assert "sp_attn_implementation='sdpa'" in rep["refused"] and "'eager'" in rep["refused"], rep
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_data_parallel_sizes_the_launch_does_not_have_are_refused():
+    reports, _ = accelerate_launch("accelerate_sequence_parallel.py", dict(preset="zero2", dp_shard_size=2, refuse=True),
+                                   timeout=300)
+    for rep in reports:
+        assert "asks for 2 data-parallel ranks" in rep["refused"] and "leave 1" in rep["refused"], rep
+
+
 def test_sequence_parallelism_in_one_process_is_refused_by_name(clean_env):
     from accelerate.parallelism_config import ParallelismConfig
 

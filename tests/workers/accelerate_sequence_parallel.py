@@ -50,13 +50,21 @@ def main() -> None:
         parallelism_config = ParallelismConfig(
             sp_backend="deepspeed",
             sp_size=world_size,
+            dp_shard_size=args.get("dp_shard_size", 1),
             sp_handler=DeepSpeedSequenceParallelConfig(
                 sp_seq_length=256,
                 sp_seq_length_is_variable=True,
                 sp_attn_implementation=args.get("sp_attn", None if attn == "eager" else attn),
             ),
         )
-    accelerator = ZeroAccelerator(args["preset"], parallelism_config=parallelism_config)
+    try:
+        accelerator = ZeroAccelerator(args["preset"], parallelism_config=parallelism_config)
+    except ValueError as e:
+        if not args.get("refuse"):
+            raise
+        (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps({"refused": str(e)}))
+        torch.distributed.barrier()
+        os._exit(0)
     parallelism_config = accelerator.parallelism_config  # the launch config's, when it came from there
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
