@@ -4,7 +4,8 @@ sp_size=2))`` logs the losses and ends on the weights of one process training on
 Issue 40. tests/workers/hf_trainer_sequence_parallel.py under ``accelerate launch`` (2 CPU
 processes): four samples whose prompt is masked with -100 (the first shard of each has no
 valid label), ``gradient_accumulation_steps=4``, 2 epochs, SGD, ``max_grad_norm`` clipping; the
-reference trains a copy in one process with ``model(input_ids, labels).loss``.
+reference trains a copy in one process with ``model(input_ids, labels).loss``; then
+``trainer.evaluate()`` on the same samples against the reference's mean loss.
 """
 
 from __future__ import annotations
@@ -27,3 +28,5 @@ def test_zero_trainer_with_sequence_parallelism_matches_one_process():
         for step, (got, want) in enumerate(zip(rep["losses"], rep["ref_losses"], strict=True)):
             assert abs(got - want) <= TOL * abs(want), f"rank {rank} step {step}: logged {got} vs one process {want}"
         assert rep["weight_rel_diff"] <= TOL, rep["weight_rel_diff"]
+        # evaluate(): the eval loader is sharded too, and the loss is the whole samples' mean
+        assert abs(rep["eval_loss"] - rep["ref_eval"]) <= TOL * rep["ref_eval"], (rep["eval_loss"], rep["ref_eval"])

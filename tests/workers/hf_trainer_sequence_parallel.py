@@ -77,13 +77,17 @@ def main() -> None:
         output_dir=str(out / "run"), per_device_train_batch_size=1, gradient_accumulation_steps=4,
         num_train_epochs=epochs, learning_rate=lr, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=clip, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        dataloader_num_workers=0, parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
-    trainer = ZeroTrainer(model=model, args=training, train_dataset=data, zero_config=args["preset"])
+        dataloader_num_workers=0, per_device_eval_batch_size=1, parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+    with torch.no_grad():  # the reference's evaluation after training: the mean of the samples' losses
+        ref_eval = sum(reference(input_ids=i["input_ids"][None], labels=i["labels"][None]).loss.item()
+                       for i in data.items) / len(data)
+    trainer = ZeroTrainer(model=model, args=training, train_dataset=data, eval_dataset=data, zero_config=args["preset"])
     trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     full = zs.full_state_dict(model)
     rank = torch.distributed.get_rank()
-    report = dict(losses=losses, ref_losses=ref_losses, weight_rel_diff=worst_rel_diff(full, reference.state_dict())[0],
+    report = dict(losses=losses, ref_losses=ref_losses, eval_loss=eval_loss, ref_eval=ref_eval, weight_rel_diff=worst_rel_diff(full, reference.state_dict())[0],
                   global_step=trainer.state.global_step, sp=trainer.accelerator.sequence_parallel.size,
                   mesh_sp=torch.distributed.get_process_group_ranks(trainer.accelerator.torch_device_mesh["sp"].get_group()))
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -132,6 +132,7 @@ class _TrainerZeroAccelerator(ZeroAccelerator):
 # ``compute_loss`` computes the whole sample's loss on every rank with
 # ``zero_strategy.sequence_parallel_loss``, whose gradient convention the engine's average
 # expects; the logged loss is the one the stock Trainer logs for one process on whole sequences.
+# ``prediction_step`` returns that loss for evaluation and no logits (each rank holds a shard).
 
 
 class ZeroTrainerMixin:
@@ -160,8 +161,7 @@ class ZeroTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The stock loss, except in training under sequence parallelism: See [Note: sequence
         parallelism under the Trainer]."""
-        sp = getattr(self.accelerator, "sequence_parallel", None)
-        if sp is None or sp.size == 1 or not model.training or "shift_labels" not in inputs:
+        if not self._sequence_parallel_batch(inputs):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         inputs = dict(inputs)
@@ -172,6 +172,20 @@ class ZeroTrainerMixin:
                                        vocab_size=unwrapped.config.get_text_config().vocab_size)
         loss = api.sequence_parallel_loss(loss, shift_labels, unwrapped)
         return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The stock step, except under sequence parallelism: the whole sample's loss (the eval loader
+        is sharded too); the logits are this rank's shard of the sequence, so none are returned."""
+        if not self._sequence_parallel_batch(inputs):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def _sequence_parallel_batch(self, inputs) -> bool:
+        sp = getattr(getattr(self, "accelerator", None), "sequence_parallel", None)
+        return sp is not None and sp.size > 1 and "shift_labels" in inputs
 
     def get_total_train_batch_size(self, args) -> int:
         """The stock count over the data-parallel ranks: under sequence parallelism the N ranks of a
