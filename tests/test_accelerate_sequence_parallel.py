@@ -53,6 +53,8 @@ def test_the_alst_loop_trains_like_one_process(name):
         # both ranks read every sample, each half of it: 4 steps of 32/2 tokens
         assert rep["dl_len"] == 4 and rep["seqlens"] == [16, 16, 16, 16], rep
         assert rep["adapter_is_identity"], "DeepSpeed's adapter hook: the prepared loader is already sharded"
+        # skip_first_batches (a resumed epoch) still yields this rank's shards of the samples after the skip
+        assert rep["skipped_first_tokens"] == rep["expected_first_tokens"], rep
         for step, (got, want) in enumerate(zip(rep["losses"], rep["ref_losses"], strict=True)):
             assert abs(got - want) <= TOL * abs(want), f"rank {rank} step {step}: {got} vs one process {want}"
         assert rep["weight_rel_diff"][0] <= TOL, rep["weight_rel_diff"]

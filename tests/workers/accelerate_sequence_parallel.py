@@ -159,6 +159,10 @@ def main() -> None:
         accelerator.backward(loss)
         optimizer.step()
 
+    # a resumed epoch (accelerator.skip_first_batches, as the Trainer resumes): still this rank's shards
+    skipped = list(accelerator.skip_first_batches(dl, 2))
+    report["skipped_first_tokens"] = [int(b["input_ids"][0, 0]) for b in skipped]
+    report["expected_first_tokens"] = [int(input_ids[i, 16 * rank]) for i in (2, 3)]
     full = zs.full_state_dict(model)
     report.update(losses=losses, seqlens=seqlens, weight_rel_diff=worst_rel_diff(full, reference.state_dict()),
                   sp_group_ranks=torch.distributed.get_process_group_ranks(sp_group) if sp_size > 1 else None,

@@ -383,6 +383,13 @@ class ZeroAccelerator(Accelerator):
         raise ValueError("ZeroAccelerator.deepspeed_ulysses_dl_adapter: pass a loader returned by "
                          "accelerator.prepare(...), which under sequence parallelism yields each rank's shard")
 
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """Accelerate's, on the sharded loader's inner one, so the batches after the skip are still
+        this rank's shards (a resumed epoch must not feed whole sequences to the split attention)."""
+        if isinstance(getattr(dataloader, "sp", None), api.SequenceParallelGroup):
+            return api.sequence_parallel_loader(super().skip_first_batches(dataloader.loader, num_batches), dataloader.sp)
+        return super().skip_first_batches(dataloader, num_batches)
+
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if evaluation_mode:
             if self.is_zero_model(model):

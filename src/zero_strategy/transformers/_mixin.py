@@ -183,6 +183,14 @@ class ZeroTrainerMixin:
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """The stock skip, through the accelerator: under sequence parallelism the loader after the
+        skip still yields each rank's shard (See [Note: sequence parallelism under the Trainer])."""
+        sp = getattr(self.accelerator, "sequence_parallel", None)
+        if sp is not None and sp.size > 1:
+            return self.accelerator.skip_first_batches(dataloader, num_batches)
+        return super().get_resumed_dataloader(dataloader, num_batches)
+
     def _sequence_parallel_batch(self, inputs) -> bool:
         sp = getattr(getattr(self, "accelerator", None), "sequence_parallel", None)
         return sp is not None and sp.size > 1 and "shift_labels" in inputs
