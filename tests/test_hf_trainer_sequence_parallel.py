@@ -30,3 +30,15 @@ def test_zero_trainer_with_sequence_parallelism_matches_one_process():
         assert rep["weight_rel_diff"] <= TOL, rep["weight_rel_diff"]
         # evaluate(): the eval loader is sharded too, and the loss is the whole samples' mean
         assert abs(rep["eval_loss"] - rep["ref_eval"]) <= TOL * rep["ref_eval"], (rep["eval_loss"], rep["ref_eval"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_run_resumed_mid_epoch_ends_on_the_uninterrupted_weights():
+    """``train(resume_from_checkpoint=...)`` mid-epoch skips the batches already trained: the loader
+    after the skip must still give each rank its shard."""
+    reports, _ = accelerate_launch("hf_trainer_sequence_parallel.py", {"preset": "zero2", "resume": True}, timeout=300)
+    for rep in reports:
+        assert rep["resumed_steps"] == 4, rep
+        assert rep["resumed_rel_diff"] <= TOL, rep

@@ -31,9 +31,9 @@ VOCAB = 64
 
 
 class Samples(torch.utils.data.Dataset):
-    def __init__(self):
+    def __init__(self, count: int = 4):
         self.items = []
-        for i in range(4):
+        for i in range(count):
             g = torch.Generator().manual_seed(700 + i)
             ids = torch.randint(1, VOCAB, (40,), generator=g)
             labels = ids.clone()
@@ -47,10 +47,47 @@ class Samples(torch.utils.data.Dataset):
         return self.items[i]
 
 
+def tiny_llama() -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attn_implementation="sdpa")
+    torch.manual_seed(5)
+    return LlamaForCausalLM(cfg)
+
+
+def resumed(out: Path, preset: str) -> dict:
+    """8 samples, 2 per step, one epoch; run A saves checkpoint-2 mid-epoch and ends; run B, a fresh
+    model, resumes from checkpoint-2 (skipping the epoch's first 4 batches) and must end on A's weights."""
+    data = Samples(8)
+
+    def trainer_for(model, save: bool):
+        training = TrainingArguments(
+            output_dir=str(out / "resume"), per_device_train_batch_size=1, gradient_accumulation_steps=2,
+            num_train_epochs=1, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+            max_grad_norm=0.5, save_strategy="steps" if save else "no", save_steps=2, logging_steps=1, report_to=[],
+            disable_tqdm=True, dataloader_num_workers=0, seed=3,
+            parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2))
+        return ZeroTrainer(model=model, args=training, train_dataset=data, zero_config=preset)
+
+    model_a = tiny_llama()
+    trainer_for(model_a, True).train()
+    full_a = zs.full_state_dict(model_a)
+    model_b = tiny_llama()
+    trainer_b = trainer_for(model_b, False)
+    trainer_b.train(resume_from_checkpoint=str(out / "resume" / "checkpoint-2"))
+    return dict(resumed_rel_diff=worst_rel_diff(zs.full_state_dict(model_b), full_a)[0],
+                resumed_steps=trainer_b.state.global_step)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     args = json.loads((out / "args.json").read_text())
     torch.set_num_threads(1)
+    if args.get("resume"):
+        report = resumed(out, args["preset"])
+        (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
+        torch.distributed.barrier()
+        os._exit(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       attn_implementation="sdpa")
