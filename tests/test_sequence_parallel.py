@@ -9,7 +9,8 @@ momentum is the default optimizer because it shows a wrong gradient scale that A
 The cases cover stages 1-3, CPU and NVMe offload, zero_auto, bf16, sdpa and eager attention, grouped-query attention
 with fewer kv heads than ranks (repeated) and as many as heads, a prompt masked with -100 so
 that one shard has no valid token, a length that must be padded to a multiple of the group,
-accumulation with clipping, and on 4 ranks SP groups of 2 beside data parallelism of 2 (the
+accumulation with clipping, gradient checkpointing (the all-to-alls run again in the
+recomputation), and on 4 ranks SP groups of 2 beside data parallelism of 2 (the
 engine's average over data parallelism) and one SP group of 4.
 """
 
@@ -35,6 +36,7 @@ TWO_RANKS = [
     dict(name="stage3-nvme-offload", sp=2, stage=3, offload="nvme"),
     dict(name="zero-auto", sp=2, stage=3, preset="zero_auto"),
     dict(name="stage2-bf16", sp=2, stage=2, precision="bf16"),
+    dict(name="stage3-gradient-checkpointing", sp=2, stage=3, checkpointing=True),
 ]
 #: bf16 computes in bf16 against the fp32 reference: its rounding, not SP's (a wrong gradient scale
 #: moves the weights by more than 0.1 at this learning rate)

@@ -63,6 +63,9 @@ def run(case: dict) -> dict:
     ref = copy.deepcopy(base)
     ref_opt = optimizer(case.get("optimizer", "sgd"), ref.parameters())
     model = copy.deepcopy(base)
+    if case.get("checkpointing"):  # activations recomputed in backward: the all-to-alls run again there
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     config = dict(stage=case["stage"], param_persistence_threshold=0, sequence_parallel_size=sp,
                   gradient_clipping=clip, precision=case.get("precision", "fp32"))
     if case.get("offload"):
