@@ -291,24 +291,25 @@ def test_import_zero_strategy_does_not_import_accelerate():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("key", ["sp_size", "tp_size", "cp_size"])
+@pytest.mark.parametrize("key", ["tp_size", "cp_size"])
 def test_model_parallel_sizes_are_refused_not_run_as_data_parallelism(clean_env, key):
-    """Accelerate's long-sequence idiom, ``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``,
-    run as data parallelism would train two samples where one was to be split: refused by name."""
+    """Tensor and context parallelism, run as data parallelism, would train two samples where one
+    was to be split: refused by name (sequence parallelism is honoured: test_accelerate_sequence_parallel.py)."""
     from accelerate.parallelism_config import ParallelismConfig
 
     from zero_strategy.accelerate import ZeroAccelerator
 
-    extra = {"sp_backend": "deepspeed"} if key == "sp_size" else {}
     with pytest.raises(ValueError, match=f"{key} to 1"):
-        ZeroAccelerator("zero2", parallelism_config=ParallelismConfig(**{key: 2}, **extra))
+        ZeroAccelerator("zero2", parallelism_config=ParallelismConfig(**{key: 2}))
 
 
-def test_a_launch_config_asking_for_sequence_parallelism_is_refused(clean_env):
-    """What `accelerate launch` sets from a config file with ``parallelism_config_sp_size: 2``."""
+def test_a_launch_config_asking_for_sequence_parallelism_in_one_process_is_refused(clean_env):
+    """What `accelerate launch` sets from a config file with ``parallelism_config_sp_size: 2``, in a
+    process that is not one of a multiple of 2: refused, never run as data parallelism."""
     from zero_strategy.accelerate import ZeroAccelerator
 
     clean_env.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     clean_env.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
-    with pytest.raises(ValueError, match="PARALLELISM_CONFIG_SP_SIZE=2 in the launch config"):
+    clean_env.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="sequence parallelism of size 2 needs a multiple of 2 processes"):
         ZeroAccelerator("zero2")

@@ -28,6 +28,8 @@ from . import _zero_auto as _auto
 from ._comm.collectives import Collectives
 from ._comm.faults import failing_exception
 from ._comm.hybrid import hybrid_groups
+from ._comm.sequence_parallel import SequenceParallelGroup, sequence_parallel_group as _sp_group
+from ._comm.sequence_parallel import sequence_parallel_groups
 from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
@@ -39,6 +41,7 @@ from ._model.gather import whole_model_pass
 from ._model.install import install
 from ._model.memory import MemoryReport, measure
 from ._model.tiled_loss import tiled_causal_lm_loss
+from ._model import sequence_parallel as _sp
 from ._mechanisms.host_memory import release_freed_host_memory
 from ._optim.layouts import layout_of
 from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
@@ -49,7 +52,10 @@ __all__ = [
     "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
-    "choose_preset", "tiled_causal_lm_loss", "offloaded_checkpoint",
+    "choose_preset", "tiled_causal_lm_loss", "offloaded_checkpoint", "shard_sequence", "sequence_parallel_loss",
+    "sequence_parallel_loader", "sequence_parallel_group",
+    # for the front ends' device meshes and data loaders: See [Note: sequence parallelism]
+    "sequence_parallel_groups", "SequenceParallelGroup",
     # for the front ends' loaders (zero_strategy.transformers.from_pretrained): See [Note: weights
     # that arrive at setup] in _engine/deferred_weights.py
     "DeferredWeights", "defer_weights",
@@ -112,6 +118,17 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     pending = deferred_weights.pending_weights(model)  # See [Note: weights that arrive at setup]
     if pending and param_init_fn is None:
         param_init_fn = deferred_weights.init_for_pending(model, pending)
+    sp = _sp_group(cfg.sequence_parallel_size, process_group)  # See [Note: sequence parallelism]
+    undo_attention = hf.sequence_parallel_attention(model, sp) if sp.size > 1 else None
+    try:
+        return _setup(model, optimizers, several, cfg, process_group, device, param_init_fn, pending, sp, undo_attention)
+    except BaseException:
+        if undo_attention is not None:
+            undo_attention()
+        raise
+
+
+def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn, pending, sp, undo_attention):
     shard_group, replicate_group = hybrid_groups(cfg.shard_group_size, process_group)
     comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
@@ -125,6 +142,9 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
                         owned_optimizers=owned, kept_dtypes=hf.kept_dtypes(model, cfg.compute_dtype),
                         loaded_later=deferred_weights.loaded_whole(model, pending))
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
+    engine.sequence_parallel = sp
+    if undo_attention is not None:
+        engine.undo_on_teardown.append(undo_attention)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
@@ -134,6 +154,52 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     if several:
         return model, zero_opts
     return model, (zero_opts[0] if zero_opts else None)
+
+
+def _sequence_parallel_of(model) -> SequenceParallelGroup:
+    """``model``'s SP group; a :class:`SequenceParallelGroup` given instead is itself (a front end
+    prepares data loaders before the model they feed)."""
+    if isinstance(model, SequenceParallelGroup):
+        return model
+    engine = engine_of(model)
+    return engine.sequence_parallel or SequenceParallelGroup(None, 0, 1)
+
+
+def _pad_token_id(model) -> int:
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def sequence_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group of ``model``'s sequence-parallel group (the ranks sharing its samples);
+    None without sequence parallelism. See [Note: sequence parallelism] in _model/sequence_parallel.py."""
+    return _sequence_parallel_of(model).group
+
+
+def shard_sequence(batch, model: nn.Module) -> dict:
+    """This rank's shard of a whole-sample batch for ``model`` set up with ``sequence_parallel_size=N``.
+
+    Every rank of an SP group passes the same batch (``input_ids``, ``labels``, optional
+    ``position_ids`` / right-padding ``attention_mask``); it gets its 1/N of the sequence
+    with global ``position_ids`` and ``shift_labels`` (DeepSpeed's
+    ``UlyssesSPDataLoaderAdapter`` gives the same keys). Without sequence parallelism the
+    batch comes back with ``shift_labels`` and ``position_ids`` added, so one loop serves
+    both. Compute the loss with :func:`sequence_parallel_loss`."""
+    return _sp.shard_batch(batch, _sequence_parallel_of(model), _pad_token_id(model))
+
+
+def sequence_parallel_loader(loader, model: nn.Module) -> "_sp.SequenceShardedLoader":
+    """``loader`` (yielding whole samples, the same on every rank of an SP group: shard the
+    data over ``world // N`` replicas, ``rank // N``) yielding :func:`shard_sequence` shards."""
+    return _sp.SequenceShardedLoader(loader, _sequence_parallel_of(model), _pad_token_id(model))
+
+
+def sequence_parallel_loss(loss: torch.Tensor, shift_labels: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """The whole sample's loss on every rank of the SP group, from this shard's mean token
+    ``loss`` (``model.loss_function(logits=..., labels=None, shift_labels=..., vocab_size=...)``);
+    back-propagate it on every rank. A shard whose labels are all -100 adds zero, not NaN.
+    See [Note: sequence parallelism] in _model/sequence_parallel.py for the gradient arithmetic."""
+    return _sp.sequence_parallel_loss(loss, shift_labels, _sequence_parallel_of(model))
 
 
 def _optimizer_group_of(model: nn.Module, optimizers: list) -> dict[int, tuple[int, int]]:

@@ -161,6 +161,12 @@ class ZeroConfig:
             recomputation wait on the host instead of the device (pinned buffers, copied on a side
             stream); on a CPU run they are already there. See [Note: activation offload] in
             _model/activation_offload.py.
+        sequence_parallel_size: Ulysses sequence parallelism: groups of this many consecutive
+            ranks share each sample, every rank holding 1/N of its sequence, with an all-to-all
+            from sequence shards to head shards around attention (DeepSpeed's key of the same
+            name). It must divide the number of ranks; the other factor is data parallel, and
+            ZeRO still shards over every rank. 1: off. See [Note: sequence parallelism] in
+            _model/sequence_parallel.py and docs/guides/long-sequences.md.
     """
 
     stage: int = 3
@@ -186,6 +192,7 @@ class ZeroConfig:
     tiled_loss: bool | int = False
     tiled_mlp: bool | int = False
     activation_offload: bool = False
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -240,6 +247,7 @@ class ZeroConfig:
         if self.shard_group_size is not None and self.shard_group_size != "node":
             size = _as_int("shard_group_size", self.shard_group_size, 1)
             set_("shard_group_size", size)
+        set_("sequence_parallel_size", _as_int("sequence_parallel_size", self.sequence_parallel_size, 1))
         set_("offload_states_during_generation",
              _as_generation_offload(self.offload_states_during_generation))
         if self.optimizer_layout not in OPTIMIZER_LAYOUTS:
@@ -302,6 +310,7 @@ class ZeroConfig:
             **({"tiled_loss": self.tiled_loss} if self.tiled_loss is not False else {}),
             **({"tiled_mlp": self.tiled_mlp} if self.tiled_mlp is not False else {}),
             **({"activation_offload": True} if self.activation_offload else {}),
+            **({"sequence_parallel_size": self.sequence_parallel_size} if self.sequence_parallel_size > 1 else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }

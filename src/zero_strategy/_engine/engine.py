@@ -297,6 +297,9 @@ class ZeroEngine:
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
         #: what setup put on the user's model (_model/install.py), undone by teardown
         self.undo_on_teardown: list = []
+        #: the model's sequence-parallel group (_comm/sequence_parallel.py), set by setup; the
+        #: step never reads it: See [Note: sequence parallelism] in _model/sequence_parallel.py
+        self.sequence_parallel = None
         #: generate() policy and the gathered_for_generation block (_model/generation.py)
         self.generation = GenerationGathers()
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step

@@ -98,6 +98,7 @@ from .gather import full_state_dict, modified_on_every_rank, unit_values, whole_
 from .generation import around_generate
 from .saves import BatchConversion, arrival_specs, out_dtype, write_entries
 from .tiled_loss import causal_lm_forward, refuse_untileable
+from .sequence_parallel import check_heads, ulysses_attention
 
 if TYPE_CHECKING:
     from .._engine.engine import ZeroEngine
@@ -184,6 +185,104 @@ def kept_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> dict[int, torch
             if dtype is not None and p.is_floating_point():
                 kept.setdefault(id(p), dtype)
     return kept
+
+
+#: what sequence parallelism cannot split (See [Note: sequence parallelism] in _model/sequence_parallel.py)
+_SP_REFUSED_ATTENTION = ("flex_attention", "paged")
+
+
+def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
+    """Run the attention of the transformers models in ``model`` under Ulysses sequence
+    parallelism over ``sp``; returns the undo.
+
+    ``model`` is a transformers model, or holds some (a LightningModule, a PEFT model): the
+    outermost ones are wrapped. Each one's attention function (``config._attn_implementation``:
+    sdpa, eager, flash) is wrapped by :func:`ulysses_attention` and registered in transformers'
+    attention registry under a name of its own, which that model's config then names: the
+    model changes, other models of the process (a reference, a teacher) do not, and no
+    module's code is replaced. A registered name that is not a mask kind also tells
+    transformers to build no attention mask for the shard (the wrapper masks the whole
+    sequence causally). Refuses, naming the fix, what cannot be split: no transformers model,
+    encoder-decoders, sliding-window or linear-attention layers, flex and paged attention,
+    head counts the group does not divide; and ``generate()`` on the wrapped models raises
+    until teardown."""
+    n = sp.size
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    models = _outermost(model, pretrained) if pretrained is not None else []
+    if not models or not hasattr(transformers, "AttentionInterface"):
+        raise ValueError(f"sequence_parallel_size={n}: sequence parallelism wraps the attention of Hugging Face "
+                         f"transformers models (through their attention registry); {type(model).__name__} is not "
+                         "one and holds none. Use a transformers model, or sequence_parallel_size=1")
+    plans = [(m, m.config, m.config._attn_implementation) for m in models]
+    for m, config, impl in plans:
+        _refuse_unsplittable(config, impl, n)
+    undos = []
+    for m, config, impl in plans:
+        if impl == "eager":
+            base = getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None)
+        else:
+            base = transformers.AttentionInterface._global_mapping.get(impl)
+        if base is None:
+            raise ValueError(f"sequence_parallel_size={n}: cannot find the attention function {impl!r} of "
+                             f"{type(m).__name__}; load the model with attn_implementation='sdpa' (or 'eager')")
+        name = f"zero_ulysses_{impl}_{id(m):x}"
+        transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp))
+        config._attn_implementation = name
+        refuse = _refuse_generate(n)
+        if hasattr(m, "generate"):
+            m.generate = refuse
+        undos.append((m, config, impl, name, refuse))
+
+    def undo() -> None:
+        for m, config, impl, name, refuse in undos:
+            if config._attn_implementation == name:
+                config._attn_implementation = impl
+            transformers.AttentionInterface._global_mapping.pop(name, None)
+            if m.__dict__.get("generate") is refuse:
+                del m.__dict__["generate"]
+
+    return undo
+
+
+def _refuse_generate(n: int) -> Callable:
+    """``generate()`` under sequence parallelism would run each rank's whole prompt as a shard
+    (and decode one token as N): refused, naming the fix."""
+    def generate(*args, **kwargs):
+        raise ValueError(f"generate() is not supported on a model set up with sequence_parallel_size={n}: the "
+                         "attention expects each rank to hold 1/N of every sequence. Generate with a model set up "
+                         "without sequence parallelism (zero_strategy.teardown(model) first, or a copy)")
+    return generate
+
+
+def _outermost(model: nn.Module, kind: type) -> list[nn.Module]:
+    """The modules of ``kind`` in ``model`` that no other module of ``kind`` holds."""
+    if isinstance(model, kind):
+        return [model]
+    found: list[nn.Module] = []
+    for child in model.children():
+        found.extend(_outermost(child, kind))
+    return found
+
+
+def _refuse_unsplittable(config, impl: str, n: int) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    what = type(config).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"sequence_parallel_size={n}: {what} is an encoder-decoder; sequence parallelism splits "
+                         "causal decoder-only models. Use sequence_parallel_size=1")
+    if impl.startswith(_SP_REFUSED_ATTENTION):
+        raise ValueError(f"sequence_parallel_size={n}: attn_implementation={impl!r} is not supported under sequence "
+                         "parallelism; load the model with attn_implementation='sdpa' (or 'eager', or flash)")
+    kinds = set(getattr(text, "layer_types", None) or ())
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    if sliding or kinds - {"full_attention"}:
+        raise ValueError(f"sequence_parallel_size={n}: {what} has sliding-window or linear-attention layers "
+                         f"({sorted(kinds) or 'sliding_window'}), which sequence parallelism does not split yet; "
+                         "use a model with full attention only, or sequence_parallel_size=1")
+    heads = getattr(text, "num_attention_heads", None)
+    if isinstance(heads, int):
+        check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, n, f" of {what}")
 
 
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:

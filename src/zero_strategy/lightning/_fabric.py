@@ -89,6 +89,14 @@ class ZeroFabricStrategy(DDPStrategy):
         return with_lightning_precision(self._base_config, plugin.precision if plugin is not None else None)
 
     # ----------------------------------------------------------------- setup
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """``fabric.setup_dataloaders``' sampler over the data-parallel ranks: with
+        ``sequence_parallel_size=N`` the N ranks of an SP group read the same samples; shard each
+        batch with ``zero_strategy.shard_sequence(batch, model)``."""
+        n = self._base_config.sequence_parallel_size
+        return {"num_replicas": (self.num_nodes * self.num_processes) // n, "rank": self.global_rank // n}
+
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         self.module_to_device(module)
         config = self.zero_config
