@@ -10,7 +10,8 @@ The cases cover stages 1-3, CPU and NVMe offload, zero_auto, bf16, sdpa and eage
 with fewer kv heads than ranks (repeated) and as many as heads, a prompt masked with -100 so
 that one shard has no valid token, a length that must be padded to a multiple of the group,
 accumulation with clipping, gradient checkpointing (the all-to-alls run again in the
-recomputation), and on 4 ranks SP groups of 2 beside data parallelism of 2 (the
+recomputation), the tiled loss (``tiled_loss``: each shard's loss from the model itself, chunk by
+chunk, its logits never made; the shard of prompt tokens adds zero), and on 4 ranks SP groups of 2 beside data parallelism of 2 (the
 engine's average over data parallelism) and one SP group of 4.
 """
 
@@ -37,6 +38,7 @@ TWO_RANKS = [
     dict(name="zero-auto", sp=2, stage=3, preset="zero_auto"),
     dict(name="stage2-bf16", sp=2, stage=2, precision="bf16"),
     dict(name="stage3-gradient-checkpointing", sp=2, stage=3, checkpointing=True),
+    dict(name="stage3-tiled-loss-masked-prompt", sp=2, stage=3, tiled_loss=8, masked_prompt=40),
 ]
 #: bf16 computes in bf16 against the fp32 reference: its rounding, not SP's (a wrong gradient scale
 #: moves the weights by more than 0.1 at this learning rate)

@@ -73,6 +73,8 @@ def run(case: dict) -> dict:
         config["offload_optimizer"] = where
         if case["stage"] == 3:
             config["offload_params"] = where
+    if case.get("tiled_loss"):  # the head and loss chunk by chunk: the model's loss, no logits
+        config["tiled_loss"] = case["tiled_loss"]
     if case.get("preset"):  # a preset (zero_auto) instead of a stage
         config = dict(preset=case["preset"], sequence_parallel_size=sp)
     model, zopt = zs.setup(model, optimizer(case.get("optimizer", "sgd"), model.parameters()), config)
@@ -94,9 +96,15 @@ def run(case: dict) -> dict:
         step_loss = 0.0
         for a in range(accum):
             shard = zs.shard_sequence(data[dp_rank * accum + a], model)
-            out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
-            loss = model.loss_function(logits=out.logits, labels=None, shift_labels=shard["shift_labels"],
-                                       vocab_size=VOCAB)
+            if case.get("tiled_loss"):  # the shard's loss from the model itself, its logits never whole
+                out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                            shift_labels=shard["shift_labels"])
+                assert out.logits is None, "the tiled loss made the logits"
+                loss = out.loss
+            else:
+                out = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+                loss = model.loss_function(logits=out.logits, labels=None, shift_labels=shard["shift_labels"],
+                                           vocab_size=VOCAB)
             loss = zs.sequence_parallel_loss(loss, shard["shift_labels"], model) / accum
             if a < accum - 1:
                 with zs.no_sync(model):
