@@ -32,7 +32,9 @@ from it, as before (a file used to be hashed when first opened, half way through
 A DeepSpeed checkpoint (See [Note: DeepSpeed's layout] in _deepspeed.py) goes through the same
 two phases: prepare reads every rank file (memory-mapped, through the allowlisted unpickler),
 checks its layout and the model, optimizer and hyperparameters against it, and
-:class:`DeepSpeedLoad` only copies.
+:class:`DeepSpeedLoad` only copies. So does a torch.distributed.checkpoint (DCP) directory of an
+FSDP2 run (See [Note: DCP's layout] in _dcp.py): prepare reads every chunk this rank will copy
+from, once, and ``DCPLoad`` (_dcp_load.py) copies.
 
 What commit can still meet is the disk failing under it, or a file written over in place
 by another process between the phases. Such an error is agreed on too (no rank hangs),
@@ -56,6 +58,7 @@ from .._mechanisms import nvme_stream
 from .._model.gather import whole_model_pass
 from .._optim.chunked_step import stopped_part_way
 from ..api import engine_of
+from ._dcp import DCPCheckpoint, is_dcp_checkpoint
 from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
@@ -221,8 +224,16 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
     try:
         ckpt_dir = resolve_checkpoint_dir(path)
         names, buffers = _model_names(model, engine)
-        tag_dir = None if (ckpt_dir / METADATA_FILE).exists() else find_deepspeed_checkpoint(ckpt_dir)
-        if tag_dir is None:
+        ours = (ckpt_dir / METADATA_FILE).exists()
+        dcp = not ours and is_dcp_checkpoint(ckpt_dir)
+        tag_dir = None if ours or dcp else find_deepspeed_checkpoint(ckpt_dir)
+        if dcp:  # See [Note: DCP's layout] in _dcp.py
+            from ._dcp_load import DCPLoad, check_dcp  # they build on this module's PreparedLoad
+
+            reader = DCPCheckpoint(ckpt_dir, {n for ns in names.values() for n in ns} | set(buffers))
+            buffers, hyper = check_dcp(reader, names, buffers, model, engine, zopts, strict)
+            extra, kind = None, DCPLoad
+        elif tag_dir is None:
             meta = read_metadata(ckpt_dir)
             _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
             saved_all = zip(zopts, _saved_optimizers(meta), _saved_scalers(meta))
