@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -100,13 +101,14 @@ class _Files:
         self._open.clear()
 
 
-#: (entry, None for a value or (offsets, sizes, full shape, dtype) for a chunk, the data when asked for)
-_Item = tuple[str, Any, Callable[[], Any]]
+#: (entry, its path in the nested state dict, None for a value or (offsets, sizes, full shape, dtype)
+#: for a chunk, the data when asked for)
+_Item = tuple[str, tuple, Any, Callable[[], Any]]
 
 
-def _param_items(key: str, meta: Metadata, files: _Files, fqn: str, tensor_of) -> list[_Item]:
+def _param_items(path: tuple, meta: Metadata, files: _Files, fqn: str, tensor_of) -> list[_Item]:
     """The chunks of parameter ``fqn`` (its weight, or a state tensor: ``tensor_of(group)``) as entry
-    ``key``: one box per contiguous part of each saved rank's element range (See [Note: our shards as
+    ``path``: one box per contiguous part of each saved rank's element range (See [Note: our shards as
     DCP chunks])."""
     p = meta.params[fqn]
     group = meta.groups[p.group]
@@ -119,7 +121,7 @@ def _param_items(key: str, meta: Metadata, files: _Files, fqn: str, tensor_of) -
             for s in sizes:
                 n *= s
             start = a + _flat_start(p.shape, offsets) - at
-            items.append((key, (offsets, sizes, tuple(p.shape), dtype),
+            items.append((".".join(map(str, path)), path, (offsets, sizes, tuple(p.shape), dtype),
                           lambda rank=rank, s=start, n=n, sizes=sizes: files.range(rank, name, s, s + n).reshape(sizes)))
     return items
 
@@ -143,11 +145,12 @@ def _model_items(meta: Metadata, files: _Files) -> list[_Item]:
     items: list[_Item] = []
     for key, kind, name in meta.state_dict_keys:
         if kind == "param":
-            items += _param_items(f"model.{key}", meta, files, name, lambda g: g.weight_tensor)
+            items += _param_items(("model", key), meta, files, name, lambda g: g.weight_tensor)
         else:
             t = files.handle(BUFFERS_FILE).get_tensor(name)
             zeros = (0,) * t.dim()
-            items.append((f"model.{key}", (zeros, tuple(t.shape), tuple(t.shape), t.dtype), lambda t=t: t))
+            items.append((f"model.{key}", ("model", key), (zeros, tuple(t.shape), tuple(t.shape), t.dtype),
+                          lambda t=t: t))
     return items
 
 
@@ -169,34 +172,36 @@ def _optimizer_items(meta: Metadata, files: _Files, ckpt: Path) -> list[_Item]:
                                   "layout), which is not exported to DCP yet: export the weights with consolidate")
         members.setdefault(group.optimizer_group, []).append(fqn)
         for key in group.state_tensors:
-            items += _param_items(f"optim.state.{fqn}.{key}", meta, files, fqn,
+            items += _param_items(("optim", "state", fqn, key), meta, files, fqn,
                                   lambda g, key=key: g.state_tensor(key))
         for key, sc in group.state_scalars.items():
             if sc["tensor"]:
                 value = torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"])).reshape(sc["shape"])
                 zeros = (0,) * value.dim()
-                items.append((f"optim.state.{fqn}.{key}", (zeros, tuple(value.shape), tuple(value.shape),
-                                                           value.dtype), lambda v=value: v))
+                items.append((f"optim.state.{fqn}.{key}", ("optim", "state", fqn, key),
+                              (zeros, tuple(value.shape), tuple(value.shape), value.dtype), lambda v=value: v))
             else:
-                items.append((f"optim.state.{fqn}.{key}", None, lambda v=sc["value"]: v))
+                items.append((f"optim.state.{fqn}.{key}", ("optim", "state", fqn, key), None, lambda v=sc["value"]: v))
     for j, fields in enumerate(optimizers[0]["param_groups"]):
         for field, value in fields.items():
             if field != "params":
-                items.append((f"optim.param_groups.{j}.{field}", None,
+                items.append((f"optim.param_groups.{j}.{field}", ("optim", "param_groups", j, field), None,
                               lambda v=value: tuple(v) if isinstance(v, list) else v))
-        items.append((f"optim.param_groups.{j}.params", None, lambda names=members.get(j, []): list(names)))
+        items.append((f"optim.param_groups.{j}.params", ("optim", "param_groups", j, "params"), None,
+                      lambda names=members.get(j, []): list(names)))
     return items
 
 
-def _write(path: Path, items: list[_Item]) -> None:
+def _write(out: Path, items: list[_Item]) -> None:
     """``items`` through DCP's ``FileSystemWriter``, each resolved when the writer asks for it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    write_items, data = [], {}
-    for key, chunk, get in items:
+    write_items, data, paths = [], {}, {}
+    for key, nested, chunk, get in items:
+        paths[key] = nested
         if chunk is None:
             index = MetadataIndex(key)
             write_items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
@@ -210,13 +215,19 @@ def _write(path: Path, items: list[_Item]) -> None:
         data[(key, None if chunk is None else tuple(chunk[0]))] = get
 
     class Planner(DefaultSavePlanner):
-        """Plans exactly ``write_items``; their data comes from our files when written."""
+        """Plans exactly ``write_items``; their data comes from our files when written. The entries'
+        paths are recorded as DCP's flattening records them, so ``dcp_to_torch_save`` and
+        ``_load_state_dict_from_keys`` rebuild the nested dicts."""
 
         def __init__(self):
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            self.mappings = paths
 
         def create_local_plan(self) -> SavePlan:
-            self.plan = SavePlan(write_items)
+            self.plan = SavePlan(write_items, planner_data=paths)
             return self.plan
 
         def resolve_data(self, write_item):
@@ -229,5 +240,7 @@ def _write(path: Path, items: list[_Item]) -> None:
                 return buf
             return value
 
-    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=Planner(), no_dist=True)
+    writer = dcp.FileSystemWriter(str(out), single_file_per_rank=True, thread_count=1)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.save({}, storage_writer=writer, planner=Planner(), no_dist=True)
