@@ -12,9 +12,11 @@ tutorials write it; "torchtitan": the model's entries at the top level and the o
 flattened under ``optimizer``, as torchtitan writes them), and trains on to END. Rank 0 writes
 ``<dir>/../reference.pt``: the global losses after the save, the weights at the save and at the end.
 
-args["mode"] == "ours": for each case {name, stage, dir}, zero_strategy sets up the same model,
-loads ``dir`` (DCP) and trains [SAVE_AT, END); reports the losses and the hyperparameters, and
-rank 0 writes the weights right after the load and at the end to ``<out>/<name>.pt``.
+args["mode"] == "ours": for each case {name, stage, dir, offload (optional: the optimizer on the CPU)},
+zero_strategy sets up the same model, loads ``dir`` (DCP) and trains [SAVE_AT, END); reports the
+losses, the hyperparameters and how many elements of saved chunks the rank read (DCP's
+``FileSystemReader.read_data`` counted), and rank 0 writes the weights right after the load and
+at the end to ``<out>/<name>.pt``.
 
 args["mode"] == "ours_save": for each case {name, stage, dir, dcp}, zero_strategy trains SAVE_AT steps,
 saves its own checkpoint into ``dir``, rank 0 exports it to DCP at ``dcp`` (``export_checkpoint``),
@@ -26,6 +28,7 @@ PyTorch tutorial does (``get_state_dict``, ``dcp.load``, ``set_state_dict``) and
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -142,11 +145,35 @@ def run_fsdp_resume(case: dict, out: Path) -> dict:
 
 
 # ------------------------------------------------------------------ zero_strategy
-def setup_ours(stage: int):
+def setup_ours(stage: int, offload: bool = False):
     import zero_strategy as zs
 
     model = build()
-    return zs.setup(model, adamw(model), zs.ZeroConfig(stage=stage, precision="fp32", param_persistence_threshold=0))
+    return zs.setup(model, adamw(model), zs.ZeroConfig(stage=stage, precision="fp32", param_persistence_threshold=0,
+                                                       offload_optimizer=zs.CPUOffload() if offload else None))
+
+
+class ChunkReads:
+    """The chunks this rank reads (``FileSystemReader.read_data``, DCP's own reader, patched to count)."""
+
+    def __init__(self):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.chunks: set[tuple] = set()
+        original = FileSystemReader.read_data
+
+        def read_data(reader, plan, planner):
+            self.chunks.update((item.storage_index.fqn, tuple(item.storage_index.offset), tuple(item.lengths))
+                               for item in plan.items if item.storage_index.offset is not None)
+            return original(reader, plan, planner)
+        FileSystemReader.read_data = read_data
+        self._restore = lambda: setattr(FileSystemReader, "read_data", original)
+
+    def elements(self) -> int:
+        return sum(math.prod(sizes) for _, _, sizes in self.chunks)
+
+    def close(self) -> None:
+        self._restore()
 
 
 def ours_step(zopt):
@@ -161,14 +188,18 @@ def run_ours(case: dict, out: Path) -> dict:
     import zero_strategy as zs
 
     torch.manual_seed(99)
-    model, zopt = setup_ours(case["stage"])
-    extra = zs.load_checkpoint(case["dir"], model, zopt)
+    model, zopt = setup_ours(case["stage"], case.get("offload", False))
+    reads = ChunkReads()
+    try:
+        extra = zs.load_checkpoint(case["dir"], model, zopt)
+    finally:
+        reads.close()
     at_load = zs.full_state_dict(model, dtype=None)
     losses = [train_step(model, step, ours_step(zopt)) for step in range(SAVE_AT, END)]
     final = zs.full_state_dict(model, dtype=None)
     if dist.get_rank() == 0:
         torch.save({"at_load": at_load, "final": final}, out / f"{case['name']}.pt")
-    return {"name": case["name"], "losses": losses, "extra": extra,
+    return {"name": case["name"], "losses": losses, "extra": extra, "read_elements": reads.elements(),
             "hyper": [{k: pg[k] for k in ("lr", "weight_decay", "betas")} for pg in zopt.optimizer.param_groups]}
 
 
