@@ -315,3 +315,18 @@ def test_a_truncated_chunk_file_is_refused_before_anything_changes(fsdp_run, tmp
     with pytest.raises(zs.CheckpointError, match=r"__1_0\.distcp is truncated"):
         zs.load_checkpoint(bad, model, zopt)
     assert _same(before, _snapshot(model, zopt))
+
+
+def test_two_ranks_refuse_a_damaged_dcp_checkpoint_alike_and_change_nothing(fsdp_run, tmp_path):
+    """A file only some ranks read is damaged: the ranks agree, every rank raises the same error, none
+    has copied anything (See [Note: verify, agree, then copy] in _load.py)."""
+    bad = _copy(fsdp_run / "nested", tmp_path / "truncated")
+    f = bad / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    cases = [dict(name=f"truncated-zero{stage}", stage=stage, dir=str(bad)) for stage in (2, 3)]
+    by = _by_name(launch("dcp_checkpoint.py", 2, {"mode": "refused", "cases": cases}, timeout=240))
+    for case in cases:
+        got = _ok(by, case["name"], 2)
+        assert got[0]["error_message"] == got[1]["error_message"], got
+        assert re.search(r"__1_0\.distcp is truncated", got[0]["error_message"] or ""), got[0]["error_message"]
+        assert got[0]["changed"] == [] and got[1]["changed"] == [], got

@@ -22,6 +22,9 @@ args["mode"] == "ours_save": for each case {name, stage, dir, dcp}, zero_strateg
 saves its own checkpoint into ``dir``, rank 0 exports it to DCP at ``dcp`` (``export_checkpoint``),
 and trains on to END; rank 0 writes the reference as in "fsdp".
 
+args["mode"] == "refused": for each case {name, stage, dir} (a damaged DCP checkpoint), train one step,
+try the load; report the error message and every value that changed (tests/_refused_load.py).
+
 args["mode"] == "fsdp_resume": for each case {name, dir}, FSDP2 loads the DCP ``dir`` the way the
 PyTorch tutorial does (``get_state_dict``, ``dcp.load``, ``set_state_dict``) and trains [SAVE_AT, END).
 """
@@ -203,6 +206,22 @@ def run_ours(case: dict, out: Path) -> dict:
             "hyper": [{k: pg[k] for k in ("lr", "weight_decay", "betas")} for pg in zopt.optimizer.param_groups]}
 
 
+def run_refused(case: dict) -> dict:
+    """Train one step, try to load the damaged DCP ``dir``: report the error and what changed (nothing)."""
+    import zero_strategy as zs
+    from _refused_load import differences, snapshot
+
+    model, zopt = setup_ours(case["stage"])
+    train_step(model, 0, ours_step(zopt))
+    before = snapshot(model, zopt)
+    try:
+        zs.load_checkpoint(case["dir"], model, zopt)
+        error = None
+    except zs.CheckpointError as err:
+        error = str(err)
+    return {"name": case["name"], "error_message": error, "changed": differences(before, snapshot(model, zopt))}
+
+
 def run_ours_save(case: dict) -> dict:
     import zero_strategy as zs
 
@@ -224,7 +243,7 @@ def run_ours_save(case: dict) -> dict:
 def main() -> None:
     args, out = start()
     mode = args["mode"]
-    run = {"fsdp": run_fsdp, "ours_save": run_ours_save,
+    run = {"fsdp": run_fsdp, "ours_save": run_ours_save, "refused": run_refused,
            "ours": lambda case: run_ours(case, out), "fsdp_resume": lambda case: run_fsdp_resume(case, out)}[mode]
     finish(out, {"results": run_cases(args["cases"], run, key="name")})
 

@@ -22,6 +22,7 @@ layout is a small JSON table plus plain safetensors files that any tool can read
 and both re-sharding and streaming consolidation are a few lines over it.
 """
 
+from . import _dcp_load  # noqa: F401 - registers the DCP reader with load_checkpoint
 from ._consolidate import consolidate, parse_size
 from ._dcp_save import export_checkpoint
 from ._layout import FORMAT_VERSION, CheckpointError

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ._dcp import DCP_METADATA, DCPCheckpoint, Piece
+from ._dcp import DCP_METADATA, DCPCheckpoint, Piece, is_dcp_checkpoint
 from ._layout import CheckpointError
-from ._load import PreparedLoad, _hyperparameter_updates, _refuse_or_warn_unmatched, _step_tensor
+from ._load import PreparedLoad, _hyperparameter_updates, _refuse_or_warn_unmatched, _step_tensor, register_format
 
 # param-group fields that say how the optimizer runs, not what it computes: the running optimizer keeps its own
 _IMPLEMENTATION_FIELDS = frozenset({"foreach", "fused", "capturable", "differentiable", "params",
@@ -106,6 +106,14 @@ def _read_into(dcp: DCPCheckpoint, jobs: list[tuple[Piece, torch.Tensor | None]]
     dcp.read([p for p, _ in jobs], sink)
 
 
+def prepare_dcp(ckpt_dir, names, buffers: list[str], model, engine, zopts, strict: bool) -> tuple:
+    """(reader, buffers to load, hyperparameter updates, extra state, the load's class) of a DCP
+    directory, every check passed (See [Note: other systems' formats] in _load.py)."""
+    dcp = DCPCheckpoint(ckpt_dir, {n for ns in names.values() for n in ns} | set(buffers))
+    buffers, hyper = check_dcp(dcp, names, buffers, model, engine, zopts, strict)
+    return dcp, buffers, hyper, None, DCPLoad
+
+
 def check_dcp(dcp: DCPCheckpoint, names, buffers: list[str], model, engine, zopts,
               strict: bool) -> tuple[list[str], list]:
     """Everything a DCP load checks before the copy; returns (buffers to load, hyperparameter updates)."""
@@ -162,14 +170,17 @@ def _saved_group_states(dcp: DCPCheckpoint, names, engine, zopts) -> dict[int, t
                 f"{g.name}: the optimizer keeps whole parameters per rank here (the ownership layout, for optimizers "
                 "that are not elementwise), which a DCP checkpoint's state is not read into: resume with an "
                 "elementwise optimizer (Adam, AdamW, SGD), or load the weights alone (optimizer=None)")
-        saved = {s.fqn: dcp.state_of(names[id(s.param)]) for s in g.slots}
+        # a parameter the checkpoint lacks altogether (strict=False) starts from zero state, as in our format
+        present = [s for s in g.slots if dcp.model_entry(names[id(s.param)]) is not None]
+        saved = {s.fqn: dcp.state_of(names[id(s.param)]) for s in present}
         if not any(saved.values()):
             out[id(g)] = None
             continue
         lacking = sorted(fqn for fqn, st in saved.items() if not st)
         if lacking:
             raise CheckpointError(f"{dcp.dir} holds optimizer state for some parameters of {g.name} but not for "
-                                  f"{lacking}: they were frozen or not stepped in the saved run")
+                                  f"{lacking}: they were frozen or not stepped in the saved run (load with "
+                                  "optimizer=None, or freeze them again)")
         elementwise, scalar_keys = _split_state(dcp, g, saved)
         values = dcp.read_values([st[k] for st in saved.values() for k in scalar_keys])
         scalars: dict[str, Any] = {}
@@ -285,3 +296,6 @@ def _as_saved(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return value
+
+
+register_format(is_dcp_checkpoint, prepare_dcp)

@@ -33,8 +33,8 @@ A DeepSpeed checkpoint (See [Note: DeepSpeed's layout] in _deepspeed.py) goes th
 two phases: prepare reads every rank file (memory-mapped, through the allowlisted unpickler),
 checks its layout and the model, optimizer and hyperparameters against it, and
 :class:`DeepSpeedLoad` only copies. So does a torch.distributed.checkpoint (DCP) directory of an
-FSDP2 run (See [Note: DCP's layout] in _dcp.py): prepare reads every chunk this rank will copy
-from, once, and ``DCPLoad`` (_dcp_load.py) copies.
+FSDP2 run (See [Note: DCP's layout] in _dcp.py, [Note: other systems' formats]): prepare reads
+every chunk this rank will copy from, once, and ``DCPLoad`` (_dcp_load.py) copies.
 
 What commit can still meet is the disk failing under it, or a file written over in place
 by another process between the phases. Such an error is agreed on too (no rank hangs),
@@ -58,7 +58,6 @@ from .._mechanisms import nvme_stream
 from .._model.gather import whole_model_pass
 from .._optim.chunked_step import stopped_part_way
 from ..api import engine_of
-from ._dcp import DCPCheckpoint, is_dcp_checkpoint
 from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
@@ -208,6 +207,20 @@ class PreparedLoad:
         _load_buffers(self.reader, self.model, self.buffers)
 
 
+# [Note: other systems' formats]
+# A reader of another system's checkpoint directory builds on PreparedLoad (its own subclass
+# copies) and on this module's checks, so this module cannot import it: it registers itself
+# here, when the package imports it, as (recognizes(dir) -> bool, prepare(dir, names, buffers,
+# model, engine, zopts, strict) -> (reader, buffers, hyper, extra, PreparedLoad subclass)).
+# prepare runs inside prepare_load's agreed phase. DCP (_dcp_load.py) is one.
+_OTHER_FORMATS: list[tuple[Callable[[Path], bool], Callable]] = []
+
+
+def register_format(recognizes: Callable[[Path], bool], prepare: Callable) -> None:
+    """Let :func:`load_checkpoint` read another system's checkpoint directories. See [Note: other systems' formats]."""
+    _OTHER_FORMATS.append((recognizes, prepare))
+
+
 @torch.no_grad()
 def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, strict: bool = True,
                  accept_extra: Callable[[Any], Any] | None = None) -> PreparedLoad:
@@ -225,14 +238,11 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
         ckpt_dir = resolve_checkpoint_dir(path)
         names, buffers = _model_names(model, engine)
         ours = (ckpt_dir / METADATA_FILE).exists()
-        dcp = not ours and is_dcp_checkpoint(ckpt_dir)
-        tag_dir = None if ours or dcp else find_deepspeed_checkpoint(ckpt_dir)
-        if dcp:  # See [Note: DCP's layout] in _dcp.py
-            from ._dcp_load import DCPLoad, check_dcp  # they build on this module's PreparedLoad
-
-            reader = DCPCheckpoint(ckpt_dir, {n for ns in names.values() for n in ns} | set(buffers))
-            buffers, hyper = check_dcp(reader, names, buffers, model, engine, zopts, strict)
-            extra, kind = None, DCPLoad
+        other = None if ours else next((prepare for recognizes, prepare in _OTHER_FORMATS if recognizes(ckpt_dir)),
+                                       None)
+        tag_dir = None if ours or other else find_deepspeed_checkpoint(ckpt_dir)
+        if other is not None:  # See [Note: other systems' formats]
+            reader, buffers, hyper, extra, kind = other(ckpt_dir, names, buffers, model, engine, zopts, strict)
         elif tag_dir is None:
             meta = read_metadata(ckpt_dir)
             _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
