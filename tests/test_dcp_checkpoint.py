@@ -10,8 +10,9 @@ with the optimizer offloaded to the CPU). On 2 ranks each rank reads only the sa
 overlap its own shard.
 
 Out: our zero2 and zero3 runs on 2 ranks save after 3 steps; ``export_checkpoint(..., format="dcp")``
-writes DCP; FSDP2 on 1 and 2 ranks loads it with ``dcp.load`` + ``set_state_dict`` and trains the
-same 3 steps our run trained on.
+writes the saved checkpoint as DCP, and ``save_dcp`` the live shards (every rank its own); FSDP2 on 1
+and 2 ranks loads each with ``dcp.load`` + ``set_state_dict`` and trains the same 3 steps our run
+trained on.
 
 What is compared: right after the load, the weights equal the saving run's at its save, bit for
 bit (elements are copied, never recomputed); every continued loss and the final weights equal the
@@ -44,6 +45,8 @@ pytestmark = pytest.mark.multiprocess
 
 TOL = 1e-5
 LAYOUTS = ("nested", "torchtitan")
+#: our run written as DCP: its saved checkpoint exported (export_checkpoint), or its live shards (save_dcp)
+HOWS = ("dcp", "live")
 
 
 def _by_name(reports: list[dict]) -> dict[str, list[dict]]:
@@ -127,8 +130,8 @@ def test_each_rank_reads_only_the_chunks_that_overlap_its_shard(fsdp_run, stage)
 def our_runs(tmp_path_factory) -> Path:
     """Our zero2 and zero3 runs on 2 ranks, each saved after 3 steps and exported to DCP."""
     root = tmp_path_factory.mktemp("our_runs")
-    cases = [dict(name=f"zero{s}", stage=s, dir=str(root / f"zero{s}" / "ckpt"), dcp=str(root / f"zero{s}" / "dcp"))
-             for s in (2, 3)]
+    cases = [dict(name=f"zero{s}", stage=s, dir=str(root / f"zero{s}" / "ckpt"), dcp=str(root / f"zero{s}" / "dcp"),
+                  live=str(root / f"zero{s}" / "live")) for s in (2, 3)]
     by = _by_name(launch("dcp_checkpoint.py", 2, {"mode": "ours_save", "cases": cases}, timeout=300))
     for case in cases:
         _ok(by, case["name"], 2)
@@ -139,18 +142,19 @@ def our_runs(tmp_path_factory) -> Path:
 def _fsdp_resumes(world: int, root: str) -> tuple[dict, Path]:
     out = Path(root) / f"fsdp_w{world}"
     out.mkdir(exist_ok=True)
-    cases = [dict(name=f"zero{s}", dir=str(Path(root) / f"zero{s}" / "dcp")) for s in (2, 3)]
+    cases = [dict(name=f"zero{s}-{how}", dir=str(Path(root) / f"zero{s}" / how)) for s in (2, 3) for how in HOWS]
     return _by_name(launch("dcp_checkpoint.py", world, {"mode": "fsdp_resume", "cases": cases}, timeout=300,
                            out=out)), out
 
 
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_fsdp2_resumes_our_run_exported_to_dcp_as_we_continue_it(our_runs, stage, world):
+def test_fsdp2_resumes_our_run_written_as_dcp_as_we_continue_it(our_runs, stage, how, world):
     by, out = _fsdp_resumes(world, str(our_runs))
-    results = _ok(by, f"zero{stage}", world)
+    results = _ok(by, f"zero{stage}-{how}", world)
     ref = torch.load(our_runs / f"zero{stage}" / "reference.pt", weights_only=True)
-    _assert_continues(results[0]["losses"], torch.load(out / f"zero{stage}.pt", weights_only=True), ref)
+    _assert_continues(results[0]["losses"], torch.load(out / f"zero{stage}-{how}.pt", weights_only=True), ref)
     assert [(g["lr"], g["weight_decay"]) for g in results[0]["hyper"]] == [(3e-3, 0.1), (6e-3, 0.0)]
 
 

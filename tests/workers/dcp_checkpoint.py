@@ -18,9 +18,10 @@ losses, the hyperparameters and how many elements of saved chunks the rank read 
 ``FileSystemReader.read_data`` counted), and rank 0 writes the weights right after the load and
 at the end to ``<out>/<name>.pt``.
 
-args["mode"] == "ours_save": for each case {name, stage, dir, dcp}, zero_strategy trains SAVE_AT steps,
-saves its own checkpoint into ``dir``, rank 0 exports it to DCP at ``dcp`` (``export_checkpoint``),
-and trains on to END; rank 0 writes the reference as in "fsdp".
+args["mode"] == "ours_save": for each case {name, stage, dir, dcp, live}, zero_strategy trains SAVE_AT
+steps, saves its own checkpoint into ``dir``, rank 0 exports it to DCP at ``dcp``
+(``export_checkpoint``), every rank writes its live shards as DCP at ``live`` (``save_dcp``), and it
+trains on to END; rank 0 writes the reference as in "fsdp".
 
 args["mode"] == "refused": for each case {name, stage, dir} (a damaged DCP checkpoint), train one step,
 try the load; report the error message and every value that changed (tests/_refused_load.py).
@@ -232,6 +233,7 @@ def run_ours_save(case: dict) -> dict:
     if dist.get_rank() == 0:
         zs.checkpoint.export_checkpoint(case["dir"], case["dcp"], format="dcp")
     dist.barrier()
+    zs.checkpoint.save_dcp(case["live"], model, zopt)
     at_save = zs.full_state_dict(model, dtype=None)
     losses = [train_step(model, step, ours_step(zopt)) for step in range(SAVE_AT, END)]
     final = zs.full_state_dict(model, dtype=None)

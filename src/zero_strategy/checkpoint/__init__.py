@@ -24,12 +24,12 @@ and both re-sharding and streaming consolidation are a few lines over it.
 
 from . import _dcp_load  # noqa: F401 - registers the DCP reader with load_checkpoint
 from ._consolidate import consolidate, parse_size
-from ._dcp_save import export_checkpoint
+from ._dcp_save import export_checkpoint, save_dcp
 from ._layout import FORMAT_VERSION, CheckpointError
 from ._load import load_checkpoint, load_metadata
 from ._save import save_checkpoint
 from ._sharded_weights import load_full_state_dict, load_sharded_weights, safetensors_reader
 
-__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "export_checkpoint", "CheckpointError", "FORMAT_VERSION",
+__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "export_checkpoint", "save_dcp", "CheckpointError", "FORMAT_VERSION",
            "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader",
            "load_full_state_dict"]

@@ -1,4 +1,6 @@
-"""Write a checkpoint of ours as a torch.distributed.checkpoint (DCP) directory an FSDP2 run resumes from.
+"""Write a checkpoint of ours, or a set-up model, as a torch.distributed.checkpoint (DCP) directory an
+FSDP2 run resumes from: :func:`export_checkpoint` (one process, from a saved checkpoint) and
+:func:`save_dcp` (every rank, from the live shards).
 
 [Note: our shards as DCP chunks]
 The DCP directory holds what ``dcp.save({"model": ..., "optim": ...})`` of FSDP2's
@@ -27,6 +29,7 @@ listing the group's parameters. The directory is built beside ``out`` and rename
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
 from pathlib import Path
@@ -34,12 +37,16 @@ from typing import Any, Callable
 
 import torch
 
+from .._engine.engine import refuse_while_offloaded
+from .._model.gather import whole_model_pass
+from ..api import engine_of
 from ._dcp import flat_boxes
-from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name
+from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, param_names, resolve_zero_optimizers
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import verify_file
+from ._sync import agree, describe
 from ._validate import check_buffers_file, check_rank_file
 
 EXPORT_FORMATS = ("dcp",)
@@ -79,6 +86,127 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out: str | os.PathLike, forma
         owned.remove()  # every failure path, interrupts included; a no-op once renamed into place
         files.close()
     return out
+
+
+@torch.no_grad()
+def save_dcp(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> Path:
+    """Write a set-up model (and its optimizer's state) as a DCP directory at the new ``path``, every rank
+    its own shards (See [Note: our shards as DCP chunks]); the same entries as :func:`export_checkpoint`.
+
+    Every rank must call it; all ranks must see one filesystem at ``path``. Built in a directory beside
+    ``path`` that rank 0 renames into place once DCP has written its ``.metadata``: a failed save
+    leaves nothing at ``path``. Not written: NVMe-offloaded groups, hybrid sharding, several optimizers
+    and the ownership layout (save_checkpoint, then export_checkpoint, covers the first two).
+    """
+    engine = engine_of(model)
+    refuse_while_offloaded(engine.offloaded, "zero_strategy.checkpoint.save_dcp()",
+                           ("optim_states", "hp_params", "lp_params"))
+    zopts = resolve_zero_optimizers(engine, optimizer)
+    comm = engine.comm
+    path = Path(path).absolute()
+    decision, owned = None, None
+    if comm.rank == 0:
+        try:
+            _check_live(path, engine, zopts)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(path.parent, (f".{path.name}.tmp-",))
+            owned = OwnedDir.create(path.parent, f".{path.name}.tmp-")
+            decision = ("ok", str(owned.path))
+        except (OSError, CheckpointError) as err:
+            decision = ("error", describe(err))
+    try:
+        kind, value = comm.broadcast_object(decision, src_rank=0)
+        if kind == "error":
+            raise CheckpointError(value)
+        with whole_model_pass(engine):  # See [Note: releases where a phase ends]
+            error, items = None, []
+            try:
+                items = _live_items(model, engine, zopts, comm.rank == 0)
+            except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
+                error = f"cannot save {path} as DCP: {describe(err)}"
+            agree(comm, error)
+            # DCP's save is collective and raises on every rank when one rank's write fails
+            _write(Path(value), items, collective=comm.world_size > 1, process_group=comm.group)
+        error = None
+        if owned is not None:
+            try:
+                os.rename(owned.path, path)
+                owned.moved(path)
+                owned.unmark()
+            except OSError as err:
+                error = f"cannot move the DCP directory {owned.path} into place at {path}: {err}"
+        agree(comm, error)  # every rank returns once the directory is in place
+    finally:
+        if owned is not None:
+            owned.remove()  # every failure path; a no-op once renamed into place
+    return path
+
+
+def _check_live(path: Path, engine, zopts) -> None:
+    if path.exists() or path.is_symlink():
+        raise CheckpointError(f"{path} exists; save_dcp writes a new directory (choose a new path)")
+    if engine.comm.replicas > 1:
+        raise CheckpointError("save_dcp does not write hybrid-sharded runs yet: save_checkpoint, then "
+                              "export_checkpoint(..., format='dcp')")
+    if len(zopts) > 1:
+        raise CheckpointError(f"{len(zopts)} optimizers: a DCP checkpoint of get_state_dict holds one")
+    for g in engine.groups:
+        if g.swap is not None:
+            raise CheckpointError(f"{g.name} rests on NVMe, which save_dcp does not read yet: save_checkpoint, "
+                                  "then export_checkpoint(..., format='dcp')")
+        if g.trainable and g.owned and zopts:
+            raise CheckpointError(f"{g.name}: its optimizer state is kept whole per parameter (the ownership "
+                                  "layout), which is not written to DCP yet")
+
+
+def _live_items(model, engine, zopts, first: bool) -> list[_Item]:
+    """This rank's entries: its element ranges of every weight and elementwise state tensor; on the
+    first rank also the scalars, the param groups and the buffers."""
+    names = param_names(model)
+    items: list[_Item] = []
+    members: dict[int, list[str]] = {}
+    zopt = zopts[0] if zopts else None
+    for g in engine.groups:
+        state = zopt.optimizer.state.get(g.master, {}) if zopt is not None and g.trainable else {}
+        elementwise = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1
+                       and v.numel() == g.shard_numel}
+        for s in g.slots:
+            fqn = names[id(s.param)][0]
+            if zopt is not None and g.trainable:
+                members.setdefault(g.optimizer_group, []).append(fqn)
+                if first:
+                    items += [_value_item(("optim", "state", fqn, k), v) for k, v in state.items()
+                              if k not in elementwise]
+        for s, lo, hi, where in g.slot_ranges_in_shard():
+            all_names, fqn = names[id(s.param)], names[id(s.param)][0]
+            sources = [(("model", n), g.weight_shard[where]) for n in all_names]
+            sources += [(("optim", "state", fqn, k), v[where]) for k, v in elementwise.items()]
+            for nested, flat in sources:
+                for offsets, sizes in flat_boxes(s.shape, lo, hi):
+                    a = _flat_start(s.shape, offsets) - lo
+                    n = math.prod(sizes)
+                    items.append((".".join(nested), nested, (offsets, sizes, tuple(s.shape), flat.dtype),
+                                  lambda t=flat, a=a, n=n, sizes=sizes: t[a:a + n].reshape(sizes)))
+    if not first:
+        return items
+    if zopt is not None:
+        for j, pg in enumerate(zopt.optimizer.param_groups):
+            items += [_value_item(("optim", "param_groups", j, k), v) for k, v in pg.items() if k != "params"]
+            items.append(_value_item(("optim", "param_groups", j, "params"), list(members.get(j, []))))
+    managed = engine.managed
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in managed:
+            items.append(_value_item(("model", key), t.detach()))
+    return items
+
+
+def _value_item(nested: tuple, value: Any) -> _Item:
+    """A whole tensor (one chunk) or a pickled value at ``nested``."""
+    key = ".".join(map(str, nested))
+    if torch.is_tensor(value):
+        shape = tuple(value.shape)
+        return key, nested, ((0,) * len(shape), shape, shape, value.dtype), lambda v=value: v.detach().cpu()
+    return key, nested, None, lambda v=value: v
 
 
 class _Files:
@@ -192,8 +320,9 @@ def _optimizer_items(meta: Metadata, files: _Files, ckpt: Path) -> list[_Item]:
     return items
 
 
-def _write(out: Path, items: list[_Item]) -> None:
-    """``items`` through DCP's ``FileSystemWriter``, each resolved when the writer asks for it."""
+def _write(out: Path, items: list[_Item], collective: bool = False, process_group=None) -> None:
+    """``items`` through DCP's ``FileSystemWriter``, each resolved when the writer asks for it.
+    ``collective``: every rank of ``process_group`` (None: the default group) writes its own items."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -241,6 +370,9 @@ def _write(out: Path, items: list[_Item]) -> None:
             return value
 
     writer = dcp.FileSystemWriter(str(out), single_file_per_rank=True, thread_count=1)
+    if collective:
+        dcp.save({}, storage_writer=writer, planner=Planner(), process_group=process_group)
+        return
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.save({}, storage_writer=writer, planner=Planner(), no_dist=True)
