@@ -299,11 +299,13 @@ def _free_text(nbytes: int | None) -> str:
 def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "consolidate", help="write a sharded checkpoint as one full model (safetensors or torch)",
-        description="Stream a zero_strategy checkpoint directory into a full state dict in one process "
+        description="Stream a zero_strategy checkpoint directory (or a torch.distributed.checkpoint directory of "
+                    "an FSDP2/torchtitan run: its model) into a full state dict in one process "
                     "(no torch.distributed): peak memory stays near one read chunk, not the model. "
                     "OUT is a new directory with model.safetensors (or sharded files plus "
                     "model.safetensors.index.json, or pytorch_model.bin).")
-    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory written by save_checkpoint")
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR",
+                        help="checkpoint directory written by save_checkpoint, or a DCP directory")
     parser.add_argument("out", metavar="OUT", help="output directory (must not exist)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="dtype of floating tensors (default: as stored; trained weights are fp32 masters)")

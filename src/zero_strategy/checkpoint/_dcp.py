@@ -370,11 +370,12 @@ class DCPCheckpoint:
             def keep(v, key=key):
                 out[key] = v
             if key in self.tensors:
-                requests += [(MetadataIndex(key, torch.Size(c.offsets)), tuple(c.sizes), self.dtype(key),
-                              keep) for c in self.entries[key].chunks if math.prod(c.sizes)]
-                if len(self.entries[key].chunks) != 1:
-                    raise CheckpointError(f"{self.dir}: {key} is saved in {len(self.entries[key].chunks)} chunks, "
-                                          "one (a whole value) is read")
+                chunks = self.entries[key].chunks
+                if len(chunks) != 1 or tuple(chunks[0].sizes) != self.size(key):
+                    raise CheckpointError(f"{self.dir}: {key} is saved in {len(chunks)} chunks; a whole value, "
+                                          "one chunk, is read here")
+                requests.append((MetadataIndex(key, torch.Size(chunks[0].offsets)), tuple(chunks[0].sizes),
+                                 self.dtype(key), keep))
             else:
                 requests.append((MetadataIndex(key), None, None, keep))
         self._read(requests)
