@@ -23,9 +23,11 @@ Adam moments lost would miss by far more (see test_deepspeed_checkpoint_import.p
 
 ``consolidate`` writes the model of either DCP layout as FSDP2 held it at its save.
 
-Refusals (one process): a DCP directory of another model names what differs; a pickled object
-outside the allowlist, in the metadata or in a saved value, is refused naming the file and the
-type, runs nothing, and changes nothing.
+Refusals (one process): a DCP directory of another model names what differs (``strict=False`` loads
+what both have); optimizer state of another optimizer class, or keyed by index, is refused; a
+pickled object outside the allowlist, in the metadata or in a saved value, is refused naming the
+file and the type, runs nothing, and changes nothing; a truncated file is refused before anything
+changes, alike on two ranks.
 """
 
 from __future__ import annotations
@@ -254,6 +256,42 @@ def test_a_dcp_run_saved_with_sgd_is_not_resumed_with_adamw(tmp_path):
                        r"'nesterov'\] that the running AdamW does not have"):
         zs.load_checkpoint(tmp_path / "sgd", model, zopt)
     assert _same(before, _snapshot(model, zopt))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process
+def test_optimizer_state_keyed_by_index_is_refused(tmp_path):
+    """A raw ``optimizer.state_dict()`` numbers the parameters: nothing says which is which."""
+    import torch.distributed.checkpoint as dcp
+    import zero_strategy as zs
+    from _models import TinyLM, batch, loss_fn
+
+    torch.manual_seed(0)
+    ref = TinyLM(layers=2)
+    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad])
+    tokens, targets = batch(0, 0, 0)
+    loss_fn(ref(tokens), targets).backward()
+    adamw.step()
+    dcp.save({"model": ref.state_dict(), "optim": adamw.state_dict()}, checkpoint_id=str(tmp_path / "raw"),
+             no_dist=True)
+    model, zopt = _trained_tiny()
+    with pytest.raises(zs.CheckpointError, match=r"optimizer state keyed by parameter index \(optim\.state\.0\..*"
+                       r"get_optimizer_state_dict"):
+        zs.load_checkpoint(tmp_path / "raw", model, zopt)
+    zs.load_checkpoint(tmp_path / "raw", model)  # the weights alone load
+    assert torch.equal(zs.full_state_dict(model, dtype=None)["layers.1.fc2.weight"], ref.layers[1].fc2.weight)
+
+
+def test_strict_false_loads_what_model_and_checkpoint_share(fsdp_run):
+    import zero_strategy as zs
+
+    model, zopt = _setup_tiny(layers=3)
+    before = zs.full_state_dict(model, dtype=None)["layers.2.fc1.weight"].clone()
+    with pytest.warns(UserWarning, match=r"missing from the checkpoint: \['layers\.2\.fc1\.bias'"):
+        zs.load_checkpoint(fsdp_run / "nested", model, zopt, strict=False)
+    after = zs.full_state_dict(model, dtype=None)
+    ref = torch.load(fsdp_run / "reference.pt", weights_only=True)["at_save"]
+    assert torch.equal(after["layers.1.fc2.weight"], ref["layers.1.fc2.weight"])
+    assert torch.equal(after["layers.2.fc1.weight"], before)  # not in the checkpoint: kept
 
 
 class Hostile:

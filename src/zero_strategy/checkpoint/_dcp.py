@@ -281,11 +281,9 @@ class DCPCheckpoint:
                     state.setdefault(fqn, {})[sk] = key
                 elif fqn.isdigit():
                     by_index.append(key)
-        if by_index and not state:
-            raise CheckpointError(
-                f"{self.dir} holds optimizer state keyed by parameter index ({by_index[0]}): a raw "
-                "optimizer.state_dict(), whose indices say nothing about which parameter is which. Save it with "
-                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict, which keys it by name")
+        #: an entry of optimizer state keyed by parameter index, where no state is keyed by name (refused
+        #: when the optimizer's state is to be loaded: :meth:`refuse_unnamed_state`)
+        self.indexed = by_index[0] if by_index and not state else None
         if len(prefixes) > 1:
             raise CheckpointError(f"{self.dir} holds the state of several optimizers (under {sorted(prefixes)}); "
                                   "one is read")
@@ -293,6 +291,14 @@ class DCPCheckpoint:
         self.state = state
         groups = f"{self.optim_prefix or ''}param_groups."
         self.group_keys = [k for k in self.entries if k.startswith(groups)] if self.optim_prefix is not None else []
+
+    def refuse_unnamed_state(self) -> None:
+        if self.indexed is not None:
+            raise CheckpointError(
+                f"{self.dir} holds optimizer state keyed by parameter index ({self.indexed}): a raw "
+                "optimizer.state_dict(), whose indices say nothing about which parameter is which. Save it with "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict, which keys it by name (or load "
+                "the weights alone: optimizer=None)")
 
     def model_entry(self, names: list[str]) -> str | None:
         """The entry of a parameter or buffer registered under ``names`` (tied: any of them)."""

@@ -158,6 +158,7 @@ def _saved_group_states(dcp: DCPCheckpoint, names, engine, zopts) -> dict[int, t
     per-parameter state, or None when its parameters have none (saved before their first step)."""
     if len(zopts) != 1:
         raise CheckpointError(f"{dcp.dir} holds the state of one optimizer, but {len(zopts)} were given")
+    dcp.refuse_unnamed_state()
     if dcp.optim_prefix is None:
         raise CheckpointError(f"{dcp.dir} holds no optimizer state (no '<prefix>.state.<parameter>.<key>' entries); "
                               "pass optimizer=None to load the model weights only (the optimizer then starts fresh)")
