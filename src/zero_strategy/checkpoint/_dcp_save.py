@@ -40,7 +40,7 @@ import torch
 from .._engine.engine import refuse_while_offloaded
 from .._model.gather import whole_model_pass
 from ..api import engine_of
-from ._dcp import flat_boxes
+from ._dcp import contiguous_start, flat_boxes
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, param_names, resolve_zero_optimizers
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
@@ -183,7 +183,7 @@ def _live_items(model, engine, zopts, first: bool) -> list[_Item]:
             sources += [(("optim", "state", fqn, k), v[where]) for k, v in elementwise.items()]
             for nested, flat in sources:
                 for offsets, sizes in flat_boxes(s.shape, lo, hi):
-                    a = _flat_start(s.shape, offsets) - lo
+                    a = contiguous_start(s.shape, offsets, sizes) - lo
                     n = math.prod(sizes)
                     items.append((".".join(nested), nested, (offsets, sizes, tuple(s.shape), flat.dtype),
                                   lambda t=flat, a=a, n=n, sizes=sizes: t[a:a + n].reshape(sizes)))
@@ -245,10 +245,8 @@ def _param_items(path: tuple, meta: Metadata, files: _Files, fqn: str, tensor_of
     items: list[_Item] = []
     for rank, a, b, at in meta.pieces(fqn, 0, p.numel):
         for offsets, sizes in flat_boxes(p.shape, at, at + b - a):
-            n = 1
-            for s in sizes:
-                n *= s
-            start = a + _flat_start(p.shape, offsets) - at
+            n = math.prod(sizes)
+            start = a + contiguous_start(p.shape, offsets, sizes) - at
             items.append((".".join(map(str, path)), path, (offsets, sizes, tuple(p.shape), dtype),
                           lambda rank=rank, s=start, n=n, sizes=sizes: files.range(rank, name, s, s + n).reshape(sizes)))
     return items
@@ -259,14 +257,6 @@ def _stored_dtype(group, tensor_name: str) -> torch.dtype:
         return dtype_from_name(group.dtype)
     key = next(k for k in group.state_tensors if group.state_tensor(k) == tensor_name)
     return dtype_from_name(group.state_tensors[key])
-
-
-def _flat_start(shape, offsets) -> int:
-    start, stride = 0, 1
-    for o, n in zip(reversed(offsets), reversed(shape)):
-        start += o * stride
-        stride *= n
-    return start
 
 
 def _model_items(meta: Metadata, files: _Files) -> list[_Item]:
