@@ -6,7 +6,7 @@ In: an FSDP2 run (``fully_shard``, 2 gloo ranks) trains 3 steps, saves with DCP 
 layouts (``{"model", "optim"}`` of ``get_state_dict`` as the PyTorch tutorials write it, and
 torchtitan's: the model at the top level, the optimizer flattened under ``optimizer``) and trains
 on to 6. Our zero1/zero2/zero3 on 1 and 2 ranks load each and train the same 3 steps (and zero3
-with the optimizer offloaded to the CPU). On 2 ranks each rank reads only the saved chunks that
+with the optimizer offloaded to the CPU, and with optimizer and parameters on NVMe). On 2 ranks each rank reads only the saved chunks that
 overlap its own shard.
 
 Out: our zero2 and zero3 runs on 2 ranks save after 3 steps; ``export_checkpoint(..., format="dcp")``
@@ -85,7 +85,9 @@ def _ours(world: int, root: str) -> tuple[dict, Path]:
     out.mkdir(exist_ok=True)
     cases = [dict(name=f"{layout}-zero{stage}", stage=stage, dir=str(Path(root) / layout))
              for layout in LAYOUTS for stage in (1, 2, 3)]
-    cases.append(dict(name="nested-zero3-offload", stage=3, offload=True, dir=str(Path(root) / "nested")))
+    cases.append(dict(name="nested-zero3-offload", stage=3, offload="cpu", dir=str(Path(root) / "nested")))
+    cases.append(dict(name="nested-zero3-nvme", stage=3, offload="nvme", nvme_path=str(out / "nvme"),
+                      dir=str(Path(root) / "nested")))
     return _by_name(launch("dcp_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=400, out=out)), out
 
 
@@ -100,7 +102,7 @@ def _assert_continues(losses: list, ours: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", [f"{layout}-zero{stage}" for layout in LAYOUTS for stage in (1, 2, 3)]
-                         + ["nested-zero3-offload"])
+                         + ["nested-zero3-offload", "nested-zero3-nvme"])
 def test_resumes_an_fsdp2_run_as_fsdp2_continues_it(fsdp_run, name, world):
     by, out = _ours(world, str(fsdp_run))
     results = _ok(by, name, world)

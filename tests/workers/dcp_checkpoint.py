@@ -12,7 +12,7 @@ tutorials write it; "torchtitan": the model's entries at the top level and the o
 flattened under ``optimizer``, as torchtitan writes them), and trains on to END. Rank 0 writes
 ``<dir>/../reference.pt``: the global losses after the save, the weights at the save and at the end.
 
-args["mode"] == "ours": for each case {name, stage, dir, offload (optional: the optimizer on the CPU)},
+args["mode"] == "ours": for each case {name, stage, dir, offload (optional: "cpu" or "nvme"), nvme_path},
 zero_strategy sets up the same model, loads ``dir`` (DCP) and trains [SAVE_AT, END); reports the
 losses, the hyperparameters and how many elements of saved chunks the rank read (DCP's
 ``FileSystemReader.read_data`` counted), and rank 0 writes the weights right after the load and
@@ -149,12 +149,19 @@ def run_fsdp_resume(case: dict, out: Path) -> dict:
 
 
 # ------------------------------------------------------------------ zero_strategy
-def setup_ours(stage: int, offload: bool = False):
+def setup_ours(stage: int, offload: str | None = None, nvme_path: str | None = None):
+    """``offload``: None, "cpu" (the optimizer), or "nvme" (optimizer and parameters, in ``nvme_path``)."""
     import zero_strategy as zs
 
     model = build()
+    kw: dict = {}
+    if offload == "cpu":
+        kw = dict(offload_optimizer=zs.CPUOffload())
+    elif offload == "nvme":
+        nvme = zs.NVMeOffload(path=nvme_path)
+        kw = dict(offload_optimizer=nvme, offload_params=nvme)
     return zs.setup(model, adamw(model), zs.ZeroConfig(stage=stage, precision="fp32", param_persistence_threshold=0,
-                                                       offload_optimizer=zs.CPUOffload() if offload else None))
+                                                       **kw))
 
 
 class ChunkReads:
@@ -192,7 +199,7 @@ def run_ours(case: dict, out: Path) -> dict:
     import zero_strategy as zs
 
     torch.manual_seed(99)
-    model, zopt = setup_ours(case["stage"], case.get("offload", False))
+    model, zopt = setup_ours(case["stage"], case.get("offload"), case.get("nvme_path"))
     reads = ChunkReads()
     try:
         extra = zs.load_checkpoint(case["dir"], model, zopt)
