@@ -260,6 +260,55 @@ def test_a_dcp_run_saved_with_sgd_is_not_resumed_with_adamw(tmp_path):
     assert _same(before, _snapshot(model, zopt))
 
 
+class AppState:
+    """The PyTorch DCP recipe's ``Stateful`` wrapper: ``dcp.save({"app": AppState(model, optimizer)})``."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict):  # pragma: no cover - DCP's protocol; only saved here
+        raise NotImplementedError
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process
+def test_the_recipes_app_state_layout_resumes_with_its_adam_state(tmp_path):
+    """``{"app": AppState}`` puts everything one prefix deeper; the moments and step arrive as saved."""
+    import torch.distributed.checkpoint as dcp
+    import zero_strategy as zs
+    from _models import TinyLM, batch, loss_fn, param_groups
+
+    torch.manual_seed(5)
+    ref = TinyLM(layers=2)
+    adamw = torch.optim.AdamW(param_groups(ref), betas=(0.9, 0.95))
+    for step in range(2):
+        tokens, targets = batch(0, step, 0)
+        loss_fn(ref(tokens), targets).backward()
+        adamw.step()
+        adamw.zero_grad()
+    dcp.save({"app": AppState(ref, adamw)}, checkpoint_id=str(tmp_path / "app"), no_dist=True)
+
+    model, zopt = _setup_tiny()
+    zs.load_checkpoint(tmp_path / "app", model, zopt)
+    weights = zs.full_state_dict(model, dtype=None)
+    for name, p in ref.named_parameters():
+        assert torch.equal(weights[name], p.detach()), name
+    assert {float(st["step"]) for st in zopt.optimizer.state.values()} == {2.0}
+    # the moments arrived where they belong: one more step on each side lands on the same weights
+    tokens, targets = batch(0, 2, 0)
+    loss_fn(ref(tokens), targets).backward()
+    adamw.step()
+    zopt.backward(loss_fn(model(tokens), targets))
+    zopt.step()
+    worst, where = worst_rel_diff(zs.full_state_dict(model, dtype=None), dict(ref.named_parameters()))
+    assert worst < TOL, f"{where} differs by {worst:.2e} after a step from the loaded state"
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process
 def test_optimizer_state_keyed_by_index_is_refused(tmp_path):
     """A raw ``optimizer.state_dict()`` numbers the parameters: nothing says which is which."""
