@@ -40,10 +40,21 @@ def _fail_second_rename():
     return rename
 
 
+def _full_disk_at(name):
+    """A StreamWriter constructor that finds the disk full when it creates the file ``name``."""
+    original = _safetensors_stream.StreamWriter.__init__
+
+    def init(self, path, *args, **kwargs):
+        if os.path.basename(path) == name:
+            _enospc()
+        original(self, path, *args, **kwargs)
+    return init
+
+
 #: phase -> (object, attribute, replacement)
 PHASES = {
     "rank_file": (_safetensors_stream.StreamWriter, "write", lambda *a, **k: _enospc()),
-    "buffers": (_save, "_write_buffers", lambda *a, **k: _enospc()),
+    "buffers": (_safetensors_stream.StreamWriter, "__init__", _full_disk_at("buffers.safetensors")),
     "extra_state": (_save.torch, "save", lambda *a, **k: _enospc()),
     "metadata": (_save, "_write_metadata", lambda *a, **k: _enospc()),
     "fsync": (_save, "_fsync_dir", lambda *a, **k: _enospc()),
@@ -59,15 +70,19 @@ def _weights(model):
     return {k: v.clone() for k, v in zs.full_state_dict(model).items()}
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("phase", list(PHASES))
-def test_failure_at_each_phase_keeps_the_previous_checkpoint_and_nothing_else(tmp_path, monkeypatch, phase):
+def test_failure_at_each_phase_keeps_the_previous_checkpoint_and_nothing_else(tmp_path, monkeypatch, phase,
+                                                                              async_save):
+    """An asynchronous save raises the same error at the latest when it is waited for."""
     old_model, old_opt = _tiny(seed=1)
     zs.save_checkpoint(tmp_path / "ckpt", old_model, old_opt, extra_state={"n": 1})
     model, opt = _tiny(seed=2)
     target, attr, replacement = PHASES[phase]
     monkeypatch.setattr(target, attr, replacement or _fail_second_rename())
     with pytest.raises(zs.CheckpointError, match=r"No space left on device"):
-        zs.save_checkpoint(tmp_path / "ckpt", model, opt, extra_state={"t": torch.ones(2)})
+        zs.save_checkpoint(tmp_path / "ckpt", model, opt, extra_state={"t": torch.ones(2)}, async_save=async_save)
+        zs.checkpoint.wait_for_save(model)
     monkeypatch.undo()
     assert _listing(tmp_path) == ["ckpt"]
     assert _listing(tmp_path / "ckpt") == ["buffers.safetensors", "metadata.json", "rank00000-of-00001.safetensors"]

@@ -1,7 +1,7 @@
 """ZeroTrainer (transformers.Trainer on a ZeroAccelerator) under ``accelerate launch`` with 2 CPU processes.
 
 One launch (tests/workers/accelerate_hf_trainer.py): a tiny Llama trained for 4 steps with
-accumulation, clipping and a linear schedule under zero3, checkpointing every 2 steps;
+accumulation, clipping and a linear schedule under zero3, checkpointing every 2 steps (asynchronously);
 the stock Trainer (DDP) on the same weights and data as ground truth; a fresh
 ZeroTrainer under zero2 resuming from checkpoint-2; ``from_pretrained`` of checkpoint-4.
 """
@@ -18,7 +18,9 @@ from _accelerate_launch import accelerate_launch  # noqa: E402
 
 @pytest.fixture(scope="module")
 def reports():
-    return accelerate_launch("accelerate_hf_trainer.py", {"save_preset": "zero3", "load_preset": "zero2"},
+    # the checkpoints are saved asynchronously (the config's async_save); the resume waits for them
+    return accelerate_launch("accelerate_hf_trainer.py", {"save_preset": {"preset": "zero3", "async_save": True},
+                                                          "load_preset": "zero2"},
                              timeout=240, use_cpu=False)[0]
 
 
@@ -39,6 +41,8 @@ def test_zero_trainer_equals_the_stock_ddp_trainer(reports):
 @pytest.mark.slow
 def test_checkpoints_hold_every_ranks_shard(reports):
     for r in reports:
+        assert r["background_saves"] == 2  # checkpoint-2 and checkpoint-4, complete when train() returned
+        assert {"rank00000-of-00002.safetensors", "metadata.json"} <= set(r["zero_files_last"])
         assert {"zero_checkpoint", "model.safetensors", "config.json", "scheduler.pt",
                 "trainer_state.json"} <= set(r["checkpoint_files"])
         assert {"rank00000-of-00002.safetensors", "rank00001-of-00002.safetensors"} <= set(r["zero_files"])

@@ -33,12 +33,14 @@ def runs(tmp_path_factory):
              shard_group_size=2),
         dict(name="hybrid3", stage=3, precision="fp32", start=0, end=3, save={"3": str(d / "hybrid3")},
              shard_group_size=2),
+        dict(name="hybrid3_async", stage=3, precision="fp32", start=0, end=3,
+             save={"3": str(d / "hybrid3_async")}, shard_group_size=2, async_save=True),
     ]
     resume = lambda name, stage, load, **kw: dict(name=name, stage=stage, precision="fp32", start=3, end=6,  # noqa: E731
                                                    load=str(d / load), sd_out=sd(name), **kw)
     second = [resume("hybrid_to_flat", 2, "hybrid"), resume("flat_to_hybrid", 2, "flat", shard_group_size=2),
               resume("hybrid3_to_flat3", 3, "hybrid3"), resume("hybrid3_to_hybrid2", 2, "hybrid3", shard_group_size=2)]
-    out = {}
+    out = {"dir": d}
     for cases in (first, second):
         for rank, rep in enumerate(launch("checkpoint.py", 4, {"cases": cases}, timeout=200)):
             for res in rep["results"]:
@@ -60,3 +62,14 @@ def test_resume_across_hybrid_and_flat_continues_the_run(runs, name):
         assert res["losses"] == pytest.approx(ref_losses[3:], rel=TOL), (rank, res["losses"], ref_losses)
     assert _rel(torch.load(sd(name)), torch.load(sd("ref"))) <= TOL
     assert ref_losses[0] != ref_losses[-1]
+
+
+def test_an_asynchronous_hybrid_save_writes_the_synchronous_saves_files(runs):
+    """Every rank of both shard groups joins the asynchronous save's agreement; the first group writes."""
+    import filecmp
+
+    out, _ = runs
+    sync, asynchronous = out["dir"] / "hybrid3", out["dir"] / "hybrid3_async"
+    names = sorted(p.name for p in sync.iterdir())
+    assert names == sorted(p.name for p in asynchronous.iterdir())
+    assert all(filecmp.cmp(sync / n, asynchronous / n, shallow=False) for n in names)

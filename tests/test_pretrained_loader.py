@@ -7,9 +7,9 @@ model's checkpoint into a model with a head: the base-model prefix); the same mi
 unused keys (``output_loading_info``), named in warnings, and a new head initialized by
 the model's own ``_init_weights``. Before ``setup`` the parameters are on the meta device
 (no rank holds the weights), buffers are real, the model is in eval mode. What it cannot
-read in slices is refused by name: a parameter transformers merges from several
-checkpoint tensors (Mixtral's experts), ``.bin``-only checkpoints, unknown keywords, a
-per-module dtype dict. Two ranks, and Accelerate's ``prepare``: tests/test_sharded_pretrained_loading.py.
+read in slices is refused by name: ``.bin``-only checkpoints, unknown keywords, a
+per-module dtype dict. Parameters transformers merges from several checkpoint tensors
+(mixture-of-experts layers) and their refusals: tests/test_moe_pretrained.py. Two ranks, and Accelerate's ``prepare``: tests/test_sharded_pretrained_loading.py.
 """
 
 from __future__ import annotations
@@ -112,11 +112,6 @@ def test_a_new_head_is_initialized_by_the_model_and_unused_keys_are_named(tmp_pa
 
 
 def test_what_cannot_be_read_in_slices_is_refused_by_name(tmp_path):
-    moe = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    mixtral = _save(tmp_path / "mixtral", moe, model_class=transformers.MixtralForCausalLM)
-    with pytest.raises(CheckpointError, match=r"built by transformers from several checkpoint tensors .*experts"):
-        from_pretrained(AutoModelForCausalLM, mixtral)
     binary = tmp_path / "bin"
     binary.mkdir()
     _untied().save_pretrained(binary)

@@ -31,12 +31,18 @@ from .api import (
     memory_report,
     no_sync,
     offload_states,
+    offloaded_checkpoint,
     reload_states,
     reset_iter_state,
+    sequence_parallel_group,
+    sequence_parallel_loader,
+    sequence_parallel_loss,
     setup,
+    shard_sequence,
     states_offloaded,
     states_offloaded_for_generation,
     teardown,
+    tiled_causal_lm_loss,
     zero_grad,
 )
 from . import checkpoint
@@ -50,8 +56,9 @@ __all__ = [
     "OverlapStepCommitted",
     "AvailableMemory", "choose_preset", "comm_stats", "engine_of", "full_shapes", "full_state_dict",
     "gather_once_in_generate", "gathered_for_generation", "gathered_parameters", "is_set_up", "memory_report",
-    "no_sync", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
-    "reset_iter_state", "setup", "teardown", "zero_grad", "__version__",
+    "no_sync", "offload_states", "offloaded_checkpoint", "reload_states", "states_offloaded", "states_offloaded_for_generation",
+    "reset_iter_state", "setup", "teardown", "tiled_causal_lm_loss", "shard_sequence", "sequence_parallel_loss",
+    "sequence_parallel_loader", "sequence_parallel_group", "zero_grad", "__version__",
     "checkpoint", "CheckpointError", "load_checkpoint", "load_full_state_dict", "save_checkpoint",
 ]
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ._model.tiled_loss import default_chunk_tokens
 from .config import ZeroConfigError, _as_dtype_name
 
 #: bytes per element of each dtype name (shared with estimate.py)
@@ -60,6 +61,22 @@ def _count(name: str, value: Any) -> int:
 # ``gradient_checkpointing_enable`` sets) each layer keeps only its input (e·sbh) until
 # backward recomputes it, so the peak is L·e·sbh + the outside + one layer's activations.
 # test_estimate_activations.py checks both against saved-tensor bytes measured on CPU.
+#
+# The loss also needs memory it does not keep (``loss_transient``), at the start of backward
+# when everything above is still held: the logits (e·bsV, which the model's output holds), and
+# in backward the fp32 gradients of the log-softmax and of the logits (8bsV), cast back to the
+# logits' dtype below fp32 (e·bsV). On the issue-40 model (fp32, 4,096 tokens, V = 32,000) that
+# is 3 copies of the 500 MiB logits beside the saved one: 2.0 GiB, as measured
+# (benchmarks/tiled_loss_bench.py). With the tiled loss (``tiled_loss``: chunks of c tokens;
+# See [Note: the tiled loss] in _model/tiled_loss.py) autograd saves no logits (4bsV less in
+# ``outside``: the hidden states, labels and the head's weight it keeps are saved anyway), and
+# the transient is one chunk's: the recomputed logits (e·cV, and their fp32 upcast 4cV below
+# fp32), the log-softmax (4cV), its two fp32 gradients (8cV) and their cast (e·cV below fp32),
+# plus, below fp32, the head's gradient summed in fp32 (4Vh; its cast to the compute dtype is the
+# gradient itself, a model state, as the untiled head's is). With the tiled MLP (chunks of c'
+# tokens of each sequence) a layer's MLP saves nothing of its own (its input is the norm's output,
+# counted above), and its backward holds one chunk's four intermediates again (4e·b·c'·f) and,
+# below fp32, its three weights' gradients summed in fp32 (12hf): ``mlp_transient``.
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,10 @@ class ActivationEstimate:
     layer_input: int    # what a checkpointed layer keeps: its input
     outside: int        # token ids, rotary tables, final norm, loss
     rotary: int         # the rotary cos/sin tables (part of ``outside``)
+    loss_transient: int = 0  # what the loss holds beyond ``outside`` at the start of backward
+    tiled_loss: int | None = None  # chunk tokens of the tiled loss; None: the model's own loss
+    mlp_transient: int = 0  # the tiled MLP: one chunk's intermediates while its backward recomputes them
+    tiled_mlp: int | None = None  # chunk tokens of the tiled MLP; None: the MLP whole
 
     @property
     def without_checkpointing(self) -> int:
@@ -86,21 +107,37 @@ class ActivationEstimate:
         """Peak with one checkpoint per layer: every layer's input, plus one layer recomputed."""
         return self.layers * self.layer_input + self.outside + self.per_layer
 
+    @property
+    def peak_without_checkpointing(self) -> int:
+        """Saved activations plus the larger transient: the loss's, or a tiled MLP's in backward."""
+        return self.without_checkpointing + max(self.loss_transient, self.mlp_transient)
+
+    @property
+    def peak_with_checkpointing(self) -> int:
+        """The larger of the loss's moment (every layer's input, the loss) and one layer's recomputation."""
+        return max(self.layers * self.layer_input + self.outside + self.loss_transient,
+                   self.with_checkpointing + self.mlp_transient)
+
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "without_checkpointing": self.without_checkpointing,
-                "with_checkpointing": self.with_checkpointing}
+                "with_checkpointing": self.with_checkpointing,
+                "peak_without_checkpointing": self.peak_without_checkpointing,
+                "peak_with_checkpointing": self.peak_with_checkpointing}
 
 
 _LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
 
 
 def estimate_activations(hf_config: Any, batch_size: int, seq_len: int, precision: str = "bf16",
-                         attention: str | None = None) -> ActivationEstimate:
+                         attention: str | None = None, tiled_loss: bool | int = False,
+                         tiled_mlp: bool | int = False) -> ActivationEstimate:
     """Activation bytes per rank of a Llama-style Hugging Face decoder (``hf_config``: its config).
 
     ``attention``: ``"eager"`` or ``"sdpa"``; default: the config's ``attn_implementation``
     (``"sdpa"`` when unset, as transformers chooses). Assumes training with
-    ``use_cache=False`` (a KV cache would hold k and v of every layer besides).
+    ``use_cache=False`` (a KV cache would hold k and v of every layer besides). ``tiled_loss``: as
+    ``ZeroConfig(tiled_loss=...)`` (True: the default chunk; an int: chunk tokens); ``tiled_mlp``
+    likewise (True: chunks of the hidden size in tokens).
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _LLAMA_STYLE:
@@ -119,13 +156,26 @@ def estimate_activations(hf_config: Any, batch_size: int, seq_len: int, precisio
                               "Pass --attention eager or sdpa (flash-attention saves what sdpa does).")
     sbh, sb = s * b * h, s * b
     norm = (4 + 2 * e) * sbh + 4 * sb
-    mlp = 4 * e * s * b * f
+    mlp, mlp_chunk, mlp_transient = 4 * e * s * b * f, None, 0
+    if tiled_mlp is not False:  # See [Note: the tiled MLP] in _model/tiled_mlp.py: its input is the norm's output
+        mlp_chunk = min(s, h if tiled_mlp is True else _count("tiled_mlp", tiled_mlp))
+        mlp, mlp_transient = 0, 4 * e * b * mlp_chunk * f + (12 * h * f if e < 4 else 0)
     if attention == "eager":
         attn = 4 * e * sbh + (4 + (e if e < 4 else 0)) * a * s * s * b
     else:
         attn = (1 + 2 * g / a) * e * sbh + e * sbh + 4 * a * s * b
     rotary = 2 * e * s * (h // a)  # one table for the batch: position ids are (1, s)
-    outside = 8 * b * s + rotary + norm + 4 * b * s * v + 8 * b * (s + 1) + 4
+    below_fp32 = e if e < 4 else 0
+    if tiled_loss is False:
+        chunk = None
+        outside = 8 * b * s + rotary + norm + 4 * b * s * v + 8 * b * (s + 1) + 4
+        transient = e * b * s * v + 8 * b * s * v + below_fp32 * b * s * v
+    else:
+        chunk = min(b * s, default_chunk_tokens(v) if tiled_loss is True else _count("tiled_loss", tiled_loss))
+        outside = 8 * b * s + rotary + norm + 8 * b * (s + 1) + 4
+        transient = ((e + below_fp32 + (4 if e < 4 else 0) + 12) * chunk * v
+                     + (4 if e < 4 else 0) * v * h)
     return ActivationEstimate(batch_size=b, seq_len=s, layers=layers, precision=precision, attention=attention,
                               per_layer=int(2 * norm + attn + mlp), layer_input=e * sbh, outside=outside,
-                              rotary=rotary)
+                              rotary=rotary, loss_transient=int(transient), tiled_loss=chunk,
+                              mlp_transient=int(mlp_transient), tiled_mlp=mlp_chunk)

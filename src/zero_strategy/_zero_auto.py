@@ -22,8 +22,9 @@ A candidate fits when each total is at most ``1 - headroom`` of what is availabl
 ``headroom`` is 0.25: the margin for activations, the collectives' own temporary
 buffers (a coalesced reduce's packed input) and allocator fragmentation, which the
 estimate does not count. Activations can be estimated with ``zero-strategy estimate --batch-size
---seq-len``; a run whose activations take more than a quarter of the device should
-name its preset.
+--seq-len`` (``--tiled-loss`` for the tiled loss); a run whose activations take more than a
+quarter of the device should pass them to ``choose_preset(model, activations=...)``, which counts
+them on the device beside the model states, and set up with the preset it returns.
 
 Order (the first that fits is chosen): zero2, zero3, zero2_offload, zero3_offload,
 zero3_offload_nvme. No offload first: offload runs the optimizer step on the CPU and
@@ -110,12 +111,14 @@ def measure_available(comm, device: torch.device, config: ZeroConfig) -> Availab
 
 
 def candidates(num_params: int, frozen: int, units: UnitSizes, config: ZeroConfig, world_size: int,
-               available: AvailableMemory, headroom: float = HEADROOM) -> list[Candidate]:
-    """Each candidate preset with its per-rank totals and whether it fits (see [Note: zero_auto])."""
+               available: AvailableMemory, headroom: float = HEADROOM, activations: int = 0) -> list[Candidate]:
+    """Each candidate preset with its per-rank totals and whether it fits (see [Note: zero_auto]);
+    ``activations``: bytes per rank the step's activations add on the device (0: left to the headroom)."""
     out = []
     for name in CANDIDATES:
         cfg = _resolved(config, name)
-        est = estimate_memory(num_params, frozen_params=frozen, world_size=world_size, config=cfg, units=units)
+        est = estimate_memory(num_params, frozen_params=frozen, world_size=world_size, config=cfg, units=units,
+                              activations=activations)
         device, host = est.peak_device, est.peak_host
         if available.device is None:  # one pool: the "device" is host memory
             device, host = 0, device + host
@@ -165,11 +168,11 @@ def shortfall_message(rows: list[Candidate], available: AvailableMemory, headroo
 
 
 def choose(model: torch.nn.Module, config: ZeroConfig, world_size: int, available: AvailableMemory,
-           rank: int = 0, headroom: float = HEADROOM) -> ZeroConfig:
+           rank: int = 0, headroom: float = HEADROOM, activations: int = 0) -> ZeroConfig:
     """The config of the first candidate that fits, logged on rank 0; raises when none does."""
     num_params, frozen = count_parameters(model)
     units = unit_sizes(model, config.unit_classes, config.param_persistence_threshold)
-    rows = candidates(num_params, frozen, units, config, world_size, available, headroom)
+    rows = candidates(num_params, frozen, units, config, world_size, available, headroom, activations)
     table = format_candidates(rows, available, headroom)
     chosen = next((r for r in rows if r.fits), None)
     if chosen is None:

@@ -14,6 +14,7 @@ The model object is the user's own, sharded in place; no wrapper module.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 import weakref
@@ -27,15 +28,20 @@ from . import _zero_auto as _auto
 from ._comm.collectives import Collectives
 from ._comm.faults import failing_exception
 from ._comm.hybrid import hybrid_groups
+from ._comm.sequence_parallel import SequenceParallelGroup, sequence_parallel_group as _sp_group
+from ._comm.sequence_parallel import sequence_parallel_groups
 from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
 from ._engine.placement import single_device
-from ._model import gather, generation, hf, saves
+from ._model import activation_offload, gather, generation, hf, saves, tiled_mlp
+from ._model.activation_offload import offloaded_checkpoint
 from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
 from ._model.install import install
 from ._model.memory import MemoryReport, measure
+from ._model.tiled_loss import tiled_causal_lm_loss
+from ._model import sequence_parallel as _sp
 from ._mechanisms.host_memory import release_freed_host_memory
 from ._optim.layouts import layout_of
 from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
@@ -46,11 +52,16 @@ __all__ = [
     "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
-    "choose_preset",
+    "choose_preset", "tiled_causal_lm_loss", "offloaded_checkpoint", "shard_sequence", "sequence_parallel_loss",
+    "sequence_parallel_loader", "sequence_parallel_group",
+    # for the front ends' device meshes and data loaders: See [Note: sequence parallelism]
+    "sequence_parallel_groups", "SequenceParallelGroup",
     # for the front ends' loaders (zero_strategy.transformers.from_pretrained): See [Note: weights
     # that arrive at setup] in _engine/deferred_weights.py
     "DeferredWeights", "defer_weights",
 ]
+
+_log = logging.getLogger("zero_strategy")
 
 # [Note: engine lookup without keeping models alive]
 # id(model) -> engine, weakly: the model's own hooks keep its engine alive, so both
@@ -107,15 +118,33 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     pending = deferred_weights.pending_weights(model)  # See [Note: weights that arrive at setup]
     if pending and param_init_fn is None:
         param_init_fn = deferred_weights.init_for_pending(model, pending)
+    sp = _sp_group(cfg.sequence_parallel_size, process_group)  # See [Note: sequence parallelism]
+    undo_attention = hf.sequence_parallel_attention(model, sp) if sp.size > 1 else None
+    try:
+        return _setup(model, optimizers, several, cfg, process_group, device, param_init_fn, pending, sp, undo_attention)
+    except BaseException:
+        if undo_attention is not None:
+            undo_attention()
+        raise
+
+
+def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn, pending, sp, undo_attention):
     shard_group, replicate_group = hybrid_groups(cfg.shard_group_size, process_group)
     comm = Collectives(shard_group, wait_timeout=cfg.collective_timeout, replicate_group=replicate_group)
     cfg = _auto.resolve(model, cfg, comm, single_device(model, device))  # zero_auto: See [Note: zero_auto]
     owned = frozenset(k for k, opt in enumerate(optimizers) if layout_of(opt, cfg) == "owned")
+    hf.tiled_loss_targets(model, cfg.tiled_loss)  # refuse a model the tiled loss cannot serve before sharding it
+    activation_offload.refuse_without_checkpointing_layers(model, cfg.activation_offload)
+    tiled_mlp.tiled_mlp_targets(model, cfg.tiled_mlp)
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
-                        owned_optimizers=owned)
+                        owned_optimizers=owned, kept_dtypes=hf.kept_dtypes(model, cfg.compute_dtype),
+                        loaded_later=deferred_weights.loaded_whole(model, pending))
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
+    engine.sequence_parallel = sp
+    if undo_attention is not None:
+        engine.undo_on_teardown.append(undo_attention)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
@@ -125,6 +154,52 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     if several:
         return model, zero_opts
     return model, (zero_opts[0] if zero_opts else None)
+
+
+def _sequence_parallel_of(model) -> SequenceParallelGroup:
+    """``model``'s SP group; a :class:`SequenceParallelGroup` given instead is itself (a front end
+    prepares data loaders before the model they feed)."""
+    if isinstance(model, SequenceParallelGroup):
+        return model
+    engine = engine_of(model)
+    return engine.sequence_parallel or SequenceParallelGroup(None, 0, 1)
+
+
+def _pad_token_id(model) -> int:
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def sequence_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group of ``model``'s sequence-parallel group (the ranks sharing its samples);
+    None without sequence parallelism. See [Note: sequence parallelism] in _model/sequence_parallel.py."""
+    return _sequence_parallel_of(model).group
+
+
+def shard_sequence(batch, model: nn.Module) -> dict:
+    """This rank's shard of a whole-sample batch for ``model`` set up with ``sequence_parallel_size=N``.
+
+    Every rank of an SP group passes the same batch (``input_ids``, ``labels``, optional
+    ``position_ids`` / right-padding ``attention_mask``); it gets its 1/N of the sequence
+    with global ``position_ids`` and ``shift_labels`` (DeepSpeed's
+    ``UlyssesSPDataLoaderAdapter`` gives the same keys). Without sequence parallelism the
+    batch comes back with ``shift_labels`` and ``position_ids`` added, so one loop serves
+    both. Compute the loss with :func:`sequence_parallel_loss`."""
+    return _sp.shard_batch(batch, _sequence_parallel_of(model), _pad_token_id(model))
+
+
+def sequence_parallel_loader(loader, model: nn.Module) -> "_sp.SequenceShardedLoader":
+    """``loader`` (yielding whole samples, the same on every rank of an SP group: shard the
+    data over ``world // N`` replicas, ``rank // N``) yielding :func:`shard_sequence` shards."""
+    return _sp.SequenceShardedLoader(loader, _sequence_parallel_of(model), _pad_token_id(model))
+
+
+def sequence_parallel_loss(loss: torch.Tensor, shift_labels: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    """The whole sample's loss on every rank of the SP group, from this shard's mean token
+    ``loss`` (``model.loss_function(logits=..., labels=None, shift_labels=..., vocab_size=...)``);
+    back-propagate it on every rank. A shard whose labels are all -100 adds zero, not NaN.
+    See [Note: sequence parallelism] in _model/sequence_parallel.py for the gradient arithmetic."""
+    return _sp.sequence_parallel_loss(loss, shift_labels, _sequence_parallel_of(model))
 
 
 def _optimizer_group_of(model: nn.Module, optimizers: list) -> dict[int, tuple[int, int]]:
@@ -223,6 +298,12 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
     """
     engine = engine_of(model)
     failing = error if error is not None else failing_exception()
+    # an asynchronous save still writing finishes first; its failure is raised once the model is
+    # released below (on the error path it is logged: the error being handled comes first)
+    save_error = engine.background_save.wait(raise_error=False)
+    if save_error is not None and failing is not None:
+        _log.error("zero_strategy: an asynchronous checkpoint save failed: %s", save_error)
+        save_error = None
     if failing is not None or engine.comm.failed or not engine.is_idle:
         why = (f"raised {type(failing).__name__}: {str(failing)[:300]}" if failing is not None
                else "tore down after a failed collective or in the middle of an iteration")
@@ -247,6 +328,8 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
                 p.data = full[name].to(engine.device, engine.compute_dtype)  # full_state_dict: on the host
+    if save_error is not None:
+        raise save_error
 
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:
@@ -503,7 +586,8 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 
 
 def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto", *, world_size: int | None = None,
-                  available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM) -> ZeroConfig:
+                  available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM,
+                  activations: int = 0) -> ZeroConfig:
     """The config ``zero_auto`` would choose for ``model`` (materialised or on the meta device).
 
     ``available``: per-rank memory to plan for (an :class:`AvailableMemory`); default:
@@ -512,7 +596,10 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     takes the minimum over the ranks. ``world_size``: ranks to plan for
     (default: the initialised process group's, else 1). Logs the table of candidates;
     raises ``MemoryError`` saying how much more host memory or NVMe space would make one
-    fit when none does. See [Note: zero_auto] in _zero_auto.py.
+    fit when none does. ``activations``: activation bytes per rank to count on the device beside
+    the model states (``estimate_activations(...).peak_with_checkpointing``; the tiled loss and
+    checkpointing lower it), so a long sequence can tip the choice toward more sharding or offload.
+    See [Note: zero_auto] in _zero_auto.py.
     """
     cfg = ZeroConfig.load(config).replace(auto=True, offload_optimizer=None, offload_params=None)
     if world_size is None:
@@ -520,4 +607,4 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     if available is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         available = _auto.measure_local(single_device(model, None), cfg, max(1, local_ranks))
-    return _auto.choose(model, cfg, world_size, available, headroom=headroom)
+    return _auto.choose(model, cfg, world_size, available, headroom=headroom, activations=activations)

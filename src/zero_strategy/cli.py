@@ -94,6 +94,10 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
     acts.add_argument("--seq-len", type=_positive_int, default=None, metavar="S", help="tokens per sequence")
     acts.add_argument("--attention", choices=("eager", "sdpa"), default=None,
                       help="attention kernel (default: the config's, else sdpa as transformers picks)")
+    acts.add_argument("--tiled-loss", type=_positive_int, nargs="?", const=0, default=None, metavar="CHUNK",
+                      help="with the tiled loss (ZeroConfig tiled_loss), optionally its chunk in tokens")
+    acts.add_argument("--tiled-mlp", type=_positive_int, nargs="?", const=0, default=None, metavar="CHUNK",
+                      help="with the tiled MLP (ZeroConfig tiled_mlp), optionally its chunk in tokens")
     here = parser.add_argument_group("this machine: will the run fit its memory and disks?")
     here.add_argument("--this-machine", action="store_true",
                       help="set the ranks on this machine (--gpus-per-node, else --world-size) beside its free "
@@ -240,13 +244,21 @@ def _extras(args, hf_config, model, estimates, kwargs) -> dict:
         if hf_config is None:
             raise ZeroConfigError("--batch-size", "activations need the model's shape",
                                   "Pass --model DIR (a Hugging Face config) instead of --params.")
-        act = estimate_activations(hf_config, args.batch_size, args.seq_len, estimates[0].precision, args.attention)
+        tiled = False if args.tiled_loss is None else (args.tiled_loss or True)
+        tiled_mlp = False if args.tiled_mlp is None else (args.tiled_mlp or True)
+        act = estimate_activations(hf_config, args.batch_size, args.seq_len, estimates[0].precision, args.attention,
+                                   tiled_loss=tiled, tiled_mlp=tiled_mlp)
         for row in rows:
             row["activations"] = act.to_dict()
         lines.append(f"activations per rank ({act.batch_size} x {act.seq_len} tokens, {act.precision}, "
                      f"{act.attention} attention): {gib(act.without_checkpointing)} without checkpointing, "
                      f"{gib(act.with_checkpointing)} with one checkpoint per layer (peak: every layer's input "
                      "+ one layer recomputed)")
+        loss = (f"the tiled loss ({act.tiled_loss} tokens a chunk)" if act.tiled_loss else
+                "the model's own loss (--tiled-loss to tile it)")
+        lines.append(f"  the loss adds {gib(act.loss_transient)} at the start of backward with {loss}: peak "
+                     f"{gib(act.peak_without_checkpointing)} without checkpointing, "
+                     f"{gib(act.peak_with_checkpointing)} with")
     return {"rows": rows, "lines": lines}
 
 

@@ -135,6 +135,38 @@ class ZeroConfig:
             between steps, whose next step would take it again (glibc's ``malloc_trim``; a
             no-op without glibc), so the process holds what it uses rather than what it once
             freed. See [Note: releases where a phase ends] in _mechanisms/host_memory.py.
+        async_save: ``zero_strategy.save_checkpoint`` (and every front end's save: Lightning's
+            ``trainer.save_checkpoint`` and ``ModelCheckpoint``, Accelerate's ``save_state``, the
+            Hugging Face Trainer's checkpoints) returns once this rank's shards are copied into host
+            buffers, and a background thread writes them; the checkpoint appears complete (or not at
+            all) when the write ends. The next save, ``load_checkpoint``, ``teardown``,
+            ``zero_strategy.checkpoint.wait_for_save`` and the end of a Lightning fit wait for it and
+            raise its error. See [Note: asynchronous saves] in checkpoint/_save.py.
+        async_save_staging_bytes: the most host memory an asynchronous save holds staged on one rank;
+            ``None``: one copy of the rank's checkpoint files. A smaller limit makes the save wait
+            for the disk once that much is staged (the save returns when the rest fits).
+        tiled_loss: a Hugging Face ``*ForCausalLM`` called with ``labels`` (or ``shift_labels``) in
+            training mode computes its head and loss chunk by chunk over the tokens, recomputed in
+            backward, so the (tokens x vocab) logits never exist whole; ``outputs.logits`` is then
+            None. ``True`` picks the chunk (about 64 MiB of fp32 logits), an integer is the chunk in
+            tokens; ``False`` (default) leaves the model's own loss. See [Note: the tiled loss] in
+            _model/tiled_loss.py.
+        tiled_mlp: each gated MLP (``gate_proj``/``up_proj``/``down_proj``: Llama, Mistral, Qwen)
+            runs over chunks of the sequence in training, recomputed in backward, so it keeps one
+            chunk's intermediates instead of the sequence's. ``True``: chunks of as many tokens as
+            the hidden size; an integer: the chunk in tokens. See [Note: the tiled MLP] in
+            _model/tiled_mlp.py.
+        activation_offload: with gradient checkpointing on (a Hugging Face model's
+            ``gradient_checkpointing_enable()``), the inputs each checkpointed layer keeps for its
+            recomputation wait on the host instead of the device (pinned buffers, copied on a side
+            stream); on a CPU run they are already there. See [Note: activation offload] in
+            _model/activation_offload.py.
+        sequence_parallel_size: Ulysses sequence parallelism: groups of this many consecutive
+            ranks share each sample, every rank holding 1/N of its sequence, with an all-to-all
+            from sequence shards to head shards around attention (DeepSpeed's key of the same
+            name). It must divide the number of ranks; the other factor is data parallel, and
+            ZeRO still shards over every rank. 1: off. See [Note: sequence parallelism] in
+            _model/sequence_parallel.py and docs/guides/long-sequences.md.
     """
 
     stage: int = 3
@@ -155,6 +187,12 @@ class ZeroConfig:
     offload_states_during_generation: bool | tuple[str, ...] = ()
     optimizer_layout: str = "auto"
     release_host_memory: bool = True
+    async_save: bool = False
+    async_save_staging_bytes: int | None = None
+    tiled_loss: bool | int = False
+    tiled_mlp: bool | int = False
+    activation_offload: bool = False
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -187,6 +225,9 @@ class ZeroConfig:
         set_("prefetch", _as_int("prefetch", self.prefetch, 0))
         _as_bool("cast_forward_inputs", self.cast_forward_inputs)
         _as_bool("release_host_memory", self.release_host_memory)
+        _as_bool("activation_offload", self.activation_offload)
+        set_("tiled_loss", _as_chunk("tiled_loss", self.tiled_loss))
+        set_("tiled_mlp", _as_chunk("tiled_mlp", self.tiled_mlp))
         if _as_bool("overlap_step", self.overlap_step):
             if self.offload_optimizer is None or stage == 1:
                 raise ZeroConfigError("overlap_step", "needs optimizer offload at stage 2 or 3 (the step "
@@ -206,6 +247,7 @@ class ZeroConfig:
         if self.shard_group_size is not None and self.shard_group_size != "node":
             size = _as_int("shard_group_size", self.shard_group_size, 1)
             set_("shard_group_size", size)
+        set_("sequence_parallel_size", _as_int("sequence_parallel_size", self.sequence_parallel_size, 1))
         set_("offload_states_during_generation",
              _as_generation_offload(self.offload_states_during_generation))
         if self.optimizer_layout not in OPTIMIZER_LAYOUTS:
@@ -213,6 +255,9 @@ class ZeroConfig:
                                   f"{self.optimizer_layout!r}{_suggest(str(self.optimizer_layout), OPTIMIZER_LAYOUTS)}",
                                   "Use 'auto' (the layout follows the optimizer), or 'owned' to step whole "
                                   "parameters with any per-tensor optimizer.")
+        _as_bool("async_save", self.async_save)
+        if self.async_save_staging_bytes is not None:
+            set_("async_save_staging_bytes", _as_int("async_save_staging_bytes", self.async_save_staging_bytes, 1))
         if self.collective_timeout is not None:
             timeout = _as_float("collective_timeout", self.collective_timeout)
             if not timeout > 0 or timeout == float("inf"):
@@ -259,6 +304,13 @@ class ZeroConfig:
             **({"auto": True} if self.auto else {}),
             **({"optimizer_layout": self.optimizer_layout} if self.optimizer_layout != "auto" else {}),
             **({} if self.release_host_memory else {"release_host_memory": False}),
+            **({"async_save": True} if self.async_save else {}),
+            **({"async_save_staging_bytes": self.async_save_staging_bytes}
+               if self.async_save_staging_bytes is not None else {}),
+            **({"tiled_loss": self.tiled_loss} if self.tiled_loss is not False else {}),
+            **({"tiled_mlp": self.tiled_mlp} if self.tiled_mlp is not False else {}),
+            **({"activation_offload": True} if self.activation_offload else {}),
+            **({"sequence_parallel_size": self.sequence_parallel_size} if self.sequence_parallel_size > 1 else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }
@@ -349,6 +401,17 @@ class ZeroConfig:
 
 
 _FIELD_NAMES = [f.name for f in dataclasses.fields(ZeroConfig)]
+
+
+def _as_chunk(key: str, value: Any) -> bool | int:
+    """``tiled_loss`` / ``tiled_mlp``: true (the default chunk), false, or a chunk of at least 1 token."""
+    if isinstance(value, bool):
+        return value
+    chunk = value if isinstance(value, (int, float)) else None
+    if chunk is None or not chunk >= 1 or (isinstance(chunk, float) and not chunk.is_integer()):
+        raise ZeroConfigError(key, f"expected true, false or a chunk of at least 1 token, got {value!r}",
+                              "Write true (the default chunk), false, or e.g. 1024.")
+    return int(chunk)
 
 
 # ------------------------------------------------------------------ presets

@@ -35,8 +35,10 @@ Beside those resting model states, an estimate given the model (or its ``units``
 the *working set* a training step adds at its worst moment: the stage-3 gathered window,
 the gradient buckets and the staging buffers, as the engine allocates them (See [Note: the
 estimated working set] in _estimate_working_set.py), and ``peak_device`` / ``peak_host``:
-resting + working set, what a rank needs. Activations (``estimate_activations``) and
-allocator fragmentation are not counted.
+resting + working set, what a rank needs. Activations are counted when given
+(``activations=``: bytes, e.g. ``estimate_activations(...).peak_with_checkpointing``, which the
+tiled loss lowers) and added to ``peak_device``, where the forward and backward run; allocator
+fragmentation is not counted.
 
 What a run writes to disk besides its NVMe swap files: ``checkpoint_bytes``, the whole
 ``save_checkpoint`` directory (every rank's file together: each trainable parameter's fp32
@@ -104,6 +106,7 @@ class MemoryEstimate:
     working_set_gathered: int | None = None
     working_set_grad_buckets: int | None = None
     working_set_staging: int | None = None
+    activations: int = 0
     checkpoint_bytes: int = 0
     export_bytes: int = 0
 
@@ -128,13 +131,13 @@ class MemoryEstimate:
 
     @property
     def peak_device(self) -> int | None:
-        """Resting + working set on the device. Stage 1's buckets are its resting full gradients
-        (``device_grads``): counted once."""
+        """Resting + working set (+ the activations given) on the device. Stage 1's buckets are its
+        resting full gradients (``device_grads``): counted once."""
         if self.working_set_device is None:
             return None
         resting_buckets = self.device_grads if self.stage == 1 else 0
         return (self.total_device + self.working_set_gathered
-                + max(0, self.working_set_grad_buckets - resting_buckets))
+                + max(0, self.working_set_grad_buckets - resting_buckets) + self.activations)
 
     @property
     def peak_host(self) -> int | None:
@@ -303,6 +306,7 @@ def estimate_memory(
     device: str = "cuda",
     shard_group_size: int | None = None,
     units: UnitSizes | None = None,
+    activations: int = 0,
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Estimate per-rank model-state bytes and the working set (see the module docstring).
 
@@ -331,6 +335,9 @@ def estimate_memory(
             count is given (from a model it is read off the model, with ``config``'s
             ``unit_classes`` and ``param_persistence_threshold``). ``config`` also gives
             ``prefetch`` and ``overlap_step`` (default 1 and False).
+        activations: activation bytes per rank to add to ``peak_device`` (see
+            :func:`estimate_activations`: its ``peak_with_checkpointing`` or
+            ``peak_without_checkpointing``, with ``tiled_loss`` as the config sets it).
     """
     if device not in ("cuda", "cpu"):
         raise ZeroConfigError("device", f"must be 'cuda' or 'cpu', got {device!r}",
@@ -380,6 +387,23 @@ def estimate_memory(
     opt = _as_offload("offload_optimizer", offload_optimizer)
     par = _as_offload("offload_params", offload_params)
 
+    activations = _count("activations", activations)
+    if activations:
+        return _with_activations(_estimate(psi, psi_f, world_size, stage, p, g, k, precision, opt, par, one_memory,
+                                           units, prefetch, overlap_step, state_bytes), activations)
+    return _estimate(psi, psi_f, world_size, stage, p, g, k, precision, opt, par, one_memory, units, prefetch,
+                     overlap_step, state_bytes)
+
+
+def _with_activations(estimates, activations: int):
+    if isinstance(estimates, list):
+        return [dataclasses.replace(e, activations=activations) for e in estimates]
+    return dataclasses.replace(estimates, activations=activations)
+
+
+def _estimate(psi, psi_f, world_size, stage, p, g, k, precision, opt, par, one_memory, units, prefetch,
+              overlap_step, state_bytes):
+    """One setup, or the sweep over stages when ``stage`` is None."""
     if stage is None:
         if opt is None and par is None:
             setups = [(s, _as_offload("offload_optimizer", o), _as_offload("offload_params", q)) for s, o, q in _SWEEP]

@@ -11,7 +11,7 @@ args["cases"]: list of dicts with
   the save of the last entry of ``save`` is killed midway, after the report is written;
   "peer_write": only rank 1 is SIGKILLed midway through writing, rank 0 goes on),
   sd_at_save (rank 0 torch.saves full_state_dict(dtype=None) to "<sd_at_save>-<step>.pt"
-  after each save).
+  after each save), async_save (ZeroConfig(async_save=...): every save asynchronous).
 Reports per case: global losses per step, loss-scaler state after each step, extra state.
 """
 
@@ -46,7 +46,7 @@ def build(case: dict):
     opt = torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
                         loss_scale=zs.LossScaleConfig(growth_interval=2),
-                        shard_group_size=case.get("shard_group_size"))
+                        shard_group_size=case.get("shard_group_size"), async_save=case.get("async_save", False))
     return zs.setup(model, opt, cfg)
 
 
@@ -111,6 +111,7 @@ def run_case(case: dict, out, report: dict) -> dict:
                 sd_now = zs.full_state_dict(model, dtype=None)
                 if rank == 0:
                     torch.save(sd_now, f"{case['sd_at_save']}-{done}.pt")
+    zs.checkpoint.wait_for_save(model)  # async_save: the case's checkpoints are complete when it ends
     full = zs.full_state_dict(model, dtype=None)
     if case.get("sd_out") and rank == 0:
         torch.save(full, case["sd_out"])

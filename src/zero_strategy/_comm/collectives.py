@@ -176,6 +176,8 @@ class Collectives(ObjectCollectives):
         #: where gradient reduce-scatters go: this object, or its twin on a group of their own
         self.gradients: Collectives = self
         self._twin_of: Collectives | None = None
+        #: the group of a background thread's collectives (made on first use): See background_channel
+        self._background: Collectives | None = None
         if self.world_size > 1:  # group rank 0's fresh token names this engine's records everywhere
             namespace = self.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None, label="setup")
             self.ledger = Ledger(ranks, self.rank, namespace)
@@ -189,6 +191,23 @@ class Collectives(ObjectCollectives):
         twin.group = dist.new_group(ranks, backend=self.backend, use_local_synchronization=True)
         twin.stream, twin.gradients, twin._twin_of = "grads", twin, self
         self.gradients = twin
+
+    def background_channel(self) -> "Collectives | None":
+        """A gloo group of its own over every rank training the model (hybrid: the whole world), for
+        the collectives a background thread issues (an asynchronous checkpoint's agreement), made on
+        first use; None in a world of one. Every rank must call it, on its main thread, at the same
+        point. See [Note: the agreement of an asynchronous save] in checkpoint/_save.py."""
+        if self.data_parallel_size == 1:
+            return None
+        if self._background is None:
+            if self.replicas > 1:
+                ranks = list(range(dist.get_world_size()))
+            else:
+                ranks = (list(dist.get_process_group_ranks(self.group)) if self.group is not None
+                         else list(range(dist.get_world_size())))
+            group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self._background = Collectives(group, wait_timeout=self.wait_timeout)
+        return self._background
 
     def streams(self) -> tuple[str, ...]:
         return (MAIN,) if self.gradients is self else (MAIN, self.gradients.stream)

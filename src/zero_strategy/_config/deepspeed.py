@@ -2,7 +2,7 @@
 
 Only the parts of a ``ds_config`` that decide what ZeRO does are read:
 ``zero_optimization``, ``fp16``, ``bf16`` (or ``bfloat16``), ``gradient_clipping`` and
-``communication_data_type``. Every other top-level key DeepSpeed knows (batch sizes,
+``communication_data_type`` and ``sequence_parallel_size``. Every other top-level key DeepSpeed knows (batch sizes,
 ``optimizer``, ``scheduler``, monitors, ``activation_checkpointing``, ``aio``, ...)
 belongs to the training loop or the front end: it is accepted, not used, listed in
 :attr:`DeepSpeedTranslation.ignored`, and named in one WARNING (rank 0) that says what
@@ -35,6 +35,7 @@ you mean" suggestion. ``"auto"`` values are resolved first, by the rules of
 | `bf16.enabled` / `bfloat16.enabled` | `precision = "bf16"` | fp16 and bf16 both enabled is an error |
 | `gradient_clipping` | `gradient_clipping` | absent or `"auto"` → `None` (off in step(); the front end clips) |
 | `communication_data_type` | `reduce_dtype` | `fp32` / `fp16` / `bf16` |
+| `sequence_parallel_size` | `sequence_parallel_size` | Ulysses sequence parallelism; must divide the number of ranks |
 
 Accepted with no effect (tuning knobs this engine sizes itself, or bookkeeping):
 bucket sizes, `overlap_comm`, `contiguous_gradients`, `reduce_scatter`,
@@ -84,7 +85,7 @@ IGNORED_TOP_LEVEL = frozenset({
     "hybrid_engine", "tensor_parallel", "zero_legacy_stage1", "communication_logging", "monitor_config",
 })
 MAPPED_TOP_LEVEL = ("zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping",
-                    "communication_data_type")
+                    "communication_data_type", "sequence_parallel_size")
 
 _LOGGING = "logging and monitoring are the front end's (zs.memory_report / zs.comm_stats give memory and traffic)"
 _CHECKPOINTS = ("checkpoints use zero_strategy's sharded format (save_checkpoint / the front end's save), "
@@ -408,4 +409,7 @@ def translate_deepspeed(data: Mapping) -> DeepSpeedTranslation:
     comm = data.get("communication_data_type")
     if comm is not None:
         fields["reduce_dtype"] = _no_auto("communication_data_type", comm, '"fp32"')
+    sp = data.get("sequence_parallel_size")
+    if sp is not None:
+        fields["sequence_parallel_size"] = _no_auto("sequence_parallel_size", sp, "2")
     return DeepSpeedTranslation(fields=fields, ignored=tuple(ignored), dropped=tuple(dropped))

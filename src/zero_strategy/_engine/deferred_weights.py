@@ -15,7 +15,8 @@ import torch
 
 from .materialize import default_init
 
-__all__ = ["DeferredWeights", "defer_weights", "pending_weights", "init_for_pending", "load_deferred_weights"]
+__all__ = ["DeferredWeights", "defer_weights", "pending_weights", "init_for_pending", "load_deferred_weights",
+           "loaded_whole"]
 
 
 @dataclass
@@ -79,6 +80,25 @@ def init_for_pending(model: torch.nn.Module, pending: list[tuple[str, DeferredWe
             raise ValueError(f"zero_strategy.setup: {type(module).__name__} has meta-device parameters, no "
                              "reset_parameters() and no pretrained loader; pass param_init_fn=fn to setup")
     return init
+
+
+def loaded_whole(model: torch.nn.Module, pending: list[tuple[str, DeferredWeights]]) -> frozenset[int]:
+    """Ids of the meta parameters of ``model`` the pending sources hold, by any of their names (their
+    readers' ``shape_of``; none where a reader cannot tell): the load writes each of their elements,
+    so setup need not initialize them. A source whose shape differs is refused by the load itself."""
+    if not pending:
+        return frozenset()
+    reader = _PrefixedReader(sorted(((f"{n}." if n else "", w) for n, w in pending), key=lambda pw: -len(pw[0])))
+    shape_of = getattr(reader, "shape_of", None)
+    if shape_of is None:
+        return frozenset()
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return frozenset(pid for pid, n in names.items()
+                     if params[pid].is_meta and params[pid].is_floating_point() and shape_of(n) is not None)
 
 
 def load_deferred_weights(model: torch.nn.Module) -> None:

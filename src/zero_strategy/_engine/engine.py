@@ -40,6 +40,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from .._comm.collectives import Collectives
 from .._config.policies import NVMeOffload
 from .._config.state_kinds import KINDS
+from .._mechanisms.background_save import BackgroundSave
 from .._mechanisms.host_memory import ReleasePoints
 from .flat import FlatGroup, ParamSlot, ShardState
 from .placement import offload_services, single_device, size_swap_pool
@@ -229,10 +230,13 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, config, comm: Collectives,
                  optimizer_group_of: dict[int, tuple[int, int]], device: torch.device | None = None,
-                 param_init_fn=None, owned_optimizers: frozenset[int] = frozenset()):
+                 param_init_fn=None, owned_optimizers: frozenset[int] = frozenset(),
+                 kept_dtypes: dict[int, torch.dtype] | None = None, loaded_later: frozenset[int] = frozenset()):
         """``optimizer_group_of``: id(param) -> (which optimizer, which of its param groups).
         ``owned_optimizers``: which optimizers step whole parameters (See [Note: the ownership
-        layout] in _engine/flat.py).
+        layout] in _engine/flat.py). ``kept_dtypes``: id(param) -> the dtype it computes in where
+        the model keeps it out of the precision's (See [Note: parameters kept in fp32] in _engine/units.py).
+        ``loaded_later``: ids of meta parameters a pending load fills whole (not initialized).
 
         ``device``/``param_init_fn``: where and how meta-device parameters are materialized.
         """
@@ -257,6 +261,7 @@ class ZeroEngine:
             offload_optimizer=config.offload_optimizer, offload_params=config.offload_params,
             transfers=self.transfers, param_init_fn=param_init_fn, swap=self.swap,
             owned_optimizers=owned_optimizers, release_host_memory=config.release_host_memory,
+            kept_dtypes=kept_dtypes, loaded_later=loaded_later,
         )
         self.root = self.units[0]
         #: stage 3 with parameter shards on NVMe: backward's gathers read the swap file
@@ -292,6 +297,9 @@ class ZeroEngine:
         self.optimizer_refs: list = []  # weakrefs to the ZeroOptimizers stepping this engine's masters
         #: what setup put on the user's model (_model/install.py), undone by teardown
         self.undo_on_teardown: list = []
+        #: the model's sequence-parallel group (_comm/sequence_parallel.py), set by setup; the
+        #: step never reads it: See [Note: sequence parallelism] in _model/sequence_parallel.py
+        self.sequence_parallel = None
         #: generate() policy and the gathered_for_generation block (_model/generation.py)
         self.generation = GenerationGathers()
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step
@@ -299,6 +307,9 @@ class ZeroEngine:
         #: what zero_strategy.offload_states moved to the host: an OffloadedStates of
         #: _model/offload_states.py (None: nothing offloaded); the hooks only read its kinds
         self.offloaded = None
+        #: the asynchronous checkpoint save in flight, if any (checkpoint/_save.py): waited for by the
+        #: next save, a load and teardown; its staged buffers count in memory_report
+        self.background_save = BackgroundSave()
         self._register_hooks()
 
     def __repr__(self) -> str:

@@ -46,8 +46,14 @@ def materialize_unit(
     comm: Collectives,
     param_init_fn: Callable[[nn.Module], object] | None,
     names: dict[int, str],
+    loaded_later: frozenset[int] = frozenset(),
 ) -> None:
-    """Allocate, initialize and broadcast the meta parameters ``params`` (and the modules' meta buffers)."""
+    """Allocate, initialize and broadcast the meta parameters ``params`` (and the modules' meta buffers).
+
+    ``loaded_later``: ids of parameters whose every element a pending load writes (See [Note:
+    weights that arrive at setup]); they are only allocated, never initialized nor broadcast, and
+    a module whose own parameters are all such is not initialized: values nobody keeps cost
+    time, and each written page is memory beyond the shards (See [Note: why unit by unit])."""
     meta = [p for p in params if p.is_meta]
     if not meta:
         return
@@ -56,14 +62,18 @@ def materialize_unit(
         real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
         torch.utils.swap_tensors(p, real)
     modules = list(modules)
+    new_buffers: set[int] = set()
     for m in modules:
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
-    covered: set[int] = set()
+                new_buffers.add(id(m._buffers[name]))
+    covered: set[int] = set(meta_ids & loaded_later)
     for m in modules:
         own = [p for p in m.parameters(recurse=False) if id(p) in meta_ids]
         if not own and param_init_fn is None:
+            continue
+        if own and all(id(p) in loaded_later for p in own) and not any(id(b) in new_buffers for b in m.buffers(False)):
             continue
         if param_init_fn is not None:
             param_init_fn(m)
@@ -79,7 +89,8 @@ def materialize_unit(
             "_init_weights) to setup")
     for m in modules:  # every rank starts from rank 0's values, as for a materialized model
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            comm.broadcast(t.data, src_rank=0, label="initial weights")
+            if id(t) not in loaded_later:
+                comm.broadcast(t.data, src_rank=0, label="initial weights")
 
 
 def unit_modules(root: nn.Module, unit_module: nn.Module, unit_roots: set[int]) -> list[nn.Module]:

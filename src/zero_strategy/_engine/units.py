@@ -78,6 +78,16 @@ collectives] in _comm/collectives.py and [Note: reduce order] in _engine/reduce.
 unit costs a collective per large group at most, however many small groups it has. Hugging Face models that fuse their experts into one tensor (Mixtral,
 Qwen2-MoE in transformers 5) have no members, and DDP gives every expert a (zero)
 gradient there too.
+
+[Note: parameters kept in fp32]
+Some models keep a few parameters in fp32 whatever the dtype the rest computes in: a
+mixture-of-experts router (DeepSeek-V3's and GLM-4-MoE's ``gate.weight``), whose top-k
+choice flips on bf16 rounding. transformers builds them fp32 (its
+``_keep_in_fp32_modules_strict``) and its loader keeps them so; a flat group in the
+precision's dtype would cast them down. The front end names them (``kept_dtypes``, from
+_model/hf.py, the one module that knows the library's flag), and they get flat groups of
+their own in that dtype, with gradients reduced in it too: a group apart from the others,
+never a group of mixed dtypes.
 """
 
 from __future__ import annotations
@@ -400,6 +410,8 @@ def build_units(
     swap=None,
     owned_optimizers: frozenset[int] = frozenset(),
     release_host_memory: bool = False,
+    kept_dtypes: dict[int, torch.dtype] | None = None,
+    loaded_later: frozenset[int] = frozenset(),
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
@@ -408,6 +420,9 @@ def build_units(
     is materialized (See [Note: freed host memory] in _mechanisms/host_memory.py).
     ``owned_optimizers``: the optimizers whose groups take the ownership layout (See [Note:
     the ownership layout] in _engine/flat.py), balanced over all their groups together.
+    ``kept_dtypes``: id(param) -> the dtype it computes in instead of ``compute_dtype`` (See
+    [Note: parameters kept in fp32]). ``loaded_later``: ids of meta parameters a pending load
+    fills whole, materialized without initialization (_engine/materialize.py).
     """
     owner_load = [0] * comm.world_size
     unit_modules = find_unit_modules(model, unit_classes)
@@ -446,7 +461,7 @@ def build_units(
         if any(p.is_meta for p in unit_params):  # a large unit: what the units before it freed goes first
             release_if_large(release_host_memory, 4 * sum(p.numel() for p in unit_params))
             materialize_unit(unit_scope(model, modules[unit_name], unit_roots),
-                             unit_params, device, comm, param_init_fn, first_name)
+                             unit_params, device, comm, param_init_fn, first_name, loaded_later)
         buckets: "OrderedDict[tuple, list]" = OrderedDict()
         for pid in owned_by[unit_name]:
             p = params[pid]
@@ -457,19 +472,21 @@ def build_units(
                 part = ""  # never stepped: no need to keep its parts apart
             else:
                 part = part_of(relative, parts_at, relative.rpartition(".")[0] if unit_name == ROOT else "")
+            kept = (kept_dtypes or {}).get(pid)
             key = (trainable, optimizer_group_of.get(pid) if trainable else None,
-                   plan.shards_parameters and not persistent, part)
+                   plan.shards_parameters and not persistent, part, kept)
             buckets.setdefault(key, []).append((first_name[pid], p))
         groups = []
-        for (trainable, opt_key, shard_params, part), named in buckets.items():
+        for (trainable, opt_key, shard_params, part, kept), named in buckets.items():
             opt_index, opt_group = opt_key if opt_key is not None else (None, None)
             label = "" if opt_key is None else (f"{opt_group}" if opt_index == 0 else f"{opt_index}.{opt_group}")
             gname = (f"{unit_name}/{'train' if trainable else 'frozen'}{label}{'' if shard_params else '/whole'}"
-                     + (f"/{part}" if part else ""))
+                     + (f"/{part}" if part else "") + (f"/{str(kept).removeprefix('torch.')}" if kept else ""))
             groups.append(FlatGroup(
                 gname, named, trainable=trainable, optimizer_group=opt_group, optimizer_index=opt_index,
-                shard_params=shard_params,
-                compute_dtype=compute_dtype, grad_dtype=grad_dtype, rank=comm.rank,
+                shard_params=shard_params, compute_dtype=kept or compute_dtype,
+                grad_dtype=kept if kept is not None and kept.itemsize > grad_dtype.itemsize else grad_dtype,
+                rank=comm.rank,
                 world_size=comm.world_size, device=device,
                 offload_optimizer=offload_optimizer, offload_params=offload_params,
                 transfers=transfers, swap=swap,

@@ -64,8 +64,11 @@ it is called with an empty ``state_dict`` first, and the empty weights file it w
 is then replaced. The library's path is taken unchanged (whole model, as before) where
 streaming would change the result: an explicit ``state_dict``, ``push_to_hub``,
 ``distributed_checkpoint``, ``safe_serialization=False``, a quantized or
-adapter-carrying model, or a model whose saved names the library converts
-(``revert_weight_conversion`` renames or merges something).
+adapter-carrying model. A model whose saved names and layout the library converts
+(``revert_weight_conversion``: a mixture-of-experts layer's fused experts written back one
+tensor per expert, renamed keys) is streamed too, each unit's tensors converted as they
+arrive (See [Note: converted saves] in _model/saves.py), unless the conversion joins
+tensors of several units, which takes the library's path.
 
 [Note: streamed adapter saves]
 ``PeftModel.save_pretrained`` filters ``self.state_dict()`` down to the adapter, so at
@@ -93,7 +96,9 @@ from torch import nn
 from .._engine.engine import refuse_while_offloaded
 from .gather import full_state_dict, modified_on_every_rank, unit_values, whole_model_pass
 from .generation import around_generate
-from .saves import arrival_order, out_dtype, write_entries
+from .saves import BatchConversion, arrival_specs, out_dtype, write_entries
+from .tiled_loss import causal_lm_forward, refuse_untileable
+from .sequence_parallel import check_heads, ulysses_attention
 
 if TYPE_CHECKING:
     from .._engine.engine import ZeroEngine
@@ -132,6 +137,152 @@ def library_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Mod
     return shadows
 
 
+
+
+def tiled_loss_targets(model: nn.Module, tiled: bool | int) -> list[nn.Module]:
+    """The transformers ``*ForCausalLM`` modules in ``model`` whose loss ``ZeroConfig(tiled_loss=tiled)``
+    replaces; a model it cannot serve is refused (``setup`` asks before it shards anything)."""
+    if tiled is False:
+        return []
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    causal_lms = [m for m in model.modules() if pretrained is not None and isinstance(m, pretrained)
+                  and type(m).__name__.endswith("ForCausalLM")]
+    if not causal_lms:
+        raise ValueError(
+            f"zero_strategy: tiled_loss is set but {type(model).__name__} holds no transformers *ForCausalLM "
+            "model, whose loss it replaces. For a model of your own, drop tiled_loss and compute the loss with "
+            "zero_strategy.tiled_causal_lm_loss(model.lm_head, hidden_states, labels).")
+    for module in causal_lms:
+        refuse_untileable(module)
+    return causal_lms
+
+
+def tiled_loss_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Module, str, Callable]]:
+    """The ``forward`` shadows that give each causal LM :func:`tiled_loss_targets` finds the tiled loss.
+    See [Note: the tiled loss in a Hugging Face model] in _model/tiled_loss.py."""
+    tiled = engine.config.tiled_loss
+    chunk = None if tiled is True else tiled
+    return [(module, "forward", causal_lm_forward(module, chunk)) for module in tiled_loss_targets(model, tiled)]
+
+
+def kept_dtypes(model: nn.Module, compute_dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """id(param) -> fp32 for the floating parameters a transformers model keeps in fp32 when it computes
+    in ``compute_dtype`` (its ``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules`` under fp16:
+    the plan its own ``from_pretrained`` follows), matched as its loader matches them. See
+    [Note: parameters kept in fp32] in _engine/units.py."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    if pretrained is None or compute_dtype == torch.float32:
+        return {}
+    kept: dict[int, torch.dtype] = {}
+    for _, module in model.named_modules():
+        plan_of = getattr(module, "_get_dtype_plan", None) if isinstance(module, pretrained) else None
+        plan = plan_of(compute_dtype) if callable(plan_of) else {}  # (a transformers without it: none)
+        patterns = [(re.compile(key.replace("*", ".*")), dtype) for key, dtype in plan.items()]  # its globs
+        for name, p in module.named_parameters() if patterns else ():
+            dtype = next((d for pattern, d in patterns if pattern.search(name)), None)
+            if dtype is not None and p.is_floating_point():
+                kept.setdefault(id(p), dtype)
+    return kept
+
+
+#: what sequence parallelism cannot split (See [Note: sequence parallelism] in _model/sequence_parallel.py)
+_SP_REFUSED_ATTENTION = ("flex_attention", "paged")
+
+
+def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
+    """Run the attention of the transformers models in ``model`` under Ulysses sequence
+    parallelism over ``sp``; returns the undo.
+
+    ``model`` is a transformers model, or holds some (a LightningModule, a PEFT model): the
+    outermost ones are wrapped. Each one's attention function (``config._attn_implementation``:
+    sdpa, eager, flash) is wrapped by :func:`ulysses_attention` and registered in transformers'
+    attention registry under a name of its own, which that model's config then names: the
+    model changes, other models of the process (a reference, a teacher) do not, and no
+    module's code is replaced. A registered name that is not a mask kind also tells
+    transformers to build no attention mask for the shard (the wrapper masks the whole
+    sequence causally). Refuses, naming the fix, what cannot be split: no transformers model,
+    encoder-decoders, sliding-window or linear-attention layers, flex and paged attention,
+    head counts the group does not divide; and ``generate()`` on the wrapped models raises
+    until teardown."""
+    n = sp.size
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    models = _outermost(model, pretrained) if pretrained is not None else []
+    if not models or not hasattr(transformers, "AttentionInterface"):
+        raise ValueError(f"sequence_parallel_size={n}: sequence parallelism wraps the attention of Hugging Face "
+                         f"transformers models (through their attention registry); {type(model).__name__} is not "
+                         "one and holds none. Use a transformers model, or sequence_parallel_size=1")
+    plans = [(m, m.config, m.config._attn_implementation) for m in models]
+    for m, config, impl in plans:
+        _refuse_unsplittable(config, impl, n)
+    undos = []
+    for m, config, impl in plans:
+        if impl == "eager":
+            base = getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None)
+        else:
+            base = transformers.AttentionInterface._global_mapping.get(impl)
+        if base is None:
+            raise ValueError(f"sequence_parallel_size={n}: cannot find the attention function {impl!r} of "
+                             f"{type(m).__name__}; load the model with attn_implementation='sdpa' (or 'eager')")
+        name = f"zero_ulysses_{impl}_{id(m):x}"
+        transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp))
+        config._attn_implementation = name
+        refuse = _refuse_generate(n)
+        if hasattr(m, "generate"):
+            m.generate = refuse
+        undos.append((m, config, impl, name, refuse))
+
+    def undo() -> None:
+        for m, config, impl, name, refuse in undos:
+            if config._attn_implementation == name:
+                config._attn_implementation = impl
+            transformers.AttentionInterface._global_mapping.pop(name, None)
+            if m.__dict__.get("generate") is refuse:
+                del m.__dict__["generate"]
+
+    return undo
+
+
+def _refuse_generate(n: int) -> Callable:
+    """``generate()`` under sequence parallelism would run each rank's whole prompt as a shard
+    (and decode one token as N): refused, naming the fix."""
+    def generate(*args, **kwargs):
+        raise ValueError(f"generate() is not supported on a model set up with sequence_parallel_size={n}: the "
+                         "attention expects each rank to hold 1/N of every sequence. Generate with a model set up "
+                         "without sequence parallelism (zero_strategy.teardown(model) first, or a copy)")
+    return generate
+
+
+def _outermost(model: nn.Module, kind: type) -> list[nn.Module]:
+    """The modules of ``kind`` in ``model`` that no other module of ``kind`` holds."""
+    if isinstance(model, kind):
+        return [model]
+    found: list[nn.Module] = []
+    for child in model.children():
+        found.extend(_outermost(child, kind))
+    return found
+
+
+def _refuse_unsplittable(config, impl: str, n: int) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    what = type(config).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"sequence_parallel_size={n}: {what} is an encoder-decoder; sequence parallelism splits "
+                         "causal decoder-only models. Use sequence_parallel_size=1")
+    if impl.startswith(_SP_REFUSED_ATTENTION):
+        raise ValueError(f"sequence_parallel_size={n}: attn_implementation={impl!r} is not supported under sequence "
+                         "parallelism; load the model with attn_implementation='sdpa' (or 'eager', or flash)")
+    kinds = set(getattr(text, "layer_types", None) or ())
+    sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+    if sliding or kinds - {"full_attention"}:
+        raise ValueError(f"sequence_parallel_size={n}: {what} has sliding-window or linear-attention layers "
+                         f"({sorted(kinds) or 'sliding_window'}), which sequence parallelism does not split yet; "
+                         "use a model with full attention only, or sequence_parallel_size=1")
+    heads = getattr(text, "num_attention_heads", None)
+    if isinstance(heads, int):
+        check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, n, f" of {what}")
 
 
 def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
@@ -198,8 +349,8 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
 
     def save_pretrained(save_directory, *args, dtype: torch.dtype | None = None, **kwargs):
         engine, model = engine_ref(), module_ref()
-        names = None if engine is None or engine.ended or args else _streamable_names(engine, model, kwargs)
-        if names is None:
+        streamable = None if engine is None or engine.ended or args else _streamable_names(engine, model, kwargs)
+        if streamable is None:
             if dtype is not None and engine is not None and not engine.ended and kwargs.get("state_dict") is None:
                 if model is not engine.model:
                     raise ValueError("zero_strategy: save_pretrained(dtype=...) of a submodule of the set-up model "
@@ -213,13 +364,15 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
         should = getattr(model, "should_save_on_this_rank", None)
         main = should(main) if callable(should) else main
         with whole_model_pass(engine):  # See [Note: releases where a phase ends]
-            _write_streamed(engine, model, names, os.fspath(save_directory), main, kwargs, dtype)
+            _write_streamed(engine, model, *streamable, os.fspath(save_directory), main, kwargs, dtype)
     return save_pretrained
 
 
-def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict) -> dict[str, torch.Tensor] | None:
-    """The entries to write (name -> parameter or buffer), or None where the library's own path
-    must run. See [Note: streamed save_pretrained]."""
+def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict
+                      ) -> tuple[dict[str, torch.Tensor], BatchConversion | None] | None:
+    """The entries to write (name -> parameter or buffer) and the conversion of their names and
+    layout the library applies on save (None: none), or None where the library's own path must
+    run. See [Note: streamed save_pretrained]."""
     if (kwargs.get("state_dict") is not None or kwargs.get("push_to_hub") or kwargs.get("distributed_checkpoint")
             or kwargs.get("safe_serialization", True) is False or getattr(model, "hf_quantizer", None) is not None
             or getattr(model, "_hf_peft_config_loaded", False)):
@@ -236,10 +389,16 @@ def _streamable_names(engine: "ZeroEngine", model: nn.Module, kwargs: dict) -> d
     kept = remove_tied_weights_from_state_dict(dict(meta), model)
     if any(k not in meta or kept[k] is not meta[k] for k in kept):
         return None  # the library cloned or made something: not a plain selection
+    entries = {k: entries[k] for k in meta if k in kept}
     reverted = revert_weight_conversion(model, dict(kept))
-    if set(reverted) != set(kept) or any(reverted[k] is not kept[k] for k in kept):
-        return None  # renamed or merged on save: needs every tensor at once
-    return {k: entries[k] for k in meta if k in kept}
+    if set(reverted) == set(kept) and all(reverted[k] is kept[k] for k in kept):
+        return entries, None
+    convert = functools.partial(revert_weight_conversion, model)  # held for this save only
+    by_batch = arrival_specs(engine, entries, None, convert)
+    whole = {k: (t.dtype, list(t.shape)) for k, t in reverted.items()}
+    if len(by_batch) != len(whole) or any(whole.get(n) != (d, s) for n, d, s in by_batch):
+        return None  # a conversion across units: needs every tensor at once. See [Note: converted saves]
+    return entries, convert
 
 
 def _shard_plan(specs: list[tuple[str, torch.dtype, list[int]]], max_shard_size) -> list[list[int]]:
@@ -287,12 +446,13 @@ def _add_variant(name: str, variant: str | None) -> str:
     return f"{stem}.{variant}.{ext}"
 
 
-def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, torch.Tensor], directory: str,
-                    main: bool, kwargs: dict, dtype: torch.dtype | None) -> None:
-    """Split ``entries`` into files with the library's rule, in the order they arrive, and write them
-    unit by unit (main only), with the index where there is more than one file."""
-    order = arrival_order(engine, entries)
-    specs = [(n, out_dtype(entries[n], dtype), list(engine.full_shape(entries[n]))) for n in order]
+def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, torch.Tensor],
+                    convert: BatchConversion | None, directory: str, main: bool, kwargs: dict,
+                    dtype: torch.dtype | None) -> None:
+    """Split ``entries`` (under the names ``convert`` gives) into files with the library's rule, in the
+    order they arrive, and write them unit by unit (main only), with the index where there is more
+    than one file."""
+    specs = arrival_specs(engine, entries, dtype, convert)
     files = _shard_plan(specs, kwargs.get("max_shard_size", "50GB"))
     variant = kwargs.get("variant")
     weights = _add_variant(WEIGHTS_NAME, variant)
@@ -300,7 +460,7 @@ def _write_streamed(engine: "ZeroEngine", model: nn.Module, entries: dict[str, t
              [weights.replace(".safetensors", f"-{i + 1:05d}-of-{len(files):05d}.safetensors")
               for i in range(len(files))])
     file_of = {specs[i][0]: names[f] for f, idx in enumerate(files) for i in idx}
-    write_entries(engine, entries, directory, main, file_of, names, dtype)
+    write_entries(engine, entries, directory, main, file_of, names, dtype, convert)
     if not main or len(files) == 1:
         return
     if os.path.isfile(os.path.join(directory, weights)):

@@ -4,7 +4,10 @@ Three kinds of thing go onto a set-up model, each so that the user's own calls k
 the module state-dict hooks (``model.state_dict()`` / ``load_state_dict()`` see full weights
 and reach the shards and masters: _model/state_dict.py), the ``_apply`` shadow on every module
 (``.cpu()``, ``.to()``, ``.half()``: _model/conversions.py) and the shadows of transformers'
-and PEFT's methods (``generate``, ``save_pretrained``, the merges: _model/hf.py). They are put
+and PEFT's methods (``generate``, ``save_pretrained``, the merges: _model/hf.py; a causal LM's
+``forward`` when the config asks for the tiled loss: _model/tiled_loss.py; a gated MLP's for the
+tiled MLP: _model/tiled_mlp.py), and the pre-hooks that
+offload checkpointed layers' inputs (_model/activation_offload.py). They are put
 on here and nowhere else, and :func:`install` returns the callbacks that take each off again:
 ``engine.undo_on_teardown``, which ``zero_strategy.teardown`` runs after the engine's own
 hooks are removed. The engine never sees any of it: it imports nothing of _model/.
@@ -17,9 +20,11 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
+from .activation_offload import checkpoint_offload_hooks
 from .conversions import apply_shadows
-from .hf import library_shadows
+from .hf import library_shadows, tiled_loss_shadows
 from .state_dict import register_module_state_hooks
+from .tiled_mlp import tiled_mlp_shadows
 
 if TYPE_CHECKING:
     from .._engine.engine import ZeroEngine
@@ -31,8 +36,12 @@ def install(model: nn.Module, engine: "ZeroEngine", end: Callable[[], None]) -> 
     Returns the undo callbacks, in the order they were put on."""
     undo: list[Callable[[], None]] = [h.remove for h in register_module_state_hooks(engine)]
     # See [Note: conversions on a set-up model] in _model/conversions.py
-    for module, name, make in library_shadows(model, engine) + apply_shadows(model, engine, end):
+    shadows = (tiled_loss_shadows(model, engine) + tiled_mlp_shadows(model, engine.config.tiled_mlp)
+               + library_shadows(model, engine) + apply_shadows(model, engine, end))
+    for module, name, make in shadows:
         undo.append(shadow(module, name, make))
+    if engine.config.activation_offload:  # See [Note: activation offload] in _model/activation_offload.py
+        undo.extend(checkpoint_offload_hooks(model))
     return undo
 
 

@@ -42,6 +42,7 @@ model is sharded or the accelerator is torn down.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +58,8 @@ from .._engine.plan import plan_for
 from ..config import ZeroConfig
 from . import _checkpointing, _saving
 from ._config import apply_precision, choose_spec, deepspeed_accumulation_steps, describe, load_config
-from ._launch import adopt_deepspeed_launch, check_after_init, logger, refuse_sharding_launchers, use_cpu_if_no_device
+from ._launch import (adopt_deepspeed_launch, check_after_init, launched_processes, logger,
+                      refuse_sharding_launchers, requested_parallelism, use_cpu_if_no_device)
 from ._optimizer import ZeroAcceleratedOptimizer
 
 UNPREPARED_OPTIMIZER = (
@@ -111,8 +113,18 @@ class ZeroAccelerator(Accelerator):
         spec, source = choose_spec(zero_config, self.deepspeed_auto_gradient_clipping)
         parsed = load_config(spec, source)  # unknown presets/keys fail before the process group starts
         accelerator_kwargs["cpu"] = use_cpu_if_no_device(bool(accelerator_kwargs.get("cpu", False)))
-        super().__init__(**accelerator_kwargs)
+        parallelism = requested_parallelism(accelerator_kwargs.get("parallelism_config"))
+        parsed = _with_sequence_parallel(parsed, parallelism)  # See [Note: sequence parallelism under Accelerate]
+        if parsed.sequence_parallel_size > 1:
+            _refuse_sequence_parallel_size(parsed.sequence_parallel_size, launched_processes())
+            accelerator_kwargs.pop("parallelism_config", None)
+            with _launch_parallelism_off():
+                super().__init__(**accelerator_kwargs)
+        else:
+            super().__init__(**accelerator_kwargs)
         check_after_init(self)
+        #: this rank's SP group (size 1: none); See [Note: sequence parallelism under Accelerate]
+        self.sequence_parallel = self._sequence_parallel_mesh(parsed.sequence_parallel_size, parallelism)
         mixed_precision = str(self.mixed_precision)
         self._zero_config = apply_precision(parsed, mixed_precision, source)
         steps = deepspeed_accumulation_steps(spec, source)
@@ -159,6 +171,29 @@ class ZeroAccelerator(Accelerator):
 
     def _zero_optimizers(self):
         return [o.zero_optimizer for r in self._zero_records for o in r.optimizers]
+
+    def _sequence_parallel_mesh(self, size: int, parallelism) -> api.SequenceParallelGroup:
+        """The SP group, and the ("dp", "sp") mesh and ParallelismConfig Accelerate's users read."""
+        if size == 1:
+            return api.SequenceParallelGroup(None, 0, 1)
+        from accelerate.parallelism_config import ParallelismConfig
+        from torch.distributed.device_mesh import DeviceMesh
+
+        _refuse_sequence_parallel_size(size, self.num_processes)
+        dp = (getattr(parallelism, "dp_replicate_size", 1) or 1) * (getattr(parallelism, "dp_shard_size", 1) or 1)
+        if dp not in (1, self.num_processes // size):
+            raise ValueError(f"ZeroAccelerator: ParallelismConfig asks for {dp} data-parallel ranks (dp_replicate_size x "
+                             f"dp_shard_size) beside sp_size={size}, but {self.num_processes} processes leave "
+                             f"{self.num_processes // size}; drop the dp sizes (ZeRO shards over every rank) or set "
+                             f"them to {self.num_processes // size}")
+        sp, dp_group = api.sequence_parallel_groups(size)
+        mesh = torch.arange(self.num_processes).view(self.num_processes // size, size)
+        self.state.device_mesh = DeviceMesh.from_group([dp_group, sp.group], self.device.type, mesh=mesh,
+                                                       mesh_dim_names=("dp", "sp"))
+        if parallelism is None:
+            parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=size)
+        self.state.parallelism_config = parallelism
+        return sp
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args, device_placement=None):
@@ -285,6 +320,7 @@ class ZeroAccelerator(Accelerator):
                     "ZeroAccelerator: fp16 with several optimizers on one model is not supported (one loss scale per "
                     "optimizer, but accelerator.backward cannot tell which loss belongs to which); use bf16")
             raw = [opt for _, opt, _ in entries]
+            self._check_attention(model)
             self._unguard(model)
             _, zopts = api.setup(model, raw if len(raw) > 1 else raw[0], self._zero_config,
                                  param_init_fn=self.param_init_fn)
@@ -306,6 +342,53 @@ class ZeroAccelerator(Accelerator):
                 "ZeroAccelerator: fp16 with several ZeRO optimizers is not supported (accelerator.backward cannot "
                 "tell which loss scale applies); use bf16")
         return out
+
+    def _check_attention(self, model: nn.Module) -> None:
+        """``sp_attn_implementation`` must be the model's own: the one that is wrapped (DeepSpeed refuses
+        a mismatch the same way)."""
+        handler = getattr(self.state.parallelism_config, "sp_handler", None) if self.sequence_parallel.size > 1 else None
+        wanted = getattr(handler, "sp_attn_implementation", None)
+        have = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if wanted is not None and have is not None and wanted != have:
+            raise ValueError(f"ZeroAccelerator: DeepSpeedSequenceParallelConfig(sp_attn_implementation={wanted!r}) "
+                             f"differs from the model's attn_implementation {have!r}; load the model with "
+                             f"attn_implementation={wanted!r}, or set sp_attn_implementation={have!r}")
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """Accelerate's, except under sequence parallelism: sharded over the data-parallel ranks
+        only and yielding each rank's shard; See [Note: sequence parallelism under Accelerate]."""
+        sp = self.sequence_parallel
+        if sp.size == 1 or not isinstance(data_loader, torch.utils.data.DataLoader):
+            return super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
+        from accelerate.data_loader import prepare_data_loader
+
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=self.num_processes // sp.size,
+            process_index=self.process_index // sp.size, split_batches=self.split_batches,
+            put_on_device=device_placement, rng_types=self.rng_types.copy(), dispatch_batches=self.dispatch_batches,
+            even_batches=self.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=self.use_seedable_sampler, data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking, use_stateful_dataloader=self.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return api.sequence_parallel_loader(prepared, sp)
+
+    def deepspeed_ulysses_dl_adapter(self, dl, model):
+        """Accelerate's hook for a loader prepared apart from the model: here every prepared loader
+        is already sharded (See [Note: sequence parallelism under Accelerate]), so it comes back as it is."""
+        if self.sequence_parallel.size == 1 or isinstance(getattr(dl, "sp", None), api.SequenceParallelGroup):
+            return dl
+        raise ValueError("ZeroAccelerator.deepspeed_ulysses_dl_adapter: pass a loader returned by "
+                         "accelerator.prepare(...), which under sequence parallelism yields each rank's shard")
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """Accelerate's, on the sharded loader's inner one, so the batches after the skip are still
+        this rank's shards (a resumed epoch must not feed whole sequences to the split attention)."""
+        if isinstance(getattr(dataloader, "sp", None), api.SequenceParallelGroup):
+            return api.sequence_parallel_loader(super().skip_first_batches(dataloader.loader, num_batches), dataloader.sp)
+        return super().skip_first_batches(dataloader, num_batches)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if evaluation_mode:
@@ -493,6 +576,39 @@ class ZeroAccelerator(Accelerator):
         destroy the process group."""
         self._teardown_all(keep_weights=keep_weights)
         super().end_training()
+
+
+def _with_sequence_parallel(config: ZeroConfig, parallelism) -> ZeroConfig:
+    """``config`` with the ``sp_size`` of ``parallelism``; a different size on both sides is refused."""
+    size = getattr(parallelism, "sp_size", 1) or 1
+    if size == 1:
+        return config
+    if config.sequence_parallel_size not in (1, size):
+        raise ValueError(f"ZeroAccelerator: ParallelismConfig(sp_size={size}) and the ZeRO config's "
+                         f"sequence_parallel_size={config.sequence_parallel_size} differ; set one of them (or both "
+                         "to the same size)")
+    return config.replace(sequence_parallel_size=size)
+
+
+def _refuse_sequence_parallel_size(size: int, processes: int) -> None:
+    if processes % size:
+        raise ValueError(f"ZeroAccelerator: sequence parallelism of size {size} needs a multiple of {size} "
+                         f"processes, but {processes} were launched; launch a multiple of {size} "
+                         f"(--num_processes), or set sp_size to a divisor of {processes}")
+
+
+@contextlib.contextmanager
+def _launch_parallelism_off():
+    """Accelerate's state built without the launch's ParallelismConfig (taken over by ZeroAccelerator)."""
+    saved = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")
+    os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+        else:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
 
 
 def _has_meta_tensors(model: nn.Module) -> bool:

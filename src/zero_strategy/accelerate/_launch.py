@@ -77,17 +77,21 @@ def refuse_sharding_launchers(kwargs: dict) -> None:
 
 
 #: ParallelismConfig's sizes ZeroAccelerator cannot honour, with the launch config's environment variable
-_UNSUPPORTED_SIZES = {"sp_size": ("PARALLELISM_CONFIG_SP_SIZE", "sequence parallelism"),
-                      "tp_size": ("PARALLELISM_CONFIG_TP_SIZE", "tensor parallelism"),
+_UNSUPPORTED_SIZES = {"tp_size": ("PARALLELISM_CONFIG_TP_SIZE", "tensor parallelism"),
                       "cp_size": ("PARALLELISM_CONFIG_CP_SIZE", "context parallelism")}
 
 
+def _from_launch(parallelism_config) -> bool:
+    return parallelism_config is None and _env_true("ACCELERATE_USE_PARALLELISM_CONFIG")
+
+
 def refuse_model_parallel_sizes(parallelism_config) -> None:
-    """Refuse sp/tp/cp sizes above 1, passed as ``parallelism_config`` (also through
+    """Refuse tp/cp sizes above 1, passed as ``parallelism_config`` (also through
     ``TrainingArguments(parallelism_config=...)``) or asked for by the launch config, before
     Accelerate builds its mesh: ZeRO is data parallel, and running such a launch as plain data
-    parallelism would train other samples on each rank where the user asked for one split."""
-    from_env = parallelism_config is None and _env_true("ACCELERATE_USE_PARALLELISM_CONFIG")
+    parallelism would train other samples on each rank where the user asked for one split.
+    (``sp_size`` is honoured: See [Note: sequence parallelism under Accelerate] in _accelerator.py.)"""
+    from_env = _from_launch(parallelism_config)
     for key, (env, what) in _UNSUPPORTED_SIZES.items():
         size = getattr(parallelism_config, key, None) if parallelism_config is not None else None
         if from_env:
@@ -98,7 +102,17 @@ def refuse_model_parallel_sizes(parallelism_config) -> None:
                 f"ZeroAccelerator: {what} ({where}) is not supported: ZeRO shards model states across "
                 f"data-parallel ranks, and running this launch as data parallelism would give each rank "
                 f"other samples instead of a share of one. Set {key} to 1 (or remove it); for long "
-                "sequences today, use gradient checkpointing and a smaller micro-batch")
+                "sequences use sequence parallelism instead (ParallelismConfig(sp_backend='deepspeed', sp_size=N))")
+
+
+def requested_parallelism(parallelism_config):
+    """The ``ParallelismConfig`` this launch asks for (given, or built from the launch config's
+    ``PARALLELISM_CONFIG_*`` variables as Accelerate would), else None."""
+    if _from_launch(parallelism_config):
+        from accelerate.parallelism_config import ParallelismConfig
+
+        return ParallelismConfig()
+    return parallelism_config
 
 
 def _env_true(name: str) -> bool:

@@ -27,9 +27,10 @@ from ._consolidate import consolidate, parse_size
 from ._dcp_save import export_checkpoint, save_dcp
 from ._layout import FORMAT_VERSION, CheckpointError
 from ._load import load_checkpoint, load_metadata
-from ._save import save_checkpoint
+from ._save import save_checkpoint, wait_for_save
 from ._sharded_weights import load_full_state_dict, load_sharded_weights, safetensors_reader
 
-__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "export_checkpoint", "save_dcp", "CheckpointError", "FORMAT_VERSION",
+__all__ = ["save_checkpoint", "wait_for_save", "load_checkpoint", "consolidate", "export_checkpoint", "save_dcp",
+           "CheckpointError", "FORMAT_VERSION",
            "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader",
            "load_full_state_dict"]

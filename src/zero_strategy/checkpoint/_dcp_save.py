@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from .._engine.engine import refuse_while_offloaded
+from .._mechanisms.background_save import join_saves_to
 from .._model.gather import whole_model_pass
 from ..api import engine_of
 from ._dcp import contiguous_start, flat_boxes
@@ -61,6 +62,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out: str | os.PathLike, forma
     """
     if format not in EXPORT_FORMATS:
         raise CheckpointError(f"format {format!r}: the formats written are {list(EXPORT_FORMATS)}")
+    join_saves_to(str(Path(ckpt_dir).absolute()))  # an asynchronous save of this process to it, first
     ckpt = resolve_checkpoint_dir(ckpt_dir)
     out = Path(out).absolute()
     if out.exists() or out.is_symlink():

@@ -54,6 +54,7 @@ from typing import Any, Callable
 import torch
 
 from .._engine.engine import refuse_while_offloaded
+from .._mechanisms.background_save import join_saves_to
 from .._mechanisms import nvme_stream
 from .._model.gather import whole_model_pass
 from .._optim.chunked_step import stopped_part_way
@@ -231,6 +232,8 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
     Where it raises, that rank raises its exception, the other ranks a ``CheckpointError``.
     """
     engine = engine_of(model)
+    engine.background_save.wait()  # an asynchronous save in flight first (See [Note: asynchronous saves])
+    join_saves_to(str(Path(path).absolute()))  # another model's save to this path (a new run resuming)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     zopts = resolve_zero_optimizers(engine, optimizer)
     error, own, reader, prepared = None, None, None, None
@@ -603,7 +606,7 @@ def _extra_state(reader: _Reader, meta: Metadata) -> Any:
 
 
 # ------------------------------------------------------------ after reading
-def _publish(engine, streamed: bool) -> None:
+def _publish(engine, streamed: bool = False) -> None:
     """Compute-dtype parameters from the loaded shards, as after an optimizer step. ``streamed``:
     the streamed groups' shards were written chunk by chunk as they loaded (See [Note: a streamed
     resume]): only their all-gather is left."""
@@ -673,6 +676,7 @@ def _apply_hyperparameters(updates: list) -> None:
 
 def load_metadata(path: str | Path) -> dict:
     """The metadata of a checkpoint as a plain dict (for tools and inspection), validated first."""
+    join_saves_to(str(Path(path).absolute()))  # a save of this process to it, still writing, first
     ckpt_dir = resolve_checkpoint_dir(path)
     read_metadata(ckpt_dir)
     return json.loads((ckpt_dir / "metadata.json").read_text())

@@ -193,11 +193,15 @@ class _SafetensorsReader:
                                           f"model.safetensors.index.json places there ({err})") from None
         return None
 
+    def slice_of(self, name: str):
+        """The safetensors slice of tensor ``name`` (``get_shape()``, ``get_dtype()``, ``[rows]``), or None."""
+        return self._slice([name])
+
     def shape_of(self, candidates: list[str]) -> tuple[list[int], torch.dtype] | None:
         sl = self._slice(candidates)
         if sl is None:
             return None
-        return list(sl.get_shape()), _DTYPES.get(sl.get_dtype(), torch.uint8)
+        return list(sl.get_shape()), dtype_of_safetensors(sl.get_dtype())
 
     def __call__(self, candidates: list[str], start: int, end: int):
         sl = self._slice(candidates)
@@ -209,6 +213,11 @@ class _SafetensorsReader:
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def dtype_of_safetensors(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (an unknown one: uint8, non-floating)."""
+    return _DTYPES.get(name, torch.uint8)
 
 
 def _flat_range(sl, shape: list[int], start: int, end: int) -> torch.Tensor:

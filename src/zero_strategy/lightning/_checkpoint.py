@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import consolidate, save_checkpoint
+from ..api import engine_of, is_set_up
+from ..checkpoint import consolidate, save_checkpoint, wait_for_save
 from ..checkpoint._load import prepare_load
 from ..checkpoint._layout import EXTRA_STATE_FILE
 from ..checkpoint._owned import remove_checkpoint
@@ -130,8 +131,21 @@ def convert_to_lightning_checkpoint(ckpt_dir: str | os.PathLike, out_file: str |
     return out_file
 
 
-def remove(path) -> None:
+def remove(path, module=None) -> None:
     """Delete a checkpoint (ModelCheckpoint's pruning) and the leftovers of killed saves of it: the
     same helper as a save's, so only directories of this user, never by a pattern over user names
-    and never through a link (See [Note: what a save may delete] in checkpoint/_owned.py)."""
+    and never through a link (See [Note: what a save may delete] in checkpoint/_owned.py).
+
+    While an asynchronous save of ``module`` is writing (the checkpoint that replaces this one as
+    the best), the removal waits for it on its thread and happens only if it succeeds: a failed
+    save never costs the checkpoint it was to replace."""
+    if module is not None and is_set_up(module) and engine_of(module).background_save.after_success(
+            lambda: remove_checkpoint(path)):
+        return
     remove_checkpoint(path)
+
+
+def wait(module) -> None:
+    """Wait for the asynchronous save of ``module`` still writing, if any; raise its failure."""
+    if module is not None and is_set_up(module):
+        wait_for_save(module)

@@ -11,6 +11,7 @@ optimizer(s) as shards, every other entry of the state as Lightning would pickle
 from __future__ import annotations
 
 import contextlib
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -23,7 +24,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
 
 from .. import api as zs
 from .._optim.optimizer import ZeroOptimizer
-from ..checkpoint import load_metadata, save_checkpoint
+from ..checkpoint import load_metadata, save_checkpoint, wait_for_save
 from ..checkpoint._load import prepare_load
 from . import _checkpoint
 from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
@@ -72,6 +73,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self.meta_init = meta_init
         self.param_init_fn = param_init_fn
         self.zero_optimizers: list[ZeroOptimizer] = []
+        self._saved_module: Optional[weakref.ref] = None  # the module of the last save, waited for at teardown
 
     @property
     def precision(self) -> ZeroFabricPrecision:
@@ -87,6 +89,14 @@ class ZeroFabricStrategy(DDPStrategy):
         return with_lightning_precision(self._base_config, plugin.precision if plugin is not None else None)
 
     # ----------------------------------------------------------------- setup
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """``fabric.setup_dataloaders``' sampler over the data-parallel ranks: with
+        ``sequence_parallel_size=N`` the N ranks of an SP group read the same samples; shard each
+        batch with ``zero_strategy.shard_sequence(batch, model)``."""
+        n = self._base_config.sequence_parallel_size
+        return {"num_replicas": (self.num_nodes * self.num_processes) // n, "rank": self.global_rank // n}
+
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         self.module_to_device(module)
         config = self.zero_config
@@ -122,6 +132,10 @@ class ZeroFabricStrategy(DDPStrategy):
         return meta_init_enabled(self.meta_init, self._base_config.stage)
 
     def teardown(self) -> None:
+        saved = self._saved_module() if self._saved_module is not None else None
+        self._saved_module = None
+        if saved is not None and is_set_up(saved):
+            wait_for_save(saved)  # an asynchronous fabric.save still writing (async_save in the config)
         self.zero_optimizers = []
         if self._precision is not None:
             self._precision.zero_optimizer = None
@@ -154,6 +168,7 @@ class ZeroFabricStrategy(DDPStrategy):
         zopts = list(self.zero_optimizers) if optimizer_keys else None
         rest[_KEYS] = {"module": module_key, "optimizers": optimizer_keys}
         save_checkpoint(path, module, zopts, extra_state=_checkpoint.pack(rest))
+        self._saved_module = weakref.ref(module)  # teardown waits for its save (async_save)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
         if Path(path).is_file():

@@ -36,6 +36,7 @@ plain ``.ckpt`` file, as DDP does.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +49,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from .. import api as zs
+from ..checkpoint import CheckpointError
 from . import _checkpoint, _summary, _toggle
 from ._config import build_config, warn_if_standalone_lightning, with_lightning_precision
 from ._init import has_meta_tensors, meta_init_context, meta_init_enabled
@@ -121,6 +123,10 @@ class ZeroStrategy(DDPStrategy):
             ``process_group_backend``, ``timeout``, ``start_method``) and any other
             :class:`~zero_strategy.ZeroConfig` field (``unit_classes``, ...), or DeepSpeedStrategy's
             (``offload_parameters``, ``offload_optimizer_device``, ``loss_scale``, ...).
+            ``sequence_parallel_size=N``: Ulysses sequence parallelism over groups of N ranks; the
+            data loaders are sampled over the data-parallel ranks and every batch (a dict with
+            ``input_ids``) reaches ``training_step`` as this rank's shard, with ``shift_labels``:
+            return ``zero_strategy.sequence_parallel_loss(shard_loss, batch["shift_labels"], self)``.
     """
 
     strategy_name = "zero"
@@ -211,6 +217,27 @@ class ZeroStrategy(DDPStrategy):
     def _setup_model(self, model):
         return model  # never wrapped: the engine shards in place
 
+    # ------------------------------------------------------- sequence parallelism
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's DistributedSampler over the data-parallel ranks: with
+        ``sequence_parallel_size=N`` the N ranks of an SP group read the same samples (See
+        [Note: sequence parallelism] in _model/sequence_parallel.py)."""
+        n = self._base_config.sequence_parallel_size
+        return {"num_replicas": (self.num_nodes * self.num_processes) // n, "rank": self.global_rank // n}
+
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's transfer, then, under sequence parallelism, this rank's shard of each whole-sample
+        batch (``zero_strategy.shard_sequence``: ``shift_labels`` and global ``position_ids``)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._base_config.sequence_parallel_size == 1:
+            return batch
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise ValueError("ZeroStrategy(sequence_parallel_size=...) shards each batch along the sequence and "
+                             "needs a dict batch with input_ids [batch, seq] (labels, position_ids optional); got "
+                             f"{type(batch).__name__}. Return a dict from your collate_fn")
+        return zs.shard_sequence(batch, self.lightning_module)
+
     @contextlib.contextmanager
     def model_sharded_context(self):
         with meta_init_context(meta_init_enabled(self.meta_init, self._base_config.stage)):
@@ -235,15 +262,23 @@ class ZeroStrategy(DDPStrategy):
         keep = (self._in_call and self._keep_engine and error is None and not interrupted
                 and module is not None and is_set_up(module))
         self._in_call = False
+        save_error = None
+        if error is None:
+            try:  # the end of fit (or any call) waits for an asynchronous save; its failure is raised last
+                _checkpoint.wait(module)
+            except CheckpointError as err:
+                save_error = err
         if keep:
             self._teardown_lightning_only()
-            return
-        if module is not None and is_set_up(module) and (error is not None or interrupted):
-            # See [Note: no collective on the error path] in api.py: release without gathering
-            zs.teardown(module, error=error)
-        if module is not None:
-            self._release(module)
-        super().teardown()
+        else:
+            if module is not None and is_set_up(module) and (error is not None or interrupted):
+                # See [Note: no collective on the error path] in api.py: release without gathering
+                zs.teardown(module, error=error)
+            if module is not None:
+                self._release(module)
+            super().teardown()
+        if save_error is not None:
+            raise save_error
 
     def _release(self, module) -> None:
         """Remove the engine: a plain module with full weights again, sharded memory freed (every rank).
@@ -350,7 +385,7 @@ class ZeroStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            _checkpoint.remove(filepath)
+            _checkpoint.remove(filepath, self.lightning_module)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         if Path(checkpoint_path).is_file():

@@ -27,6 +27,7 @@ builds that subclass, once per class.
   and load it back re-sharded, so ``train(resume_from_checkpoint=...)`` continues the
   same run, also on another number of processes or another stage. The subclass's own
   overrides still run (See [Note: the subclass's checkpoint overrides]).
+* ``compute_loss`` under sequence parallelism; See [Note: sequence parallelism under the Trainer].
 * ``generate()``: every generate of the trainer's models gathers the units once
   (the accelerator calls ``zero_strategy.gather_once_in_generate`` on each model it
   sets up, the policy when ``train()`` prepares it), unless the arguments say
@@ -57,6 +58,8 @@ of these two methods are not called on a ZeRO model.
   Trainer writes (``adapter_model.safetensors``, ``adapter_config.json``, the tokenizer,
   ``training_args.bin``). Other models go through ``full_state_dict(rank0_only=True)``.
 * ``_load_best_model`` (``load_best_model_at_end``): from the best checkpoint's shards.
+* The end of ``train()`` waits for an asynchronous checkpoint save (``async_save``) still writing,
+  through a callback's ``on_train_end``, and raises its failure.
 * Gradients: the Trainer clears them with ``model.zero_grad()``, which cannot reach
   gradient shards; a callback calls the optimizer's ``zero_grad()`` after each step.
 
@@ -83,7 +86,7 @@ from transformers import Trainer, TrainerCallback
 from .. import api
 from .._engine.plan import plan_for
 from ..accelerate import ZeroAccelerator
-from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint
+from ..checkpoint import load_checkpoint, load_sharded_weights, safetensors_reader, save_checkpoint, wait_for_save
 from ._vllm_sync import adopt_vllm_weight_sync, weight_push_overrides
 
 ZERO_CHECKPOINT_DIR = "zero_checkpoint"
@@ -94,11 +97,19 @@ MIGRATION = ('move it to the trainer: zero_trainer(Trainer)(..., args=TrainingAr
 
 
 class _ZeroGradAfterStep(TrainerCallback):
-    """The Trainer calls ``model.zero_grad()``; gradient shards are cleared by the optimizer."""
+    """The Trainer calls ``model.zero_grad()``; gradient shards are cleared by the optimizer.
+
+    At the end of training it waits for an asynchronous checkpoint save still writing
+    (``async_save`` in the config), raising its failure, as Lightning's ``fit`` does.
+    """
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None:
             optimizer.zero_grad()
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None and api.is_set_up(model):
+            wait_for_save(model)
 
 
 class _TrainerZeroAccelerator(ZeroAccelerator):
@@ -108,6 +119,30 @@ class _TrainerZeroAccelerator(ZeroAccelerator):
 
     deepspeed_auto_gradient_clipping = None
     deepspeed_accumulation_wins = False
+
+    @property
+    def parallelism_config(self):
+        """What the Trainer sees. Under sequence parallelism: None (See [Note: sequence parallelism
+        under the Trainer]); the mesh and the loaders still do sequence parallelism."""
+        if getattr(self, "sequence_parallel", None) is not None and self.sequence_parallel.size > 1:
+            return None
+        return self.state.parallelism_config
+
+
+# [Note: sequence parallelism under the Trainer]
+# ``TrainingArguments(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=N))``
+# reaches the ZeroAccelerator, which does sequence parallelism (See [Note: sequence parallelism
+# under Accelerate] in accelerate/_accelerator.py): its prepared train loader is sampled over
+# the data-parallel ranks and yields each rank's shard, so one epoch is as many steps as its
+# ``len``. The Trainer's own DeepSpeed-SP branches assume DeepSpeed's adapter (a loader N times
+# longer than the one it prepared), a DeepSpeed plugin and DeepSpeed's process groups, and
+# compute a loss whose gradient is only this rank's share (DeepSpeed >= 0.20.2 sums gradients
+# over the SP group). So the Trainer is shown no ParallelismConfig (it trains as data
+# parallelism over what the loader gives, and counts its batch size over world / N), and
+# ``compute_loss`` computes the whole sample's loss on every rank with
+# ``zero_strategy.sequence_parallel_loss``, whose gradient convention the engine's average
+# expects; the logged loss is the one the stock Trainer logs for one process on whole sequences.
+# ``prediction_step`` returns that loss for evaluation and no logits (each rank holds a shard).
 
 
 class ZeroTrainerMixin:
@@ -132,6 +167,49 @@ class ZeroTrainerMixin:
         self.add_callback(_ZeroGradAfterStep())
         self._prepare_frozen_models()
         adopt_vllm_weight_sync(self)  # See [Note: weight sync to vLLM at stage 3] in _vllm_sync.py
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The stock loss, except in training under sequence parallelism: See [Note: sequence
+        parallelism under the Trainer]."""
+        if not self._sequence_parallel_batch(inputs):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        inputs = dict(inputs)
+        shift_labels = inputs.pop("shift_labels")
+        outputs = model(**inputs)
+        unwrapped = self.accelerator.unwrap_model(model)
+        loss = unwrapped.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                       vocab_size=unwrapped.config.get_text_config().vocab_size)
+        loss = api.sequence_parallel_loss(loss, shift_labels, unwrapped)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The stock step, except under sequence parallelism: the whole sample's loss (the eval loader
+        is sharded too); the logits are this rank's shard of the sequence, so none are returned."""
+        if not self._sequence_parallel_batch(inputs):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def get_resumed_dataloader(self, dataloader, num_batches: int):
+        """The stock skip, through the accelerator: under sequence parallelism the loader after the
+        skip still yields each rank's shard (See [Note: sequence parallelism under the Trainer])."""
+        sp = getattr(self.accelerator, "sequence_parallel", None)
+        if sp is not None and sp.size > 1:
+            return self.accelerator.skip_first_batches(dataloader, num_batches)
+        return super().get_resumed_dataloader(dataloader, num_batches)
+
+    def _sequence_parallel_batch(self, inputs) -> bool:
+        sp = getattr(getattr(self, "accelerator", None), "sequence_parallel", None)
+        return sp is not None and sp.size > 1 and "shift_labels" in inputs
+
+    def get_total_train_batch_size(self, args) -> int:
+        """The stock count over the data-parallel ranks: under sequence parallelism the N ranks of a
+        group share their samples."""
+        sp = getattr(getattr(self, "accelerator", None), "sequence_parallel", None)
+        return super().get_total_train_batch_size(args) // (sp.size if sp is not None else 1)
 
     def _move_model_to_device(self, model, device) -> None:
         """A model whose parameters are on the meta device (``from_pretrained`` of this package,

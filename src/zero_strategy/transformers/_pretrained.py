@@ -17,20 +17,28 @@ usual), and its checkpoint is recorded for ``setup`` to read, each rank only the
 of its own shards (See [Note: weights that arrive at setup]). Everything else follows
 ``from_pretrained``: the config with its keyword overrides, ``dtype`` ("auto" by
 default: the config's, else the checkpoint's), transformers' own key renamings (its
-conversion mapping and the base-model prefix, added or stripped), new modules (a
-classification head) initialized by the model's ``_init_weights`` and named in a
-warning, unused checkpoint keys named too, the generation config, eval mode.
+conversion mapping and the base-model prefix, added or stripped), the parameters its
+weight converters build from several checkpoint tensors (a mixture-of-experts layer's
+``experts.gate_up_proj`` from every expert's ``w1`` and ``w3``: run on where the values come
+from, so a rank reads only the experts and rows its shards hold, See [Note: conversions run
+on row ids] in checkpoint/_converted.py), the modules the model keeps in fp32
+(``_keep_in_fp32_modules_strict``, as the model's constructor makes them), new modules (a
+classification head) initialized by the model's ``_init_weights`` and named in a warning,
+unused checkpoint keys named too, the generation config, eval mode; and ``save_pretrained``
+writes the checkpoint's own format back (per-expert tensors), streamed unit by unit.
 
 Not handled, and refused by name rather than loaded wrong: checkpoints that only
-``pytorch_model.bin`` holds (safetensors only), and parameters that transformers builds
-by merging several checkpoint tensors (its ``WeightConverter``s, e.g. per-expert MoE
-weights fused into one tensor): those go through ``from_pretrained`` + ``setup``.
+``pytorch_model.bin`` holds (safetensors only), checkpoints quantized on disk (gpt-oss's
+MXFP4: a ``quantization_config``), and a converter that computes values rather than
+rearranging them: those go through ``from_pretrained`` + ``setup``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -38,7 +46,9 @@ import torch
 from .._logging import RankZeroFilter
 from ..checkpoint._layout import CheckpointError
 from ..api import DeferredWeights, defer_weights
-from ..checkpoint._sharded_weights import load_sharded_weights, safetensors_reader, safetensors_weight_map
+from ..checkpoint._converted import ConvertedGroup
+from ..checkpoint._sharded_weights import (dtype_of_safetensors, load_sharded_weights, safetensors_reader,
+                                           safetensors_weight_map)
 
 __all__ = ["from_pretrained"]
 
@@ -70,14 +80,17 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
         raise TypeError(f"zero_strategy.transformers.from_pretrained: {sorted(unknown)} are neither arguments nor "
                         f"attributes of {type(config).__name__}")
     config._name_or_path = str(name_or_path)
+    _refuse_quantized(config)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, directory, weight_map)
     model = _build_empty(model_class, config, dtype, trust_remote_code, attn_implementation)
-    to_checkpoint, unused = _key_map(model, weight_map)
     read = safetensors_reader(directory)
-    mismatched = _mismatched_sizes(model, to_checkpoint, read, ignore_mismatched_sizes)
-    for key in mismatched:
-        del to_checkpoint[key]  # left as the model's initialization made them
-    _load_buffers(model, directory, weight_map, to_checkpoint)
+    to_checkpoint, converted, unused = _key_map(model, weight_map, read)
+    renamed = _Renamed(read, to_checkpoint, converted)
+    mismatched = _mismatched_sizes(model, renamed, ignore_mismatched_sizes)
+    for key in mismatched:  # left as the model's initialization made them
+        to_checkpoint.pop(key, None)
+        converted.pop(key, None)
+    _load_buffers(model, renamed)
     model_name = type(model).__name__  # (the record must not refer to the model: See DeferredWeights)
 
     def loaded(missing: list[str]) -> None:
@@ -95,7 +108,7 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
             log.warning("Some weights of the model checkpoint at %s were not used when initializing %s: %s",
                         name_or_path, model_name, unused)
 
-    defer_weights(model, DeferredWeights(read=_Renamed(read, to_checkpoint), init=_init_module,
+    defer_weights(model, DeferredWeights(read=renamed, init=_init_module,
                                          loaded=loaded, fill=_fill))
     _load_generation_config(model, directory)
     model.eval()  # as from_pretrained returns it
@@ -103,28 +116,40 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
 
 
 class _Renamed:
-    """The checkpoint's reader, asked by model names (through transformers' renamings)."""
+    """The checkpoint's reader, asked by model names: through transformers' renamings, and for the
+    parameters its converters build, through their conversion (See [Note: conversions run on row
+    ids] in checkpoint/_converted.py)."""
 
-    def __init__(self, read, to_checkpoint: dict[str, str]):
-        self.read, self.to_checkpoint = read, to_checkpoint
+    def __init__(self, read, to_checkpoint: dict[str, str], converted: dict[str, ConvertedGroup]):
+        self.read, self.to_checkpoint, self.converted = read, to_checkpoint, converted
 
     def _keys(self, names: list[str]) -> list[str]:
         return [self.to_checkpoint[n] for n in names if n in self.to_checkpoint]
 
+    def _group(self, names: list[str]) -> tuple[str, ConvertedGroup] | None:
+        return next(((n, self.converted[n]) for n in names if n in self.converted), None)
+
     def shape_of(self, names: list[str]):
+        found = self._group(names)
+        if found is not None and not self._keys(names):
+            name, group = found
+            return list(group.targets[name]), group.dtype
         return self.read.shape_of(self._keys(names))
 
     def __call__(self, names: list[str], start: int, end: int):
+        found = self._group(names)
+        if found is not None and not self._keys(names):
+            return found[1].read(found[0], start, end)
         return self.read(self._keys(names), start, end)
 
 
-def _mismatched_sizes(model, to_checkpoint: dict[str, str], read, ignore: bool) -> dict[str, tuple]:
+def _mismatched_sizes(model, read: "_Renamed", ignore: bool) -> dict[str, tuple]:
     """model key -> (checkpoint shape, model shape) of every tensor whose shapes differ, from the
     headers alone; refused (every rank, before setup) unless ``ignore``. See [Note: shapes before
     values] in checkpoint/_sharded_weights.py."""
     mismatched = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
-        found = read.shape_of([to_checkpoint[key]]) if key in to_checkpoint else None
+        found = read.shape_of([key])
         if found is not None and tuple(found[0]) != tuple(tensor.shape):
             mismatched[key] = (torch.Size(found[0]), tensor.shape)
     if mismatched and not ignore:
@@ -137,7 +162,12 @@ def _mismatched_sizes(model, to_checkpoint: dict[str, str], read, ignore: bool) 
 
 
 def _fill(model, read) -> list[str]:
-    return load_sharded_weights(model, read, strict=False)  # what the checkpoint lacks keeps its init
+    """This rank's slices of the parameters; then the persistent buffers again, whole: the model's
+    ``_init_weights``, run on every module at setup, resets some that the checkpoint holds
+    (DeepSeek-V3's ``e_score_correction_bias`` to zeros), which ``from_pretrained`` loads after it."""
+    missing = load_sharded_weights(model, read, strict=False)  # what the checkpoint lacks keeps its init
+    _load_buffers(model, read)
+    return missing
 
 
 def _init_module(model, module) -> None:
@@ -200,53 +230,92 @@ def _build_empty(model_class, config, dtype: torch.dtype, trust_remote_code: boo
     return model
 
 
-def _key_map(model, weight_map: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """model key -> checkpoint key through transformers' renamings, and the checkpoint keys unused.
-
-    A parameter that only a merging converter would produce is refused by name."""
+def _key_map(model, weight_map: dict[str, str], read) -> tuple[dict[str, str], dict[str, ConvertedGroup], list[str]]:
+    """model key -> checkpoint key through transformers' renamings; model key -> the group its
+    converter builds it in (See [Note: conversions run on row ids] in checkpoint/_converted.py);
+    the checkpoint keys unused. Keys are matched as transformers' ``convert_and_load_state_dict_in_model``
+    matches them: in the checkpoint's natural order, every renaming, then at most one converter,
+    then the base-model prefix added or stripped."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta_state = model.state_dict(keep_vars=True)
     transient = {name for name, _ in model.named_buffers()} - set(meta_state)  # non-persistent: computed, not read
     base = getattr(model, "base_model_prefix", "") or ""
     transient |= {name[len(base) + 1:] for name in transient if base and name.startswith(base + ".")}
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     to_checkpoint: dict[str, str] = {}
-    converted: dict[str, list[str]] = {}
+    sources: dict[str, tuple[object, dict[str, list[str]]]] = {}  # first target -> (converter, its keys)
     unused: list[str] = []
-    for key in weight_map:
-        target, converter = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
-                                              meta_state)
+    for key in sorted(weight_map, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, base or None, meta_state)
+        if target not in meta_state and key in meta_state:  # as transformers: only the prefix, if anything
+            target, pattern = rename_source_key(key, [], [], base or None, meta_state)
         if target not in meta_state:
             if target not in transient and not any(p.search(key) for p in ignored):
                 unused.append(key)
-        elif converter is not None:
-            converted.setdefault(target, []).append(key)
+        elif pattern is not None:
+            converter, keys = sources.setdefault(target, (copy.deepcopy(by_pattern[pattern]), {}))
+            keys.setdefault(pattern, []).append(key)
         else:
             to_checkpoint.setdefault(target, key)
-    if converted:
-        target, keys = next(iter(converted.items()))
-        raise CheckpointError(
-            f"{type(model).__name__}: {len(converted)} parameter(s) are built by transformers from several "
-            f"checkpoint tensors (e.g. {target} from {keys[:3]}{' ...' if len(keys) > 3 else ''}), which this "
-            "loader does not read in slices; use transformers' from_pretrained and then zero_strategy.setup")
-    return to_checkpoint, sorted(unused)
+    converted: dict[str, ConvertedGroup] = {}
+    for first, (converter, keys) in sources.items():
+        ops = [type(op).__name__ for op in getattr(converter, "operations", [])]
+        what = (f"{type(model).__name__}: {first} (transformers' {type(converter).__name__} of {ops} over "
+                f"{converter.source_patterns})")
+        group = ConvertedGroup(what, keys, _conversion(model, first, converter), read.slice_of, dtype_of_safetensors)
+        converted.update({name: group for name in group.targets if name in meta_state})
+    model._weight_conversions = [t for t in transforms if t.was_used()]  # what save_pretrained reverts, as
+    # after transformers' own from_pretrained
+    return to_checkpoint, converted, sorted(unused)
 
 
-def _load_buffers(model, directory: Path, weight_map: dict[str, str], to_checkpoint: dict[str, str]) -> None:
+def _conversion(model, first: str, converter):
+    """The converter's own ``convert`` as a function of its source tensors. It holds the model
+    weakly: the loader's record must not keep the model alive (See DeferredWeights)."""
+    model_ref = weakref.proxy(model)
+
+    def convert(inputs: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        fresh = copy.deepcopy(converter)
+        for pattern, tensors in inputs.items():
+            fresh.collected_tensors[pattern] = list(tensors)
+        out = fresh.convert(first, model=model_ref, config=model_ref.config)
+        return {name: t[0] if isinstance(t, list) else t for name, t in out.items()}
+    return convert
+
+
+def _refuse_quantized(config) -> None:
+    """A checkpoint whose weights are quantized on disk (gpt-oss's MXFP4 experts, FP8, GPTQ, ...)
+    holds packed blocks and scales where the model has floating-point parameters; dequantizing
+    computes values, which the per-slice conversions do not (See [Note: conversions run on row
+    ids] in checkpoint/_converted.py)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    method = getattr(method, "value", method)
+    raise CheckpointError(
+        f"zero_strategy.transformers.from_pretrained: {type(config).__name__} ({config.model_type}) comes with "
+        f"weights quantized on disk (quantization_config: {method}), which cannot be read in slices: load it "
+        "with transformers' from_pretrained (for gpt-oss's mxfp4: quantization_config=Mxfp4Config(dequantize=True)) "
+        "and then zero_strategy.setup, or save that dequantized model once with save_pretrained and load "
+        "that directory here")
+
+
+def _load_buffers(model, read) -> None:
     """Persistent buffers the checkpoint holds, whole (they are small, and every rank keeps them)."""
-    from safetensors import safe_open
-
+    persistent = set(model.state_dict(keep_vars=True))
     with torch.no_grad():
         for name, buf in model.named_buffers():
-            key = to_checkpoint.get(name)
-            if key is not None:
-                with safe_open(directory / weight_map[key], framework="pt") as f:
-                    buf.copy_(f.get_tensor(key))
+            values = read([name], 0, buf.numel()) if name in persistent else None
+            if values is not None:
+                buf.copy_(values.reshape(buf.shape))
 
 
 def _load_generation_config(model, directory: Path) -> None:
