@@ -12,6 +12,11 @@ the working set a step adds and the peak (resting + working set)::
 ``consolidate`` streams a sharded checkpoint into one full model::
 
     zero-strategy consolidate ckpt/step-1000 ./model --dtype bf16 --max-shard-size 5GB --hf-config ./base
+
+It reads a torch.distributed.checkpoint (DCP) directory of an FSDP2 run too. ``export`` writes a
+checkpoint of ours as DCP, for an FSDP2 run to resume::
+
+    zero-strategy export ckpt/step-1000 ./step-1000-dcp --format dcp
 """
 
 from __future__ import annotations
@@ -306,11 +311,13 @@ def _free_text(nbytes: int | None) -> str:
 def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "consolidate", help="write a sharded checkpoint as one full model (safetensors or torch)",
-        description="Stream a zero_strategy checkpoint directory into a full state dict in one process "
+        description="Stream a zero_strategy checkpoint directory (or a torch.distributed.checkpoint directory of "
+                    "an FSDP2/torchtitan run: its model) into a full state dict in one process "
                     "(no torch.distributed): peak memory stays near one read chunk, not the model. "
                     "OUT is a new directory with model.safetensors (or sharded files plus "
                     "model.safetensors.index.json, or pytorch_model.bin).")
-    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory written by save_checkpoint")
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR",
+                        help="checkpoint directory written by save_checkpoint, or a DCP directory")
     parser.add_argument("out", metavar="OUT", help="output directory (must not exist)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="dtype of floating tensors (default: as stored; trained weights are fp32 masters)")
@@ -325,32 +332,39 @@ def _add_consolidate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    """One line on stderr and status 2 for any failure: the checkpoint's or the disk's, never a traceback.
+    from .checkpoint import consolidate
+
+    return _checkpoint_tool("consolidate", lambda: consolidate(
+        args.ckpt_dir, args.out, dtype=args.dtype, format=args.format, max_shard_size=args.max_shard_size,
+        include_optimizer=args.optimizer, hf_config=args.hf_config))
+
+
+def _checkpoint_tool(command: str, write: Callable[[], Path]) -> int:
+    """Run ``write()``; one line on stderr and status 2 for any failure: the checkpoint's or the disk's,
+    never a traceback.
 
     SIGTERM (a scheduler's kill) becomes SystemExit, so the temporary output directory is
     removed on the way out as for any other failure (SIGKILL: by the next run to that OUT).
     """
     import signal
 
-    from .checkpoint import CheckpointError, consolidate
+    from .checkpoint import CheckpointError
 
     def terminated(signum, frame):
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
-        out = consolidate(args.ckpt_dir, args.out, dtype=args.dtype, format=args.format,
-                          max_shard_size=args.max_shard_size, include_optimizer=args.optimizer,
-                          hf_config=args.hf_config)
+        out = write()
     except CheckpointError as err:
-        print(f"zero-strategy consolidate: error: {err}", file=sys.stderr)
+        print(f"zero-strategy {command}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        print(f"zero-strategy consolidate: error: {err.strerror or err}"
+        print(f"zero-strategy {command}: error: {err.strerror or err}"
               f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - a checkpoint check we lack: still one line, named
-        print(f"zero-strategy consolidate: error: {type(err).__name__}: {err} (the checkpoint is not one this "
+        print(f"zero-strategy {command}: error: {type(err).__name__}: {err} (the checkpoint is not one this "
               "zero_strategy can read; please report it)", file=sys.stderr)
         return 2
     finally:
@@ -359,11 +373,35 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ export
+
+
+def _add_export(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export", help="write a checkpoint of ours as another system's checkpoint (DCP), to resume there",
+        description="Write a zero_strategy checkpoint directory as a torch.distributed.checkpoint (DCP) "
+                    "directory of model and optimizer state, in one process (no torch.distributed), one "
+                    "chunk in memory at a time. An FSDP2 run at any world size resumes it with "
+                    "get_state_dict, dcp.load({'model': ..., 'optim': ...}) and set_state_dict. "
+                    "OUT is a new directory.")
+    parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory written by save_checkpoint")
+    parser.add_argument("out", metavar="OUT", help="output directory (must not exist)")
+    parser.add_argument("--format", choices=("dcp",), required=True,
+                        help="dcp: torch.distributed.checkpoint, as FSDP2 and torchtitan read it")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from .checkpoint import export_checkpoint
+
+    return _checkpoint_tool("export", lambda: export_checkpoint(args.ckpt_dir, args.out, format=args.format))
+
+
 # ------------------------------------------------------------------ plumbing
 
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]]] = {
     "estimate": (_add_estimate, _run_estimate),
     "consolidate": (_add_consolidate, _run_consolidate),
+    "export": (_add_export, _run_export),
 }
 
 

@@ -1,5 +1,8 @@
 """Consolidate a sharded checkpoint into one full state dict, streaming, in one process.
 
+It reads our own checkpoints and, with the same outputs, a torch.distributed.checkpoint (DCP)
+directory of an FSDP2 or torchtitan run (its model entries; See [Note: DCP's layout] in _dcp.py).
+
 [Note: bounded memory]
 Nothing is loaded whole. Each output tensor is assembled directly in the output
 file: its elements are read from the rank files that hold them in chunks of at
@@ -31,6 +34,7 @@ available (``MemAvailable``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from ._dcp import DCPCheckpoint, is_dcp_checkpoint
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
@@ -137,6 +142,11 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
     if limit is not None and format != "safetensors":
         raise CheckpointError("max_shard_size applies to the safetensors format only")
     hf_files = _hf_files(hf_config) if hf_config is not None else []
+    if not (ckpt / "metadata.json").exists() and is_dcp_checkpoint(ckpt):
+        if include_optimizer:
+            raise CheckpointError(f"{ckpt} is a DCP checkpoint, whose optimizer state is not consolidated: drop "
+                                  "include_optimizer/--optimizer (resume it with load_checkpoint to carry it over)")
+        return _write(out, _dcp_sources(ckpt), dtype, format, limit, hf_files, None, None)
     meta = read_metadata(ckpt)
     for rec in meta.files:  # every file, before any output is written
         verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
@@ -156,6 +166,16 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
 
     sources = [_Source(key, kind, name, meta, reader, lambda g: g.weight_tensor)
                for key, kind, name in meta.state_dict_keys]
+    try:
+        return _write(out, sources, dtype, format, limit, hf_files, meta if include_optimizer else None, reader)
+    finally:
+        for r in readers.values():
+            r.close()
+
+
+def _write(out: Path, sources: list, dtype, format: str, limit: int | None, hf_files: list[Path],
+           optimizer_of: Metadata | None, reader) -> Path:
+    """The output directory, built beside ``out`` and renamed into place."""
     if format == "torch":
         _check_memory(sources, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,8 +187,8 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
             _write_torch(tmp, sources, dtype)
         else:
             _write_safetensors(tmp, sources, dtype, limit)
-        if include_optimizer:
-            _write_optimizer(tmp, meta, reader)
+        if optimizer_of is not None:
+            _write_optimizer(tmp, optimizer_of, reader)
         for f in hf_files:
             shutil.copy2(f, tmp / f.name)
         os.rename(tmp, out)
@@ -176,9 +196,38 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
         owned.unmark()
     finally:
         owned.remove()  # every failure path, interrupts included; a no-op once renamed into place
-        for r in readers.values():
-            r.close()
     return out
+
+
+class _DCPSource:
+    """One model entry of a DCP checkpoint (See [Note: DCP's layout] in _dcp.py), streamed chunk by
+    chunk in flat order: memory holds one saved chunk (one saving rank's part of the tensor)."""
+
+    def __init__(self, dcp: DCPCheckpoint, key: str):
+        self.dcp, self.entry, self.key, self.kind, self.name = dcp, dcp.model_prefix + key, key, "dcp", key
+        self.shape, self.dtype = list(dcp.size(self.entry)), dcp.dtype(self.entry)
+        self.numel = math.prod(self.shape)
+        self.pieces = sorted(dcp.pieces(self.entry, 0, self.numel), key=lambda p: p.at)  # checks the cover
+
+    def chunks(self):
+        step = max(1, CHUNK_BYTES // torch.empty((), dtype=self.dtype).element_size())
+        for piece in self.pieces:
+            got: list[torch.Tensor] = []
+            self.dcp.read([piece], lambda p, t: got.append(t))
+            flat = got[0]
+            for a in range(0, flat.numel(), step):
+                yield flat[a:a + step]
+
+
+def _dcp_sources(ckpt: Path) -> list[_DCPSource]:
+    """The model entries of a DCP checkpoint: under ``model.`` (or ``app.model.``) where there is
+    one, else the top level's tensors that are not a torchtitan run's other state."""
+    dcp = DCPCheckpoint(ckpt)
+    keys = dcp.model_keys()
+    if not keys:
+        raise CheckpointError(f"{ckpt} is a DCP checkpoint without model tensors (its first entries: "
+                              f"{sorted(dcp.entries)[:8]})")
+    return [_DCPSource(dcp, key) for key in keys]
 
 
 def _memory_available() -> int | None:

@@ -32,7 +32,9 @@ from it, as before (a file used to be hashed when first opened, half way through
 A DeepSpeed checkpoint (See [Note: DeepSpeed's layout] in _deepspeed.py) goes through the same
 two phases: prepare reads every rank file (memory-mapped, through the allowlisted unpickler),
 checks its layout and the model, optimizer and hyperparameters against it, and
-:class:`DeepSpeedLoad` only copies.
+:class:`DeepSpeedLoad` only copies. So does a torch.distributed.checkpoint (DCP) directory of an
+FSDP2 run (See [Note: DCP's layout] in _dcp.py, [Note: other systems' formats]): prepare reads
+every chunk this rank will copy from, once, and ``DCPLoad`` (_dcp_load.py) copies.
 
 What commit can still meet is the disk failing under it, or a file written over in place
 by another process between the phases. Such an error is agreed on too (no rank hangs),
@@ -206,6 +208,20 @@ class PreparedLoad:
         _load_buffers(self.reader, self.model, self.buffers)
 
 
+# [Note: other systems' formats]
+# A reader of another system's checkpoint directory builds on PreparedLoad (its own subclass
+# copies) and on this module's checks, so this module cannot import it: it registers itself
+# here, when the package imports it, as (recognizes(dir) -> bool, prepare(dir, names, buffers,
+# model, engine, zopts, strict) -> (reader, buffers, hyper, extra, PreparedLoad subclass)).
+# prepare runs inside prepare_load's agreed phase. DCP (_dcp_load.py) is one.
+_OTHER_FORMATS: list[tuple[Callable[[Path], bool], Callable]] = []
+
+
+def register_format(recognizes: Callable[[Path], bool], prepare: Callable) -> None:
+    """Let :func:`load_checkpoint` read another system's checkpoint directories. See [Note: other systems' formats]."""
+    _OTHER_FORMATS.append((recognizes, prepare))
+
+
 @torch.no_grad()
 def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, strict: bool = True,
                  accept_extra: Callable[[Any], Any] | None = None) -> PreparedLoad:
@@ -224,8 +240,13 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
     try:
         ckpt_dir = resolve_checkpoint_dir(path)
         names, buffers = _model_names(model, engine)
-        tag_dir = None if (ckpt_dir / METADATA_FILE).exists() else find_deepspeed_checkpoint(ckpt_dir)
-        if tag_dir is None:
+        ours = (ckpt_dir / METADATA_FILE).exists()
+        other = None if ours else next((prepare for recognizes, prepare in _OTHER_FORMATS if recognizes(ckpt_dir)),
+                                       None)
+        tag_dir = None if ours or other else find_deepspeed_checkpoint(ckpt_dir)
+        if other is not None:  # See [Note: other systems' formats]
+            reader, buffers, hyper, extra, kind = other(ckpt_dir, names, buffers, model, engine, zopts, strict)
+        elif tag_dir is None:
             meta = read_metadata(ckpt_dir)
             _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
             saved_all = zip(zopts, _saved_optimizers(meta), _saved_scalers(meta))

@@ -52,7 +52,7 @@ def read_metadata(ckpt_dir: Path) -> Metadata:
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} is not a zero_strategy checkpoint: it has no {METADATA_FILE} "
                               "(an interrupted save never leaves one); nor is it a DeepSpeed checkpoint (no 'latest' "
-                              "file, no *_optim_states.pt)")
+                              "file, no *_optim_states.pt), nor a torch.distributed.checkpoint directory (no .metadata)")
     try:
         d = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8
