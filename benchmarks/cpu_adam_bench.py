@@ -25,7 +25,17 @@ default runs 50M, then 1M):
   (``runtime/zero/stage_1_and_2.py``, ``cpu_offload``): ``DeepSpeedCPUAdam.step()``,
   then per tensor the fp32 partition cast into the bf16 staging buffer and that copied
   into the bf16 partition (on a CPU-only machine both copies are host copies). It is
-  ``ours``'s like-for-like peer: both produce the compute-dtype parameters.
+  ``ours``'s like-for-like peer: both produce the compute-dtype parameters. (Its gradients
+  are fp32: DeepSpeed's engine casts them on the device before they reach the host; ours
+  reach it in bf16.)
+* ``ours_batch``: ``ours`` without the windowed step (See [Note: the bf16 step in cache-sized
+  windows] in src/zero_strategy/_optim/adam_windows.py): the step batch's gradients cast to
+  fp32, the user's optimizer over the batch, then the masters cast to bf16, as before it.
+* ``adafactor`` / ``muon`` and ``ours_adafactor`` / ``ours_muon``: torch's ``Adafactor`` (lr
+  1e-2) and ``Muon`` (lr 0.02), weight decay 0.01, on the plain fp32 tensors, and ``zopt.step()``
+  of ``ours`` set up with them instead of AdamW (bf16; both take the ownership layout, each
+  tensor stepped whole by the rank that owns it). Not in the default ``--systems``: Muon's
+  Newton-Schulz iterations take seconds per step on 2 cores at 50M.
 
 All use lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01. ``--warmup``
 steps (the first allocates the optimizer state), then ``--repeats`` rounds in
@@ -59,7 +69,11 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-SYSTEMS = ("fused", "foreach", "forloop", "ours", "ours_batch", "ours_fp32", "ds", "ds_bf16")
+SYSTEMS = ("fused", "foreach", "forloop", "ours", "ours_batch", "ours_fp32", "ds", "ds_bf16",
+           "adafactor", "ours_adafactor", "muon", "ours_muon")
+#: the other optimizers' settings (torch's own classes), plain and ours alike
+OTHERS = {"adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01),
+          "muon": lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.01)}
 BYTES_PER_PARAM = 28
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -84,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s.replace("ours_", "") not in OTHERS),
+                   help="comma list of " + ",".join(SYSTEMS))
     p.add_argument("--out", default=os.path.join(HERE, "out", "cpu_adam_bench.json"))
     p.add_argument("--split", action="store_true",
                    help="also time the parts of ours' step (after the table; see split_step)")
@@ -149,6 +164,17 @@ def build(name: str, d: int, layers: int, report: dict) -> Runner:
         info = {"precision": precision, "groups": len(engine.trainable_groups),
                 "worker_thread_intraop_threads": engine.transfers.pool.submit(torch.get_num_threads).result()}
         return Runner(name, zopt.step, [model, opt, zopt], info)
+    if name in OTHERS:
+        ps = make_tensors(d, layers)
+        opt = OTHERS[name](ps)
+        return Runner(name, opt.step, [ps, opt])
+    if name.startswith("ours_") and name[5:] in OTHERS:  # Adafactor, Muon: the ownership layout
+        torch.manual_seed(0)
+        model = Stack(d, layers)
+        opt = OTHERS[name[5:]](list(model.parameters()))
+        model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=2, offload_optimizer="cpu", precision="bf16"))
+        model(torch.randn(8, d)).float().square().mean().backward()
+        return Runner(name, zopt.step, [model, opt, zopt])
     if name == "ds":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         ps = make_tensors(d, layers)
@@ -313,7 +339,7 @@ def format_table(report: dict) -> str:
     for size in report["sizes"]:
         sy = size["systems"]
         pairs = [("ours_fp32", "ds"), ("ours", "ds"), ("ours", "ds_bf16"), ("ours_batch", "ds_bf16"),
-                 ("ours", "fused"), ("ours_batch", "fused")]
+                 ("ours", "fused"), ("ours_batch", "fused"), ("ours_adafactor", "adafactor"), ("ours_muon", "muon")]
         for stat, label in (("step_s", "medians"), ("best_s", "best rounds")):
             got = [f"{a} / {b} {sy[b][stat] / sy[a][stat]:.2f}x" for a, b in pairs
                    if stat in sy.get(a, {}) and stat in sy.get(b, {})]
