@@ -71,9 +71,10 @@ class _Master:
         self.settings = settings
 
 
-def _kernel_settings(pg: dict) -> dict | None:
+def _kernel_settings(pg: dict, adamw: bool) -> dict | None:
     """The keyword arguments torch's ``_fused_adam`` gives the kernel for param group ``pg``, and
-    which kernel; None where this step would not be the optimizer's own."""
+    which kernel (``adamw``: the optimizer is an AdamW, which torch before 2.6 says by its class
+    only); None where this step would not be the optimizer's own."""
     if not pg.get("fused") or pg.get("capturable") or pg.get("differentiable"):
         return None
     beta1, beta2 = pg["betas"]
@@ -82,9 +83,9 @@ def _kernel_settings(pg: dict) -> dict | None:
     lr = pg["lr"]
     if torch.is_tensor(lr) and lr.device.type != "cpu":
         return None
-    return {"adamw": bool(pg.get("decoupled_weight_decay", False)), "amsgrad": bool(pg["amsgrad"]),
+    return {"adamw": bool(pg.get("decoupled_weight_decay", adamw)), "amsgrad": bool(pg.get("amsgrad", False)),
             "lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": pg["weight_decay"], "eps": pg["eps"],
-            "maximize": bool(pg["maximize"])}
+            "maximize": bool(pg.get("maximize", False))}
 
 
 def window_plan(optimizer: torch.optim.Optimizer, batch: list) -> list[tuple] | None:
@@ -103,7 +104,8 @@ def window_plan(optimizer: torch.optim.Optimizer, batch: list) -> list[tuple] | 
             return None
         master = g.master
         state, pg = optimizer.state.get(master), group_of.get(id(master))
-        settings = None if pg is None else settings_of.setdefault(id(pg), _kernel_settings(pg))
+        settings = None if pg is None else settings_of.setdefault(
+            id(pg), _kernel_settings(pg, isinstance(optimizer, torch.optim.AdamW)))
         if settings is None or not state or master.dtype != torch.float32:
             return None
         step = state.get("step")
