@@ -25,14 +25,25 @@ default runs 50M, then 1M):
   (``runtime/zero/stage_1_and_2.py``, ``cpu_offload``): ``DeepSpeedCPUAdam.step()``,
   then per tensor the fp32 partition cast into the bf16 staging buffer and that copied
   into the bf16 partition (on a CPU-only machine both copies are host copies). It is
-  ``ours``'s like-for-like peer: both produce the compute-dtype parameters.
+  ``ours``'s like-for-like peer: both produce the compute-dtype parameters. (Its gradients
+  are fp32: DeepSpeed's engine casts them on the device before they reach the host; ours
+  reach it in bf16.)
+* ``ours_batch``: ``ours`` without the windowed step (See [Note: the bf16 step in cache-sized
+  windows] in src/zero_strategy/_optim/adam_windows.py): the step batch's gradients cast to
+  fp32, the user's optimizer over the batch, then the masters cast to bf16, as before it.
+* ``adafactor`` / ``muon`` and ``ours_adafactor`` / ``ours_muon``: torch's ``Adafactor`` (lr
+  1e-2) and ``Muon`` (lr 0.02), weight decay 0.01, on the plain fp32 tensors, and ``zopt.step()``
+  of ``ours`` set up with them instead of AdamW (bf16; both take the ownership layout, each
+  tensor stepped whole by the rank that owns it). Not in the default ``--systems``: Muon's
+  Newton-Schulz iterations take seconds per step on 2 cores at 50M.
 
 All use lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01. ``--warmup``
 steps (the first allocates the optimizer state), then ``--repeats`` rounds in
 which every system steps once, the order rotated each round (machine noise falls on
 all alike); the table shows the median step time, M params/s and the implied memory
 traffic at 28 bytes/param (an AdamW step reads param, grad, m, v and writes param,
-m, v: 7 x 4 bytes; ours with bf16 moves more). Threads: ``--threads`` (default
+m, v: 7 x 4 bytes), and the ratios of ours to the others over the medians and over each
+system's best round (on a shared machine the best round is the one least disturbed). Threads: ``--threads`` (default
 ``torch.get_num_threads()``); DeepSpeed's OpenMP loop uses the same count. The JSON
 also records how many intra-op threads our CPU-step worker thread sees.
 
@@ -58,15 +69,17 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-SYSTEMS = ("fused", "foreach", "forloop", "ours", "ours_fp32", "ds", "ds_bf16")
+SYSTEMS = ("fused", "foreach", "forloop", "ours", "ours_batch", "ours_fp32", "ds", "ds_bf16",
+           "adafactor", "ours_adafactor", "muon", "ours_muon")
+#: the other optimizers' settings (torch's own classes), plain and ours alike
+OTHERS = {"adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01),
+          "muon": lambda ps: torch.optim.Muon(ps, lr=0.02, weight_decay=0.01)}
 BYTES_PER_PARAM = 28
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
-try:
-    import zero_strategy as zs
-except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(REPO, "src"))
-    import zero_strategy as zs
+# this checkout's code, never another installed copy (as hot_path.py): what is measured is the tree
+sys.path.insert(0, os.path.join(REPO, "src"))
+import zero_strategy as zs  # noqa: E402
 
 import torch
 from torch import nn
@@ -85,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(s for s in SYSTEMS if s.replace("ours_", "") not in OTHERS),
+                   help="comma list of " + ",".join(SYSTEMS))
     p.add_argument("--out", default=os.path.join(HERE, "out", "cpu_adam_bench.json"))
     p.add_argument("--split", action="store_true",
                    help="also time the parts of ours' step (after the table; see split_step)")
@@ -136,8 +150,8 @@ def build(name: str, d: int, layers: int, report: dict) -> Runner:
               "forloop": {"foreach": False, "fused": False}}[name]
         opt = torch.optim.AdamW(ps, **HYPER, **kw)
         return Runner(name, opt.step, [ps, opt])
-    if name in ("ours", "ours_fp32"):
-        precision = "bf16" if name == "ours" else "fp32"
+    if name in ("ours", "ours_batch", "ours_fp32"):
+        precision = "fp32" if name == "ours_fp32" else "bf16"
         torch.manual_seed(0)
         model = Stack(d, layers)
         opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=True)
@@ -145,9 +159,22 @@ def build(name: str, d: int, layers: int, report: dict) -> Runner:
         x = torch.randn(8, d)
         model(x).float().square().mean().backward()  # grads stay in place for every timed step
         engine = zs.engine_of(model)
+        if name == "ours_batch":  # the step before the windows: the optimizer's own call per step batch
+            zopt.offloaded._window_plan = lambda batch: None
         info = {"precision": precision, "groups": len(engine.trainable_groups),
                 "worker_thread_intraop_threads": engine.transfers.pool.submit(torch.get_num_threads).result()}
         return Runner(name, zopt.step, [model, opt, zopt], info)
+    if name in OTHERS:
+        ps = make_tensors(d, layers)
+        opt = OTHERS[name](ps)
+        return Runner(name, opt.step, [ps, opt])
+    if name.startswith("ours_") and name[5:] in OTHERS:  # Adafactor, Muon: the ownership layout
+        torch.manual_seed(0)
+        model = Stack(d, layers)
+        opt = OTHERS[name[5:]](list(model.parameters()))
+        model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=2, offload_optimizer="cpu", precision="bf16"))
+        model(torch.randn(8, d)).float().square().mean().backward()
+        return Runner(name, zopt.step, [model, opt, zopt])
     if name == "ds":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         ps = make_tensors(d, layers)
@@ -217,7 +244,7 @@ def run_size(n_target: int, a, report: dict, skipped: dict) -> dict:
             r.times.append(time.perf_counter() - t0)
     for r in runners:
         med = statistics.median(r.times)
-        out["systems"][r.name] = {"status": "ok", "step_s": med, "times_s": r.times,
+        out["systems"][r.name] = {"status": "ok", "step_s": med, "best_s": min(r.times), "times_s": r.times,
                                   "mparams_per_s": n / med / 1e6,
                                   "gbytes_per_s_at_28B": BYTES_PER_PARAM * n / med / 1e9, **r.info}
     fused = out["systems"].get("fused", {}).get("step_s")
@@ -311,12 +338,14 @@ def format_table(report: dict) -> str:
                  "engine does with cpu_offload (cast into a bf16 buffer, copied into the bf16 partition).")
     for size in report["sizes"]:
         sy = size["systems"]
-        pairs = [("ours_fp32", "ds"), ("ours", "ds"), ("ours", "ds_bf16")]
-        got = [f"{a} / {b} {sy[b]['step_s'] / sy[a]['step_s']:.2f}x" for a, b in pairs
-               if "step_s" in sy.get(a, {}) and "step_s" in sy.get(b, {})]
-        if got:
-            lines.append(f"rate of ours vs DeepSpeed @ {size['params'] / 1e6:.1f}M (>= 1 is at least as fast): "
-                         + "; ".join(got))
+        pairs = [("ours_fp32", "ds"), ("ours", "ds"), ("ours", "ds_bf16"), ("ours_batch", "ds_bf16"),
+                 ("ours", "fused"), ("ours_batch", "fused"), ("ours_adafactor", "adafactor"), ("ours_muon", "muon")]
+        for stat, label in (("step_s", "medians"), ("best_s", "best rounds")):
+            got = [f"{a} / {b} {sy[b][stat] / sy[a][stat]:.2f}x" for a, b in pairs
+                   if stat in sy.get(a, {}) and stat in sy.get(b, {})]
+            if got:
+                lines.append(f"rate of ours vs the others @ {size['params'] / 1e6:.1f}M, {label} (>= 1 is at least "
+                             "as fast): " + "; ".join(got))
     if report.get("ds_build_s") is not None:
         lines.append(f"DeepSpeed CPUAdam op build/load: {report['ds_build_s']:.1f} s (not timed)")
     return "\n".join(lines)

@@ -199,6 +199,15 @@ def keep_untouched(optimizer: torch.optim.Optimizer, groups: Iterable, window: t
             g.kept_behind |= untouched
 
 
+def stepped_whole(g) -> None:
+    """Group ``g`` was stepped, with no untouched parameter, by a step that does not go through
+    :func:`keep_untouched` (the windowed Adam step of _optim/adam_windows.py, which steps only such
+    groups): what that would have done for it, the warning for parameters used again after being
+    kept behind, and ``untouched`` used up."""
+    untouched, g.grads.untouched = g.grads.untouched, frozenset()
+    _warn_if_back(g, untouched)
+
+
 def _within(where: list[slice], a: int, b: int) -> list[slice]:
     """The parts of shard ranges ``where`` inside elements [a, b), relative to ``a``."""
     out = []

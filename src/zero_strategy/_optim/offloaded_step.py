@@ -26,6 +26,7 @@ import torch
 from .._engine.group_gathers import gather_replicated_groups
 from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import step_batches
+from .adam_windows import step_in_windows, window_plan
 from .chunked_step import step_in_chunks
 from .owned_runs import step_owned_runs
 
@@ -199,17 +200,29 @@ class OffloadedStep:
         keeps for the next step: See [Note: releases where a phase ends] in
         _mechanisms/host_memory.py."""
         chunked = batch[0].masters.streams and not batch[0].owned  # casts chunk by chunk, in step_in_chunks
-        casts = 0 if chunked else sum(g.master_grad_cast_numel for g in batch)
+        # casts window by window (See [Note: the bf16 step in cache-sized windows] in adam_windows.py)
+        windowed = None if chunked else self._window_plan(batch)
+        casts = 0 if chunked or windowed else sum(g.master_grad_cast_numel for g in batch)
         scratch = self.engine.transfers.cast_scratch.take(casts, torch.float32)
         try:
-            return self._cpu_step_batch(batch, factor, upcoming, scratch)
+            return self._cpu_step_batch(batch, factor, upcoming, scratch, windowed)
         finally:  # the step's slices of it are gone with its frame
             self.engine.transfers.cast_scratch.give_back(scratch)
 
+    def _window_plan(self, batch) -> list | None:
+        """The batch as the windowed Adam step takes it, or None: See [Note: the bf16 step in
+        cache-sized windows] in adam_windows.py. Not for masters that visit a swap slot for the
+        step (NVMe): their state is only resident inside it."""
+        if self._optimizer is None or not all(g.masters.steps_together for g in batch):
+            return None
+        return window_plan(self._optimizer(), batch)
+
     @torch.no_grad()
-    def _cpu_step_batch(self, batch, factor: float, upcoming=(), scratch: torch.Tensor | None = None) -> list:
+    def _cpu_step_batch(self, batch, factor: float, upcoming=(), scratch: torch.Tensor | None = None,
+                        windowed: list | None = None) -> list:
         """``scratch``: where the batch's gradient casts go (See [Note: the step's casts reuse
-        their buffers] in _mechanisms/cast_scratch.py)."""
+        their buffers] in _mechanisms/cast_scratch.py); ``windowed``: the batch's plan for the
+        windowed Adam step (See [Note: the bf16 step in cache-sized windows] in adam_windows.py)."""
         take = carve(scratch)
         cast_into = lambda g: take(g.master_grad_cast_numel)  # noqa: E731
         with torch.profiler.record_function(f"zero::cpu_step::{batch[0].name}+{len(batch) - 1}"):
@@ -230,17 +243,10 @@ class OffloadedStep:
                 for g in batch:
                     g.masters.begin_step()
                     begun.append(g)
-                for g in batch:
-                    grad = g.master_grad(cast_into(g))  # waits for this group's download only
-                    if factor != 1.0:
-                        grad.mul_(factor)
-                    self._set_grad(g, grad)
-                try:
-                    self._step_masters(batch)
-                finally:
-                    for g in batch:
-                        self._set_grad(g, None)
-                uploads = [g.stage_master_upload() for g in batch]
+                if windowed is not None:
+                    uploads = step_in_windows(windowed, factor, self.engine.transfers.cast_scratch)
+                else:
+                    uploads = self._step_and_stage(batch, factor, cast_into)
             except BaseException:
                 for g in begun:
                     g.masters.abort_step()  # hand the slot back unwritten, or the next step waits forever
@@ -248,4 +254,19 @@ class OffloadedStep:
             for g in batch:
                 g.masters.end_step(self._group_state(g))
             return uploads
+
+    def _step_and_stage(self, batch, factor: float, cast_into) -> list:
+        """The user's optimizer over ``batch`` (each group's fp32 gradient cast into ``cast_into(g)``
+        and scaled by ``factor``), then each group's new master staged for upload: the upload events."""
+        for g in batch:
+            grad = g.master_grad(cast_into(g))  # waits for this group's download only
+            if factor != 1.0:
+                grad.mul_(factor)
+            self._set_grad(g, grad)
+        try:
+            self._step_masters(batch)
+        finally:
+            for g in batch:
+                self._set_grad(g, None)
+        return [g.stage_master_upload() for g in batch]
 
