@@ -31,7 +31,7 @@ from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
 from ._engine.placement import single_device
-from ._model import activation_offload, gather, generation, hf, saves, tiled_mlp
+from ._model import activation_offload, gather, generation, hf, quantized, saves, tiled_mlp
 from ._model.activation_offload import offloaded_checkpoint
 from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
@@ -116,12 +116,15 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     hf.tiled_loss_targets(model, cfg.tiled_loss)  # refuse a model the tiled loss cannot serve before sharding it
     activation_offload.refuse_without_checkpointing_layers(model, cfg.activation_offload)
     tiled_mlp.tiled_mlp_targets(model, cfg.tiled_mlp)
+    quantized.refuse_unsupported(model)  # See [Note: packed 4-bit parameters under ZeRO] in _model/quantized.py
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
+    kept = {**hf.kept_dtypes(model, cfg.compute_dtype), **quantized.kept_dtypes(model)}
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
-                        owned_optimizers=owned, kept_dtypes=hf.kept_dtypes(model, cfg.compute_dtype),
+                        owned_optimizers=owned, kept_dtypes=kept,
                         loaded_later=deferred_weights.loaded_whole(model, pending))
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
+    quantized.warn_replicated(model, engine.plan.shards_parameters, comm.world_size)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
