@@ -60,9 +60,14 @@ def _save(root, quant: str, storage: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
-    dirs = {qs: _save(root, *qs) for qs in QUANTS}
+    return root, {qs: _save(root, *qs) for qs in QUANTS}
+
+
+@pytest.fixture(scope="module")
+def launched(saved):
+    root, dirs = saved
     cases = [dict(case=_name(*c), dir=dirs[c[:2]], preset=c[2]) for c in CASES]
     cases.append(dict(case="kbit-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", kbit=True))
     cases += [dict(case="refuse-int8", refuse="int8"), dict(case="refuse-unquantized", refuse="unquantized")]
@@ -111,3 +116,39 @@ def test_refusals_name_the_problem_and_the_fix(launched, case, words):
         assert r["error_message"] is not None, "setup accepted it"
         for w in words:
             assert w in r["error_message"], r["error_message"]
+
+
+def test_the_one_call_loader_refuses_quantizing_and_names_the_way_that_works(saved):
+    """Quantizing in slices is not done by ``zero_strategy.transformers.from_pretrained``: a
+    ``quantization_config`` and a 4-bit checkpoint are refused, each naming transformers' load + setup."""
+    from zero_strategy.checkpoint import CheckpointError
+    from zero_strategy.transformers import from_pretrained
+
+    root, dirs = saved
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not quantize while loading.*quantization_config=BitsAndBytesConfig"):
+        from_pretrained(transformers.AutoModelForCausalLM, root / "dense", quantization_config=q)
+    with pytest.raises(CheckpointError, match="bitsandbytes-quantized.*zero_strategy.setup"):
+        from_pretrained(transformers.AutoModelForCausalLM, dirs[("nf4", "bfloat16")])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_trl_sft_qlora_recipe_through_zero_trainer_equals_ddp():
+    """TRL's QLoRA recipe (4-bit NF4 base, prepare_model_for_kbit_training, SFTTrainer with a LoraConfig)
+    through ``zero_trainer(SFTTrainer)`` at stage 3, against the stock SFTTrainer as DDP on 2 processes."""
+    pytest.importorskip("trl")
+    from _accelerate_launch import accelerate_launch
+
+    reps, _ = accelerate_launch("qlora_trl.py", {}, timeout=400, use_cpu=False)
+    for r in reps:
+        case = r["sft_qlora"]
+        assert "error" not in case, case.get("error")
+        zero, ref = case["zero"], case["ref"]
+        assert ref["wrapped"] == "DistributedDataParallel" and zero["sharded"]
+        assert case["trainable"] and all("lora_" in n for n in case["trainable"]), case["trainable"]
+        assert len(zero["losses"]) == 3 and all(l > 0.5 for l in zero["losses"])
+        assert zero["losses"] == pytest.approx(ref["losses"], rel=1e-5), (zero["losses"], ref["losses"])
+        assert case["weights_rel"] < 1e-5, case["weights_rel"]
+        held, whole = zero["packed"]
+        assert 0 < held <= whole // 2 + 64, (held, whole)  # this rank rests on half the 4-bit bytes
