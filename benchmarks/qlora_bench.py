@@ -6,7 +6,7 @@ processes at ``zero3`` with ``param_persistence_threshold=0``, LoRA rank 16 on e
 of the blocks, AdamW, 2 sequences of 128 tokens per rank:
 
 * ``qlora``: transformers loads it with ``BitsAndBytesConfig(load_in_4bit=True, NF4, double quant,
-  bnb_4bit_quant_storage=torch.bfloat16, compute fp32)``, PEFT adds the adapters;
+  bnb_4bit_quant_storage=torch.bfloat16, compute bf16)``, PEFT adds the adapters, ``precision="bf16"``;
 * ``lora_bf16``: the same model loaded in bf16, the same adapters, ``precision="bf16"``.
 
 Reported per system and rank: the packed 4-bit bytes its flat groups hold at rest (qlora) beside
@@ -78,10 +78,10 @@ def worker(args) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     if args.worker == "qlora":
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.bfloat16)
+                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(args.dir, quantization_config=q, device_map="cpu",
-                                                     dtype=torch.float32)
-        config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0)
+                                                     dtype=torch.bfloat16)
+        config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0, precision="bf16")
     else:
         model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16)
         config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0, precision="bf16")
