@@ -69,6 +69,9 @@ def saved(tmp_path_factory):
 def launched(saved):
     root, dirs = saved
     cases = [dict(case=_name(*c), dir=dirs[c[:2]], preset=c[2]) for c in CASES]
+    for c in cases:  # the user's PEFT calls after training, where the base is sharded
+        if c["case"] == _name("nf4", "bfloat16", "zero3"):
+            c.update(seams=True, saved=str(root / "adapter"))
     cases.append(dict(case="kbit-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", kbit=True))
     cases += [dict(case="refuse-int8", refuse="int8"), dict(case="refuse-unquantized", refuse="unquantized")]
     return launch_cases("qlora.py", 2, cases, key=lambda r: r["case"], timeout=600)
@@ -100,6 +103,16 @@ def test_stage3_shards_the_packed_base(launched, quant):
             assert m["param_storage"] < 64 * 14, m  # placeholders: no packed bytes in the parameters at rest
             assert m["report_params"] >= m["held"], m
             assert r["warnings"] == [], r["warnings"]
+
+
+def test_peft_save_pretrained_and_merge_on_the_sharded_base(launched):
+    """``save_pretrained`` (every rank) writes the trained adapter, which reloads onto a fresh 4-bit base equal
+    to the reference's; ``merge_and_unload`` gives the reference's merged logits (PEFT requantizes the merged
+    weight into a new ``Params4bit``, which is whole on every rank from then on)."""
+    for r in launched.of(_name("nf4", "bfloat16", "zero3")):
+        seams = r["seams"]
+        assert seams["reloaded_names"] and seams["reloaded_diff"] < TOL, seams
+        assert seams["merged_diff"] < 1e-4, seams
 
 
 def test_uint8_storage_stays_whole_and_says_so(launched):

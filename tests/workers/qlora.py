@@ -97,6 +97,10 @@ def _run(case: dict) -> dict:
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     ref_losses = _train(ref, ref_opt, rank, whole_batch=True)
     ref_adapters = _adapters(ref)
+    probe = torch.randint(0, ref.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
+    if case.get("seams"):
+        with torch.no_grad():
+            ref_merged = ref.merge_and_unload()(input_ids=probe).logits
     del ref, ref_opt
 
     model = _peft(case["dir"], case.get("kbit", False))
@@ -111,7 +115,8 @@ def _run(case: dict) -> dict:
     adapters = _adapters(model)
     base_after = _base(model)
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    return dict(
+    seams = _seams(model, case, ref_adapters, probe, ref_merged) if case.get("seams") else None
+    return dict(seams=seams,
         case=case["case"], losses=losses, ref_losses=ref_losses,
         adapter_diff=max((adapters[k] - ref_adapters[k]).abs().max().item() for k in ref_adapters),
         adapter_moved=min((adapters[k] - start_adapters[k]).abs().max().item() for k in ref_adapters),
@@ -122,6 +127,23 @@ def _run(case: dict) -> dict:
         base_keys=len(base_before), memory=memory,
         warnings=[str(w.message) for w in caught if "bitsandbytes" in str(w.message)],
     )
+
+
+def _seams(model, case: dict, ref_adapters: dict, probe, ref_merged) -> dict:
+    """The user's own PEFT calls on the set-up model: ``save_pretrained`` on every rank (the adapter
+    reloads with ``PeftModel.from_pretrained`` on a fresh 4-bit base, equal to the reference's), and
+    ``merge_and_unload`` (logits equal the reference's merged model)."""
+    from peft import PeftModel
+    saved = case["saved"]
+    model.save_pretrained(saved, is_main_process=dist.get_rank() == 0)
+    dist.barrier()
+    base = AutoModelForCausalLM.from_pretrained(case["dir"], device_map="cpu", dtype=torch.float32)
+    reloaded = _adapters(PeftModel.from_pretrained(base, saved))
+    with torch.no_grad():
+        merged = model.merge_and_unload()(input_ids=probe).logits
+    return dict(reloaded_diff=max((reloaded[k] - ref_adapters[k]).abs().max().item() for k in ref_adapters),
+                reloaded_names=sorted(reloaded) == sorted(ref_adapters),
+                merged_diff=(merged - ref_merged).abs().max().item())
 
 
 def _refuse(case: dict) -> dict:
