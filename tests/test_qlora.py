@@ -73,6 +73,7 @@ def launched(saved):
         if c["case"] == _name("nf4", "bfloat16", "zero3"):
             c.update(seams=True, saved=str(root / "adapter"))
     cases.append(dict(case="kbit-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", kbit=True))
+    cases.append(dict(case="teardown-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", teardown=True))
     cases += [dict(case="refuse-int8", refuse="int8"), dict(case="refuse-unquantized", refuse="unquantized")]
     return launch_cases("qlora.py", 2, cases, key=lambda r: r["case"], timeout=600)
 
@@ -113,6 +114,12 @@ def test_peft_save_pretrained_and_merge_on_the_sharded_base(launched):
         seams = r["seams"]
         assert seams["reloaded_names"] and seams["reloaded_diff"] < TOL, seams
         assert seams["merged_diff"] < 1e-4, seams
+        assert seams["full_state_dict_keeps_storage"], seams
+
+
+def test_teardown_gives_back_the_packed_base_bit_for_bit(launched):
+    for r in launched.of("teardown-nf4-bfloat16-zero3"):
+        assert r["equal"] and r["dtypes"] == ["torch.bfloat16"] and r["switch_restored"], r
 
 
 def test_uint8_storage_stays_whole_and_says_so(launched):

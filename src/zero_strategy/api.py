@@ -122,7 +122,8 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.op
     kept = {**hf.kept_dtypes(model, cfg.compute_dtype), **quantized.kept_dtypes(model)}
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
                         owned_optimizers=owned, kept_dtypes=kept,
-                        loaded_later=deferred_weights.loaded_whole(model, pending))
+                        loaded_later=deferred_weights.loaded_whole(model, pending),
+                        opaque=frozenset(quantized.kept_dtypes(model)))
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     quantized.warn_replicated(model, engine.plan.shards_parameters, comm.world_size)
     _ENGINES[id(model)] = engine
@@ -243,6 +244,9 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
         keep_weights = False
     offload_states_impl.reload(engine, non_blocking=False)  # local: safe on the error path too
     full = full_state_dict(model) if keep_weights else {}
+    # each parameter back in the dtype its group computes in: a kept fp32 weight stays fp32, a 4-bit
+    # base's packed codes keep their storage dtype (See [Note: packed 4-bit parameters under ZeRO])
+    dtype_of = {id(slot.param): g.compute_dtype for g, slot in engine.managed.values()}
     engine.ended = engine.ended or "zero_strategy.teardown(model) released it"
     engine.remove_hooks()
     for undo in engine.undo_on_teardown:
@@ -255,7 +259,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
-                p.data = full[name].to(engine.device, engine.compute_dtype)  # full_state_dict: on the host
+                p.data = full[name].to(engine.device, dtype_of.get(id(p), engine.compute_dtype))  # full_state_dict: on the host
 
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:

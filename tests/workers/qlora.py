@@ -92,6 +92,8 @@ def _run(case: dict) -> dict:
     rank = dist.get_rank()
     if "refuse" in case:
         return _refuse(case)
+    if case.get("teardown"):
+        return _teardown(case)
     ref = _peft(case["dir"], case.get("kbit", False))
     base_before = _base(ref)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
@@ -139,11 +141,30 @@ def _seams(model, case: dict, ref_adapters: dict, probe, ref_merged) -> dict:
     dist.barrier()
     base = AutoModelForCausalLM.from_pretrained(case["dir"], device_map="cpu", dtype=torch.float32)
     reloaded = _adapters(PeftModel.from_pretrained(base, saved))
+    packed = {n: p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    full = zs.full_state_dict(model)  # fp32 by default for numbers; packed codes as they are stored
+    kept = all(full[n].dtype == p.dtype for n, p in packed.items())
     with torch.no_grad():
         merged = model.merge_and_unload()(input_ids=probe).logits
     return dict(reloaded_diff=max((reloaded[k] - ref_adapters[k]).abs().max().item() for k in ref_adapters),
                 reloaded_names=sorted(reloaded) == sorted(ref_adapters),
-                merged_diff=(merged - ref_merged).abs().max().item())
+                merged_diff=(merged - ref_merged).abs().max().item(), full_state_dict_keeps_storage=kept)
+
+
+def _teardown(case: dict) -> dict:
+    """``zero_strategy.teardown`` gives back the packed codes as they were (bit for bit, in their storage
+    dtype, whole on every rank) and bnb's CPU-repack switch as it was."""
+    model = _peft(case["dir"], False)
+    before = _base(model)
+    linears = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    switch = [m.support_avx512bf16_for_cpu for m in linears]
+    model, _ = zs.setup(model, None, zs.ZeroConfig.preset(case["preset"], param_persistence_threshold=0))
+    zs.teardown(model)
+    after = _base(model)
+    return dict(case=case["case"], equal=sorted(after) == sorted(before)
+                and all(torch.equal(after[k], before[k]) for k in before),
+                dtypes=sorted({str(p.dtype) for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}),
+                switch_restored=[m.support_avx512bf16_for_cpu for m in linears] == switch)
 
 
 def _refuse(case: dict) -> dict:

@@ -112,7 +112,8 @@ def keep_packed_layout(model: nn.Module, grouped: set[int]) -> list[Callable[[],
     See [Note: packed 4-bit parameters under ZeRO]."""
     undo: list[Callable[[], None]] = []
     for _, module, p in packed_4bit(model):
-        if id(p) in grouped and getattr(module, "support_avx512bf16_for_cpu", False):
+        was = getattr(module, "support_avx512bf16_for_cpu", False)
+        if id(p) in grouped and was:
             module.support_avx512bf16_for_cpu = False
-            undo.append(lambda m=module: setattr(m, "support_avx512bf16_for_cpu", True))
+            undo.append(lambda m=module, was=was: setattr(m, "support_avx512bf16_for_cpu", was))
     return undo
