@@ -18,7 +18,9 @@ bit for bit, and the state from the parameter object itself.
   like any other frozen weight, but in **its own storage dtype** (``kept_dtypes``: See [Note:
   parameters kept in fp32] in _engine/units.py), never cast to the compute dtype: a cast reads
   the packed bits as numbers (bf16 -> fp32 doubles the bytes and breaks the packed shape, and
-  some bit patterns are NaNs whose payload a cast may change). At stage 3 the group is sharded
+  some bit patterns are NaNs whose payload a cast may change). The group is *opaque* (See [Note:
+  opaque groups] in _engine/flat.py): ``full_state_dict``, the streamed saves and ``teardown`` give
+  the codes back in their storage dtype, bit for bit. At stage 3 the group is sharded
   like every other (each rank rests on 1/N of the packed bytes: about 0.5/N bytes per base
   parameter) and gathered per unit; gathering writes the same bytes back into the flat buffer
   and points ``param.data`` at its view, which keeps the ``Params4bit`` object, and with it the
