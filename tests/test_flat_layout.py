@@ -116,3 +116,21 @@ def test_clearing_every_marker_frees_the_buffer_when_the_next_gradient_arrives()
     params[0][1].grad = torch.full((2, 2), 3.0)
     g.grads.accumulate(g.slots[0])
     assert torch.equal(g.grads.full_grad[:4], torch.full((4,), 3.0))  # nothing of the cleared one
+
+
+def test_a_coalesced_gather_of_several_dtypes_moves_every_value_bit_for_bit():
+    """See [Note: coalesced gathers of several dtypes]: packed in the first output's dtype, fp32 values were
+    rounded to bf16 (and a bf16 buffer's raw bit patterns, a 4-bit base's packed codes, read as numbers)."""
+    bf16 = torch.randn(6).to(torch.bfloat16)
+    bits = torch.tensor([0x7FC1, -1, 0x7F81, 0x0001], dtype=torch.int16).view(torch.bfloat16)  # NaN payloads
+    fp32 = torch.randn(5) / 3
+    sources = [torch.cat([bf16, bits]), fp32]
+    outputs = [torch.empty(10, dtype=torch.bfloat16), torch.empty(5)]
+    Collectives().all_gather_coalesced(outputs, sources).wait()
+    assert torch.equal(outputs[0].view(torch.int16), sources[0].view(torch.int16))
+    assert torch.equal(outputs[1], fp32)
+
+
+def test_a_coalesced_reduce_scatter_refuses_several_dtypes():
+    with pytest.raises(ValueError, match="several dtypes"):
+        Collectives().reduce_scatter_coalesced([torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)])

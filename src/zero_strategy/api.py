@@ -34,7 +34,7 @@ from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
 from ._engine.placement import single_device
-from ._model import activation_offload, gather, generation, hf, saves, tiled_mlp
+from ._model import activation_offload, gather, generation, hf, quantized, saves, tiled_mlp
 from ._model.activation_offload import offloaded_checkpoint
 from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
@@ -136,15 +136,19 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     hf.tiled_loss_targets(model, cfg.tiled_loss)  # refuse a model the tiled loss cannot serve before sharding it
     activation_offload.refuse_without_checkpointing_layers(model, cfg.activation_offload)
     tiled_mlp.tiled_mlp_targets(model, cfg.tiled_mlp)
+    quantized.refuse_unsupported(model)  # See [Note: packed 4-bit parameters under ZeRO] in _model/quantized.py
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
+    kept = {**hf.kept_dtypes(model, cfg.compute_dtype), **quantized.kept_dtypes(model)}
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
-                        owned_optimizers=owned, kept_dtypes=hf.kept_dtypes(model, cfg.compute_dtype),
-                        loaded_later=deferred_weights.loaded_whole(model, pending))
+                        owned_optimizers=owned, kept_dtypes=kept,
+                        loaded_later=deferred_weights.loaded_whole(model, pending),
+                        opaque=frozenset(quantized.kept_dtypes(model)))
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     engine.sequence_parallel = sp
     if undo_attention is not None:
         engine.undo_on_teardown.append(undo_attention)
+    quantized.warn_replicated(model, engine.plan.shards_parameters, comm.world_size)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
@@ -315,6 +319,9 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
         keep_weights = False
     offload_states_impl.reload(engine, non_blocking=False)  # local: safe on the error path too
     full = full_state_dict(model) if keep_weights else {}
+    # each parameter back in the dtype its group computes in: a kept fp32 weight stays fp32, a 4-bit
+    # base's packed codes keep their storage dtype (See [Note: packed 4-bit parameters under ZeRO])
+    dtype_of = {id(slot.param): g.compute_dtype for g, slot in engine.managed.values()}
     engine.ended = engine.ended or "zero_strategy.teardown(model) released it"
     engine.remove_hooks()
     for undo in engine.undo_on_teardown:
@@ -327,7 +334,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=True):
             if name in full:
-                p.data = full[name].to(engine.device, engine.compute_dtype)  # full_state_dict: on the host
+                p.data = full[name].to(engine.device, dtype_of.get(id(p), engine.compute_dtype))  # full_state_dict: on the host
     if save_error is not None:
         raise save_error
 

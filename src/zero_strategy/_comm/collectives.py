@@ -90,6 +90,16 @@ one call of the summed (already padded) sizes, so communication volume is unchan
 Writes into the outputs keep their autograd version counters, as the uncoalesced
 in-place gathers do (stage-3 ``full`` buffers have views saved for backward).
 
+[Note: coalesced gathers of several dtypes]
+A unit's groups need not share a dtype: a weight kept in fp32 beside bf16 ones, a 4-bit base's
+packed bf16 codes beside fp32 adapters (See [Note: packed 4-bit parameters under ZeRO] in
+_model/quantized.py). Packed into the first output's dtype, the others were cast on the way
+(fp32 adapters rounded to bf16 at every stage-3 gather). An all-gather moves bytes and sums
+nothing, so buffers of several dtypes travel as their raw bytes (each viewed as uint8: the
+flat buffers are contiguous and 1-D), one collective still, every value bit for bit. A
+reduce-scatter sums in one dtype, so the reduce queue coalesces only groups of one gradient
+dtype (_engine/reduce.py); :meth:`Collectives.reduce_scatter_coalesced` refuses a mix.
+
 """
 
 from __future__ import annotations
@@ -408,6 +418,9 @@ class Collectives(ObjectCollectives):
         if len(outputs) == 1:
             return self.all_gather(outputs[0], shards[0], async_op=True, label=label)
         n = self.world_size
+        if len({o.dtype for o in outputs}) > 1:  # See [Note: coalesced gathers of several dtypes]
+            outputs = [o.view(torch.uint8) for o in outputs]
+            shards = [s.contiguous().view(torch.uint8) for s in shards]
         sizes = [s.numel() for s in shards]
         packed = torch.empty(n, sum(sizes), dtype=outputs[0].dtype, device=outputs[0].device)
         mine = packed[self.rank]  # [sum(S_i)], this rank's row: what it sends
@@ -429,6 +442,9 @@ class Collectives(ObjectCollectives):
         this rank's summed slot of ``fulls[i]`` [N*S_i] once the handle is waited on (views into
         one output). The inputs are read here: callers may drop them. See [Note: coalesced collectives]."""
         n = self.world_size
+        if len({f.dtype for f in fulls}) > 1:  # See [Note: coalesced gathers of several dtypes]
+            raise ValueError(f"reduce_scatter_coalesced over several dtypes {sorted({str(f.dtype) for f in fulls})}: "
+                             "a sum runs in one dtype; coalesce only buffers of one dtype")
         sizes = [f.numel() // n for f in fulls]
         out = torch.empty(sum(sizes), dtype=fulls[0].dtype, device=fulls[0].device)
         packed = torch.empty(n, sum(sizes), dtype=fulls[0].dtype, device=fulls[0].device)

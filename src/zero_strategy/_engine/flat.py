@@ -44,6 +44,14 @@ the padding: every rank's shard is as large as the most loaded rank's, which cos
 much memory and communication beyond the flat layout (``comm_stats`` counts it), and a
 parameter larger than an even share makes the padding large. Padding is zero in gradients
 (``padding()``), so global-norm clipping over shards stays exact.
+
+[Note: opaque groups]
+A frozen group may hold values that are not numbers in their dtype: a 4-bit base's packed codes
+stored as bf16 (See [Note: packed 4-bit parameters under ZeRO] in _model/quantized.py). They move
+as they are (gathers, offload, checkpoints move bytes), but anything that converts values must
+leave them alone: ``full_state_dict``'s fp32 default, the streamed ``save_pretrained``'s dtype,
+teardown's return to the compute dtype. Such a group is marked ``opaque``, kept apart from other
+groups of the same dtype, and every conversion of a group's values reads its own dtype instead.
 """
 
 from __future__ import annotations
@@ -147,9 +155,14 @@ class FlatGroup:
         swap=None,
         owned: bool = False,
         owner_load: list[int] | None = None,
+        opaque: bool = False,
     ):
         """``owned``: lay the buffer out by owner (See [Note: the ownership layout]);
-        ``owner_load``: elements each rank owns in the groups built so far (updated here)."""
+        ``owner_load``: elements each rank owns in the groups built so far (updated here);
+        ``opaque``: its values are bit patterns, never cast (See [Note: opaque groups])."""
+        assert not (opaque and trainable), "an opaque group is frozen: nothing steps bit patterns"
+        #: See [Note: opaque groups]
+        self.opaque = opaque
         self.name = name
         self.trainable = trainable
         #: which of setup()'s optimizers steps this group, and which of its param groups

@@ -120,7 +120,14 @@ class ReduceQueue:
 
     def launch(self, groups: list[FlatGroup], name: str | None = None) -> None:
         """Start the reduce-scatters of ``groups`` now (the caller keeps the order; see the Note): each
-        group above :data:`COALESCE_REDUCE_ELEMENTS` on its own, in place, and the others as one."""
+        group above :data:`COALESCE_REDUCE_ELEMENTS` on its own, in place, and the others as one per
+        gradient dtype (a sum runs in one dtype: an fp32-kept group's gradients coalesced with bf16 ones
+        would be summed in bf16)."""
+        dtypes = list(dict.fromkeys(g.grads.grad_dtype for g in groups))
+        if len(dtypes) > 1:
+            for dtype in dtypes:
+                self.launch([g for g in groups if g.grads.grad_dtype == dtype], name)
+            return
         if self.in_place or len(groups) == 1:
             self._launch_one(groups, name)
             return

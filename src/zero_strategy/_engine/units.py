@@ -412,6 +412,7 @@ def build_units(
     release_host_memory: bool = False,
     kept_dtypes: dict[int, torch.dtype] | None = None,
     loaded_later: frozenset[int] = frozenset(),
+    opaque: frozenset[int] = frozenset(),
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
@@ -422,7 +423,9 @@ def build_units(
     the ownership layout] in _engine/flat.py), balanced over all their groups together.
     ``kept_dtypes``: id(param) -> the dtype it computes in instead of ``compute_dtype`` (See
     [Note: parameters kept in fp32]). ``loaded_later``: ids of meta parameters a pending load
-    fills whole, materialized without initialization (_engine/materialize.py).
+    fills whole, materialized without initialization (_engine/materialize.py). ``opaque``: ids of
+    frozen parameters whose values are bit patterns, in groups of their own (See [Note: opaque groups]
+    in _engine/flat.py).
     """
     owner_load = [0] * comm.world_size
     unit_modules = find_unit_modules(model, unit_classes)
@@ -474,14 +477,15 @@ def build_units(
                 part = part_of(relative, parts_at, relative.rpartition(".")[0] if unit_name == ROOT else "")
             kept = (kept_dtypes or {}).get(pid)
             key = (trainable, optimizer_group_of.get(pid) if trainable else None,
-                   plan.shards_parameters and not persistent, part, kept)
+                   plan.shards_parameters and not persistent, part, kept, pid in opaque)
             buckets.setdefault(key, []).append((first_name[pid], p))
         groups = []
-        for (trainable, opt_key, shard_params, part, kept), named in buckets.items():
+        for (trainable, opt_key, shard_params, part, kept, is_opaque), named in buckets.items():
             opt_index, opt_group = opt_key if opt_key is not None else (None, None)
             label = "" if opt_key is None else (f"{opt_group}" if opt_index == 0 else f"{opt_index}.{opt_group}")
             gname = (f"{unit_name}/{'train' if trainable else 'frozen'}{label}{'' if shard_params else '/whole'}"
-                     + (f"/{part}" if part else "") + (f"/{str(kept).removeprefix('torch.')}" if kept else ""))
+                     + (f"/{part}" if part else "") + (f"/{str(kept).removeprefix('torch.')}" if kept else "")
+                     + ("/opaque" if is_opaque else ""))
             groups.append(FlatGroup(
                 gname, named, trainable=trainable, optimizer_group=opt_group, optimizer_index=opt_index,
                 shard_params=shard_params, compute_dtype=kept or compute_dtype,
@@ -490,7 +494,7 @@ def build_units(
                 world_size=comm.world_size, device=device,
                 offload_optimizer=offload_optimizer, offload_params=offload_params,
                 transfers=transfers, swap=swap,
-                owned=trainable and opt_index in owned_optimizers, owner_load=owner_load,
+                owned=trainable and opt_index in owned_optimizers, owner_load=owner_load, opaque=is_opaque,
             ))
         if groups or unit_name == ROOT:
             units.append(Unit(unit_name, modules[unit_name], groups))

@@ -73,6 +73,8 @@ def group_values(engine: "ZeroEngine", g, keep: bool, dtype: torch.dtype | None,
     """
     comm = engine.comm
     assert to is None or keep <= (comm.rank == to), "only the rank a gather goes to can keep it"
+    if g.opaque:  # bit patterns, not numbers: never cast (See [Note: opaque groups] in _engine/flat.py)
+        dtype = None
     if to is not None and comm.backend == "gloo" and (g.master is not None or g.shard_params):
         return _values_at_one_rank(engine, g, keep, dtype, to)
     counted = 0

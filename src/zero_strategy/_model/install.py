@@ -23,6 +23,7 @@ from torch import nn
 from .activation_offload import checkpoint_offload_hooks
 from .conversions import apply_shadows
 from .hf import library_shadows, tiled_loss_shadows
+from .quantized import keep_packed_layout
 from .state_dict import register_module_state_hooks
 from .tiled_mlp import tiled_mlp_shadows
 
@@ -40,6 +41,8 @@ def install(model: nn.Module, engine: "ZeroEngine", end: Callable[[], None]) -> 
                + library_shadows(model, engine) + apply_shadows(model, engine, end))
     for module, name, make in shadows:
         undo.append(shadow(module, name, make))
+    # See [Note: packed 4-bit parameters under ZeRO] in _model/quantized.py
+    undo.extend(keep_packed_layout(model, {id(s.param) for g in engine.groups for s in g.slots}))
     if engine.config.activation_offload:  # See [Note: activation offload] in _model/activation_offload.py
         undo.extend(checkpoint_offload_hooks(model))
     return undo

@@ -59,7 +59,7 @@ log.addFilter(RankZeroFilter())
 def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_dtype=None,
                     revision: str | None = None, trust_remote_code: bool = False,
                     attn_implementation: str | None = None, ignore_mismatched_sizes: bool = False,
-                    **config_overrides):
+                    quantization_config=None, **config_overrides):
     """An empty ``model_class`` (an Auto class or a model class) whose weights ``setup`` reads sharded.
 
     ``name_or_path``: a local model directory, or a hub name already in the local cache
@@ -69,8 +69,12 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
     from the model's (a head saved for another number of labels) is refused here, naming
     each one and both shapes; ``ignore_mismatched_sizes=True`` leaves those parameters
     newly initialized instead and names them in a warning, as ``from_pretrained`` does.
+    ``quantization_config`` (QLoRA's 4-bit base) is refused with the way that works: see
+    :func:`_refuse_quantizing`.
     """
     from transformers import AutoConfig
+
+    _refuse_quantizing(quantization_config)
 
     directory = _model_directory(name_or_path, revision)
     weight_map = safetensors_weight_map(directory)
@@ -289,6 +293,22 @@ def _conversion(model, first: str, converter):
     return convert
 
 
+def _refuse_quantizing(quantization_config) -> None:
+    """Quantizing at load (bitsandbytes' 4-bit base for QLoRA) is not done in slices here: the packed
+    codes and their per-block scales would have to be computed from each rank's rows, block-aligned,
+    which this loader does not do yet. transformers' own ``from_pretrained`` quantizes on every rank
+    (about 0.5 bytes per base parameter, plus the unquantized embeddings) and ``setup`` then shards
+    the packed bytes (See [Note: packed 4-bit parameters under ZeRO] in _model/quantized.py)."""
+    if quantization_config is None:
+        return
+    raise ValueError(
+        "zero_strategy.transformers.from_pretrained does not quantize while loading (quantization_config="
+        f"{type(quantization_config).__name__}). For a QLoRA base, load it with transformers: "
+        "AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+        "bnb_4bit_quant_storage=torch.bfloat16, ...)), add the adapters, then zero_strategy.setup(model, "
+        "optimizer, 'zero3'): setup shards the 4-bit weights (docs/guides/peft-and-generation.md, QLoRA).")
+
+
 def _refuse_quantized(config) -> None:
     """A checkpoint whose weights are quantized on disk (gpt-oss's MXFP4 experts, FP8, GPTQ, ...)
     holds packed blocks and scales where the model has floating-point parameters; dequantizing
@@ -300,6 +320,13 @@ def _refuse_quantized(config) -> None:
     method = (quantization.get("quant_method") if isinstance(quantization, dict)
               else getattr(quantization, "quant_method", None))
     method = getattr(method, "value", method)
+    if method == "bitsandbytes":  # a 4-bit (or 8-bit) base saved by transformers: setup shards it as loaded
+        raise CheckpointError(
+            f"zero_strategy.transformers.from_pretrained: {config._name_or_path} holds bitsandbytes-quantized "
+            "weights, which this loader does not read in slices: load it with transformers' "
+            "AutoModelForCausalLM.from_pretrained(path) (the quantization is read from its config), then "
+            "zero_strategy.setup(model, optimizer, 'zero3'), which shards 4-bit weights stored as bf16 "
+            "(docs/guides/peft-and-generation.md, QLoRA)")
     raise CheckpointError(
         f"zero_strategy.transformers.from_pretrained: {type(config).__name__} ({config.model_type}) comes with "
         f"weights quantized on disk (quantization_config: {method}), which cannot be read in slices: load it "

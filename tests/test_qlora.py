@@ -1,0 +1,174 @@
+"""QLoRA under ZeRO: a 4-bit bitsandbytes base plus PEFT LoRA adapters, exact against one process.
+
+A tiny Llama is quantized once by transformers (``BitsAndBytesConfig(load_in_4bit=True)``, NF4 and
+FP4, ``bnb_4bit_quant_storage`` bf16 and uint8) and saved; every run loads those same 4-bit bytes,
+so the reference and the sharded run share one quantized base. On 2 ranks
+(tests/workers/qlora.py), each case against the single-process run of the same directory on the
+whole batch:
+
+* losses equal, adapters equal within fp32 rounding after 3 AdamW steps, and they moved (a run
+  that silently trains nothing, or at loss 0.0, as FSDP2's QLoRA once did, fails here);
+* only the adapters train; the packed base bytes and their quant states are unchanged;
+* at stage 3 with floating storage, each rank rests on 1/N of the packed bytes (about 0.5/N bytes
+  per base parameter): counted in the flat groups, by ``memory_report``, and on the parameters
+  (placeholders); uint8 storage stays whole on every rank and ``setup`` says so;
+* 8-bit bases and unquantized 4-bit weights are refused by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+from _launch import launch_cases  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+QUANTS = [("nf4", "bfloat16"), ("fp4", "bfloat16"), ("nf4", "uint8"), ("fp4", "uint8")]
+CASES = [("nf4", "bfloat16", "zero1"), ("nf4", "bfloat16", "zero2"), ("nf4", "bfloat16", "zero3"),
+         ("nf4", "bfloat16", "zero3_offload"), ("fp4", "bfloat16", "zero1"), ("fp4", "bfloat16", "zero3"),
+         ("nf4", "uint8", "zero1"), ("nf4", "uint8", "zero3"), ("fp4", "uint8", "zero3_offload")]
+TOL = 1e-5  # fp32 adapters of magnitude ~0.1-1
+
+
+def _name(quant, storage, preset) -> str:
+    return f"{quant}-{storage}-{preset}"
+
+
+def _save(root, quant: str, storage: str) -> str:
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    dense = root / "dense"
+    if not dense.exists():
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(dense)
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
+                                        bnb_4bit_compute_dtype=torch.float32,
+                                        bnb_4bit_use_double_quant=quant == "nf4",
+                                        bnb_4bit_quant_storage=getattr(torch, storage))
+    model = transformers.AutoModelForCausalLM.from_pretrained(dense, quantization_config=q, device_map="cpu",
+                                                              dtype=torch.float32)
+    out = root / f"{quant}-{storage}"
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qlora")
+    return root, {qs: _save(root, *qs) for qs in QUANTS}
+
+
+@pytest.fixture(scope="module")
+def launched(saved):
+    root, dirs = saved
+    cases = [dict(case=_name(*c), dir=dirs[c[:2]], preset=c[2]) for c in CASES]
+    for c in cases:  # the user's PEFT calls after training, where the base is sharded
+        if c["case"] == _name("nf4", "bfloat16", "zero3"):
+            c.update(seams=True, saved=str(root / "adapter"))
+    cases.append(dict(case="kbit-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", kbit=True))
+    cases.append(dict(case="teardown-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", teardown=True))
+    cases += [dict(case="refuse-int8", refuse="int8"), dict(case="refuse-unquantized", refuse="unquantized")]
+    return launch_cases("qlora.py", 2, cases, key=lambda r: r["case"], timeout=600)
+
+
+@pytest.mark.parametrize("case", [_name(*c) for c in CASES] + ["kbit-nf4-bfloat16-zero3"])
+def test_qlora_trains_exactly_as_one_process(launched, case):
+    for r in launched.of(case):
+        assert r["adapter_names"] and r["only_lora_trains"], r
+        assert r["adapter_moved"] > 1e-3, f"adapters did not train: {r['adapter_moved']}"
+        assert all(l > 0.5 for l in r["losses"]), r["losses"]
+        assert r["losses"][-1] < r["losses"][0], r["losses"]
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < TOL, (r["losses"], r["ref_losses"])
+        assert r["adapter_diff"] < TOL, r["adapter_diff"]
+        assert r["base_equal"] and r["base_keys"] > 0, r
+
+
+@pytest.mark.parametrize("quant", ["nf4", "fp4"])
+def test_stage3_shards_the_packed_base(launched, quant):
+    """Floating storage: each rank rests on its 1/N of the packed bytes, about 0.5/N bytes per base parameter."""
+    for preset in ("zero3", "zero3_offload") if quant == "nf4" else ("zero3",):
+        for r in launched.of(_name(quant, "bfloat16", preset)):
+            m = r["memory"]
+            assert m["grouped_numel"] == m["packed_numel"], m
+            shard = sum(math.ceil(n / 2) for n in m["group_elems"]) * m["itemsize"]
+            assert m["held"] == shard, m
+            assert m["packed_numel"] * m["itemsize"] * 2 == m["base_params"], m  # 4 bits per base parameter
+            assert m["held"] <= m["base_params"] * 0.5 / 2 + m["group_count"] * m["itemsize"], m
+            assert m["param_storage"] < 64 * 14, m  # placeholders: no packed bytes in the parameters at rest
+            assert m["report_params"] >= m["held"], m
+            assert r["warnings"] == [], r["warnings"]
+
+
+def test_peft_save_pretrained_and_merge_on_the_sharded_base(launched):
+    """``save_pretrained`` (every rank) writes the trained adapter, which reloads onto a fresh 4-bit base equal
+    to the reference's; ``merge_and_unload`` gives the reference's merged logits (PEFT requantizes the merged
+    weight into a new ``Params4bit``, which is whole on every rank from then on)."""
+    for r in launched.of(_name("nf4", "bfloat16", "zero3")):
+        seams = r["seams"]
+        assert seams["reloaded_names"] and seams["reloaded_diff"] < TOL, seams
+        assert seams["merged_diff"] < 1e-4, seams
+        assert seams["full_state_dict_keeps_storage"], seams
+
+
+def test_teardown_gives_back_the_packed_base_bit_for_bit(launched):
+    for r in launched.of("teardown-nf4-bfloat16-zero3"):
+        assert r["equal"] and r["dtypes"] == ["torch.bfloat16"] and r["switch_restored"], r
+
+
+def test_uint8_storage_stays_whole_and_says_so(launched):
+    for r in launched.of(_name("nf4", "uint8", "zero3")):
+        assert r["memory"]["group_count"] == 0 and r["memory"]["held"] == 0
+        assert r["memory"]["param_storage"] == r["memory"]["base_params"] // 2  # whole on this rank
+        assert len(r["warnings"]) == 1 and "bnb_4bit_quant_storage=torch.bfloat16" in r["warnings"][0]
+
+
+@pytest.mark.parametrize("case,words", [("refuse-int8", ["8-bit", "load_in_4bit"]),
+                                         ("refuse-unquantized", ["not quantized yet", "quantization_config"])])
+def test_refusals_name_the_problem_and_the_fix(launched, case, words):
+    for r in launched.of(case):
+        assert r["error_message"] is not None, "setup accepted it"
+        for w in words:
+            assert w in r["error_message"], r["error_message"]
+
+
+def test_the_one_call_loader_refuses_quantizing_and_names_the_way_that_works(saved):
+    """Quantizing in slices is not done by ``zero_strategy.transformers.from_pretrained``: a
+    ``quantization_config`` and a 4-bit checkpoint are refused, each naming transformers' load + setup."""
+    from zero_strategy.checkpoint import CheckpointError
+    from zero_strategy.transformers import from_pretrained
+
+    root, dirs = saved
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not quantize while loading.*quantization_config=BitsAndBytesConfig"):
+        from_pretrained(transformers.AutoModelForCausalLM, root / "dense", quantization_config=q)
+    with pytest.raises(CheckpointError, match="bitsandbytes-quantized.*zero_strategy.setup"):
+        from_pretrained(transformers.AutoModelForCausalLM, dirs[("nf4", "bfloat16")])
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_trl_sft_qlora_recipe_through_zero_trainer_equals_ddp():
+    """TRL's QLoRA recipe (4-bit NF4 base, prepare_model_for_kbit_training, SFTTrainer with a LoraConfig)
+    through ``zero_trainer(SFTTrainer)`` at stage 3, against the stock SFTTrainer as DDP on 2 processes."""
+    pytest.importorskip("trl")
+    from _accelerate_launch import accelerate_launch
+
+    reps, _ = accelerate_launch("qlora_trl.py", {}, timeout=400, use_cpu=False)
+    for r in reps:
+        case = r["sft_qlora"]
+        assert "error" not in case, case.get("error")
+        zero, ref = case["zero"], case["ref"]
+        assert ref["wrapped"] == "DistributedDataParallel" and zero["sharded"]
+        assert case["trainable"] and all("lora_" in n for n in case["trainable"]), case["trainable"]
+        assert len(zero["losses"]) == 3 and all(l > 0.5 for l in zero["losses"])
+        assert zero["losses"] == pytest.approx(ref["losses"], rel=1e-5), (zero["losses"], ref["losses"])
+        assert case["weights_rel"] < 1e-5, case["weights_rel"]
+        held, whole = zero["packed"]
+        assert 0 < held <= whole // 2 + 64, (held, whole)  # this rank rests on half the 4-bit bytes
