@@ -29,7 +29,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
 #: (layer, the module prefixes it holds), lowest first; "" is the package's own __init__
 LAYERS = [
-    ("leaves", ["_logging", "_version"]),
+    ("leaves", ["_logging", "_user_warnings", "_version"]),
     ("configuration", ["_config", "config"]),
     ("communication", ["_comm"]),
     ("mechanisms", ["_mechanisms"]),

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import warnings
 import weakref
 from typing import Any
 
@@ -42,6 +41,7 @@ from .._config.policies import NVMeOffload
 from .._config.state_kinds import KINDS
 from .._mechanisms.background_save import BackgroundSave
 from .._mechanisms.host_memory import ReleasePoints
+from .._user_warnings import warn_at_user
 from .flat import FlatGroup, ParamSlot, ShardState
 from .placement import offload_services, single_device, size_swap_pool
 from .plan import ShardingPlan, plan_for
@@ -409,10 +409,10 @@ class ZeroEngine:
                     dropped.append(s.fqn)
                     self._handles.append(s.param.register_post_accumulate_grad_hook(drop_grad))
         if dropped and self._optimizer_group_of:  # without any optimizer (inference) nothing is surprising
-            warnings.warn(
+            warn_at_user(
                 f"{len(dropped)} parameter(s) require grad but are in no optimizer param group "
                 f"(e.g. {dropped[:3]}); they are treated as frozen and their gradients dropped. "
-                "Add them to the optimizer or set requires_grad=False.", stacklevel=3)
+                "Add them to the optimizer or set requires_grad=False.")
 
     def remove_hooks(self) -> None:
         for h in self._handles:

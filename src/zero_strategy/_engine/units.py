@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import warnings
 from collections import OrderedDict
 
 import torch
@@ -104,6 +103,7 @@ from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, 
 from .._config.policies import OffloadPolicy
 from .._mechanisms.host_memory import release_if_large
 from .._mechanisms.transfers import Transfers
+from .._user_warnings import warn_at_user
 from .flat import FlatGroup, ShardState
 from .group_gathers import begin_gather_groups
 from .materialize import materialize_unit
@@ -281,11 +281,10 @@ def warn_if_no_units(root: nn.Module, unit_modules: list, unit_classes: tuple[st
     gathered = sum(p.numel() for p in unique if p.numel() >= persistence_threshold)
     if gathered == 0:
         return
-    warnings.warn(
+    warn_at_user(
         f"zero_strategy: stage 3 found no repeated blocks to shard as units in {type(root).__name__}, so "
         f"its {gathered:,} sharded parameter elements form one unit that is gathered whole at every "
-        f"forward, so peak parameter memory is that of stage 2. {_unit_class_hint(root)}",
-        stacklevel=5)  # warn_if_no_units <- build_units <- the engine <- setup <- the user's call
+        f"forward, so peak parameter memory is that of stage 2. {_unit_class_hint(root)}")
 
 
 def _unit_class_hint(root: nn.Module) -> str:

@@ -45,11 +45,12 @@ bit for bit, and the state from the parameter object itself.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
+
+from .._user_warnings import warn_at_user
 
 
 def _is_bitsandbytes(obj) -> bool:
@@ -100,11 +101,10 @@ def warn_replicated(model: nn.Module, shards_parameters: bool, world_size: int) 
                   if not p.is_floating_point()}
     total = sum(replicated.values())
     if total and shards_parameters and world_size > 1:
-        warnings.warn(
+        warn_at_user(
             f"zero_strategy: {len(replicated)} bitsandbytes 4-bit weight(s) ({total / 2**20:.1f} MiB) are stored "
             "as uint8 and stay whole on every rank at stage 3 (only floating storage is sharded). To shard the "
-            "4-bit base, load it with BitsAndBytesConfig(..., bnb_4bit_quant_storage=torch.bfloat16).",
-            stacklevel=3)
+            "4-bit base, load it with BitsAndBytesConfig(..., bnb_4bit_quant_storage=torch.bfloat16).")
     return total
 
 
