@@ -20,6 +20,11 @@ from _worker import finish, run_cases, start
 import zero_strategy as zs
 from zero_strategy import api
 
+try:  # imported, as a Hugging Face user has it: setup's transformers paths must cost no more per module
+    import transformers  # noqa: F401
+except ImportError:
+    pass
+
 
 class Expert(nn.Module):
     def __init__(self):
