@@ -38,6 +38,12 @@ def return_freed_memory_to_the_os(threshold: int = 1 << 16) -> None:
         raise OSError("mallopt failed")
 
 
+def trim_heap() -> None:
+    """Give the free pages of glibc's heap back to the OS (``malloc_trim(0)``), so that a baseline
+    taken after it does not count memory the next allocations would reuse unseen."""
+    ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
 def measured(model, call):
     """Run ``call()`` on a set-up ``model``; return its result and what it took: the peak of
     gathered bytes (the engine's working-set accounting) above those held before, those still

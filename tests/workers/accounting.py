@@ -83,9 +83,10 @@ class Wide(torch.nn.Module):
 def rss_case(case: dict) -> dict:
     """Anonymous RSS growth since before the model was built, beside the engine's own accounting
     (``memory_report``), after setup, after forward/backward and after the step."""
-    from _rss import anon_rss
+    from _rss import anon_rss, trim_heap
 
     gc.collect()
+    trim_heap()  # the heap's free pages would take setup's first allocations without RSS growing
     base = anon_rss()
     torch.manual_seed(0)
     model = Wide(case["width"], case["blocks"])
