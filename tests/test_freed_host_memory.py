@@ -38,8 +38,13 @@ pytestmark = [pytest.mark.multiprocess,
 MiB = 1 << 20
 SLACK = 64 * MiB
 #: how much the later steps may hold above the earlier ones: steady training takes again what it
-#: freed, so more than this is memory lost to each step
-STEADY_SLACK = 32 * MiB
+#: freed, so more than this is memory lost to each step. With glibc's defaults the process can
+#: step up once by about 60 MiB and stay there for several steps (its dynamic mmap threshold
+#: rises after a large block is freed, and blocks of that size then come from the heap): zero2
+#: measured 509 MiB after steps 2-4 and 568-581 after steps 6-8 on 2 of 6 runs, on this tree and
+#: on the tree before 2026-12-07's merges alike. A leak of one step's gradients (42 MiB of bf16
+#: here) grows by 168 MiB over the four steps between the samples: far above this.
+STEADY_SLACK = 96 * MiB
 
 
 def _samples(preset: str, release: bool, tmp_path) -> dict[str, dict]:
