@@ -166,8 +166,7 @@ def fit_check(model_dir: Path, args, nvme_path: str) -> None:
     from the model's config (built on the meta device: no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zero_strategy._estimate_machine import fit_on_this_machine
-    from zero_strategy.estimate import estimate_memory
+    from zero_strategy.estimate import estimate_memory, fit_on_this_machine
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))

@@ -10,8 +10,7 @@ import pytest
 
 from zero_strategy import cli
 from zero_strategy._mechanisms.available_memory import HEADROOM
-from zero_strategy._estimate_machine import fit_on_this_machine
-from zero_strategy.estimate import estimate_memory
+from zero_strategy.estimate import estimate_memory, fit_on_this_machine
 
 GIB = 2**30
 

@@ -60,11 +60,13 @@ from typing import Any
 import torch
 
 from ._estimate_activations import _DTYPE_BYTES, ActivationEstimate, _count, estimate_activations
+from ._estimate_machine import MachineFit, fit_on_this_machine
 from ._estimate_working_set import UnitSizes, WorkingSetTerms, unit_sizes, working_set_terms
 from .config import CPUOffload, NVMeOffload, ZeroConfig, ZeroConfigError, _as_dtype_name, _as_offload, _suggest
 
 __all__ = ["MemoryEstimate", "estimate_memory", "format_table", "count_parameters", "OPTIMIZER_STATE_BYTES",
-           "UnitSizes", "unit_sizes", "ActivationEstimate", "estimate_activations"]
+           "UnitSizes", "unit_sizes", "ActivationEstimate", "estimate_activations", "MachineFit",
+           "fit_on_this_machine"]
 
 # Optimizer-state bytes per parameter (fp32 state), excluding the master copy.
 OPTIMIZER_STATE_BYTES: dict[str, int] = {
