@@ -110,21 +110,18 @@ def safe_load(path: Path) -> Any:
 # ------------------------------------------------------------------ finding it
 def find_deepspeed_checkpoint(path: Path) -> Path | None:
     """The tag directory (``global_stepN/``) when ``path`` is a DeepSpeed checkpoint: the run's
-    directory with its ``latest`` file, or the tag directory itself. None: not DeepSpeed's.
+    directory with its ``latest`` (or ``latest_universal``) file, or the tag directory itself. None:
+    not DeepSpeed's.
     Refuses the DeepSpeed forms not read here, saying what to do instead."""
-    latest = path / "latest"
-    if latest.is_file():
-        tag = latest.read_text(errors="replace").strip()
-        if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
-            raise CheckpointError(f"{latest} names {tag!r}, not a checkpoint tag inside {path}")
-        tagged = path / tag
-        if not tagged.is_dir() or tagged.is_symlink():
-            raise CheckpointError(f"{latest} names tag {tag!r} but {tagged} is not a directory")
-        path = tagged
-    elif (path / "latest_universal").is_file():
-        raise _universal(path)
+    for name in ("latest", "latest_universal"):  # universal: See [Note: the universal layout] in _deepspeed_universal.py
+        if (path / name).is_file():
+            path = _tagged(path, name)
+            break
     if (path / "zero").is_dir() and not _optim_files(path):
-        raise _universal(path)
+        if not (path / "zero" / "optimizer_state.pt").is_file():
+            raise CheckpointError(f"{path} has a zero/ folder but no zero/optimizer_state.pt: an incomplete "
+                                  "DeepSpeed universal checkpoint")
+        return path
     if _optim_files(path) or list(path.glob("*_model_states.pt")):
         return path
     tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
@@ -134,10 +131,16 @@ def find_deepspeed_checkpoint(path: Path) -> Path | None:
     return None
 
 
-def _universal(path: Path) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is a DeepSpeed universal checkpoint, which is not read yet: load the checkpoint DeepSpeed "
-        "saved before converting it (the directory with 'latest' and global_stepN/)")
+def _tagged(path: Path, latest_name: str) -> Path:
+    """The tag directory that ``path/<latest_name>`` names, inside ``path``."""
+    latest = path / latest_name
+    tag = latest.read_text(errors="replace").strip()
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise CheckpointError(f"{latest} names {tag!r}, not a checkpoint tag inside {path}")
+    tagged = path / tag
+    if not tagged.is_dir() or tagged.is_symlink():
+        raise CheckpointError(f"{latest} names tag {tag!r} but {tagged} is not a directory")
+    return tagged
 
 
 def _optim_files(path: Path) -> list[Path]:

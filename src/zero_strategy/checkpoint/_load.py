@@ -60,6 +60,7 @@ from .._model.gather import whole_model_pass
 from .._optim.chunked_step import stopped_part_way
 from ..api import engine_of
 from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
+from ._deepspeed_universal import UniversalCheckpoint, is_universal
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
 from ._safetensors_stream import verify_file
@@ -259,7 +260,7 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
             _check_buffer_shapes(reader, model, buffers)
             extra, kind = _extra_state(reader, meta), PreparedLoad
         else:  # See [Note: DeepSpeed's layout] in _deepspeed.py
-            reader = DeepSpeedCheckpoint(tag_dir)
+            reader = UniversalCheckpoint(tag_dir) if is_universal(tag_dir) else DeepSpeedCheckpoint(tag_dir)
             buffers, hyper = _check_deepspeed(reader, names, buffers, model, engine, zopts, strict)
             extra, kind = reader.client_state(), DeepSpeedLoad
         if accept_extra is not None:
