@@ -16,6 +16,9 @@ What is compared, per resume:
   resume with Adam's moments dropped after the load (measured once, as a check of these bounds)
   misses by 1e-3 to 2e-3 on the losses and 0.64 on the weights, fp32 and bf16 alike.
 
+The fp16 loss scale (DeepSpeed's own scaler state in a real checkpoint: DeepSpeed has no fp16 on
+this CPU), and an LR scheduler of DeepSpeed's engine resumed with ``lr_scheduler=``.
+
 Out again (item 3 of issue 42): one run resumed by us, saved, and exported as a DeepSpeed universal
 checkpoint; DeepSpeed resumes the export (``load_universal``) and continues as it continues its own
 checkpoint, and our loader reads the export and DeepSpeed's own ``ds_to_universal`` conversion.
@@ -53,7 +56,10 @@ DS_RUNS = [
     ("s3_bf16_offload", 3, True, "optimizer", None),
     ("s2_cpuadam_offload", 2, False, "optimizer", "DeepSpeedCPUAdam"),
     ("s3_cpuadam_offload", 3, True, "optimizer", "DeepSpeedCPUAdam"),
+    ("s1_fp32_scheduler", 1, False, "", None),
 ]
+#: runs whose engine had an LR scheduler (a LambdaLR it steps): resumed with ``lr_scheduler=`` too
+SCHEDULED = {"s1_fp32_scheduler"}
 BF16 = {n: b for n, _, b, *_ in DS_RUNS}
 FP32_TOL = 1e-5
 BF16_LOSS_TOL, BF16_WEIGHT_TOL = 1e-3, 2e-2
@@ -62,7 +68,8 @@ BF16_LOSS_TOL, BF16_WEIGHT_TOL = 1e-3, 2e-2
 @pytest.fixture(scope="module")
 def ds_runs(tmp_path_factory) -> tuple[dict[str, Path], dict[str, str]]:
     root = tmp_path_factory.mktemp("deepspeed_ckpts")
-    cases = [dict(name=n, stage=s, bf16=b, offload=o, ds_optimizer=d, dir=str(root / n)) for n, s, b, o, d in DS_RUNS]
+    cases = [dict(name=n, stage=s, bf16=b, offload=o, ds_optimizer=d, dir=str(root / n), scheduler=n in SCHEDULED)
+             for n, s, b, o, d in DS_RUNS]
     reports = launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=600)
     errors = {res["name"]: res["error"] for rep in reports for res in rep["results"] if "error" in res}
     # a failing run stops the worker: the runs after it report nothing, and their tests say so
@@ -81,7 +88,8 @@ def _ours(world: int, dirs: tuple) -> tuple[dict, Path]:
     out = Path(dirs[0][1]).parent / f"ours_w{world}"
     out.mkdir(exist_ok=True)
     cases = [dict(name=f"{name}-zero{stage}", stage=stage, precision="bf16" if BF16[name] else "fp32", dir=d,
-                  offload=stage >= 2 and name.endswith("offload")) for name, d in dirs for stage in (1, 2, 3)]
+                  offload=stage >= 2 and name.endswith("offload"), scheduler=name in SCHEDULED)
+             for name, d in dirs for stage in (1, 2, 3)]
     reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=300, out=out)
     by_name: dict = {}
     for rep in reports:
@@ -116,7 +124,98 @@ def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_runs, run, stage, 
     worst, where = worst_rel_diff(ours["final"], ref["final"])
     assert worst < weight_tol, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
     assert results[0]["extra"] == {"epoch": 7}  # DeepSpeed's client_state comes back
-    assert [g["lr"] for g in results[0]["hyper"]] == [3e-3, 6e-3]
+    # each group's lr at the end as DeepSpeed's: restored, and (SCHEDULED) decayed by the restored scheduler
+    assert [g["lr"] for g in results[0]["hyper"]] == pytest.approx(ref["lr"], rel=1e-12)
+
+
+# ------------------------------------------------------------------ fp16: the loss scale
+def test_an_fp16_runs_loss_scale_comes_over_and_moves_as_deepspeeds(ds_runs, tmp_path, monkeypatch):
+    """How the checkpoint was made: DeepSpeed 0.19.8's CPU accelerator has no fp16
+    (``is_fp16_supported`` asks ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, False on this
+    CPU), so no DeepSpeed fp16 run can be made here. Instead DeepSpeed's own ``DynamicLossScaler`` (a
+    real instance, moved by its own ``update_scale`` through two overflows, one backing the scale
+    off, and good steps) is written into a real DeepSpeed checkpoint (the 2-rank ZeRO-1 run) where an
+    fp16 run keeps it (each rank's ``optimizer_state_dict["loss_scaler"]``, ``dynamic_loss_scale``,
+    the config's fp16 section). Our fp16 run loads it: the scale and the place in DeepSpeed's
+    growth window and hysteresis come over (See [Note: DeepSpeed's loss scale, carried over]); then
+    both scalers see the same steps (three good ones, DeepSpeed growing at the third, then two
+    overflows, the second backing off) and their scales are equal at every step."""
+    import zero_strategy as zs
+    from deepspeed.runtime.fp16 import loss_scaler as ds_loss_scaler
+    from _models import TinyLM, param_groups
+
+    monkeypatch.setattr(ds_loss_scaler.dist, "get_rank", lambda *a, **k: 0)  # its log lines ask; no group here
+    ds_scaler = ds_loss_scaler.DynamicLossScaler(init_scale=2.0**12, scale_window=4, min_scale=1.0, delayed_shift=2,
+                                                 consecutive_hysteresis=False, raise_error_at_min_scale=False)
+    for overflow in (False, True, False, True, False, False):
+        ds_scaler.update_scale(overflow)
+    assert ds_scaler.cur_scale == 2.0**11
+    run = tmp_path / "fp16"
+    shutil.copytree(_ds_dir(ds_runs, "s1_fp32"), run)
+    for f in (run / (run / "latest").read_text().strip()).glob("*.pt"):
+        sd = torch.load(f, weights_only=False)
+        if "optimizer_state_dict" in sd:
+            sd["optimizer_state_dict"].update(loss_scaler=ds_scaler, dynamic_loss_scale=True)
+        sd["ds_config"]["fp16"] = {"enabled": True, "loss_scale": 0, "loss_scale_window": 4, "hysteresis": 2}
+        torch.save(sd, f)
+
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    cfg = zs.ZeroConfig(stage=2, precision="fp16", param_persistence_threshold=0,
+                        loss_scale=zs.LossScaleConfig(initial_scale=2.0**16, growth_interval=4, hysteresis=2))
+    model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95)), cfg)
+    zs.load_checkpoint(run, model, zopt)
+    assert zopt.scaler.scale == 2.0**11
+    for overflow in (False, False, False, True, True):
+        ds_scaler.update_scale(overflow)
+        zopt.scaler.update(overflow)
+        assert zopt.scaler.scale == ds_scaler.cur_scale, (overflow, zopt.scaler.state_dict(), vars(ds_scaler))
+    assert ds_scaler.cur_scale == 2.0**11  # grew to 2**12 at the third good step, backed off at the second overflow
+
+
+def test_a_scheduler_is_refused_where_the_checkpoint_has_none_or_another_classs(ds_runs):
+    import zero_strategy as zs
+
+    model, zopt = _setup_tiny()
+    sched = torch.optim.lr_scheduler.LambdaLR(zopt.optimizer, lambda step: 1.0)
+    with pytest.raises(zs.CheckpointError, match="holds no LR scheduler state to restore lr_scheduler from"):
+        zs.load_checkpoint(_ds_dir(ds_runs, "s2_bf16"), model, zopt, lr_scheduler=sched)
+    other = torch.optim.lr_scheduler.StepLR(zopt.optimizer, step_size=2)
+    with pytest.raises(zs.CheckpointError, match=r"the saved LR scheduler state has keys .* StepLR has .*saved by "
+                       "another scheduler class"):
+        zs.load_checkpoint(_ds_dir(ds_runs, "s1_fp32_scheduler"), model, zopt, lr_scheduler=other)
+
+
+def test_our_checkpoints_carry_a_scheduler_in_extra_state_and_into_the_universal_export(tmp_path):
+    """``lr_scheduler=`` on our own format: the ``"lr_scheduler"`` entry of a dict ``extra_state``;
+    the universal export writes it where DeepSpeed's engine restores its scheduler from."""
+    import zero_strategy as zs
+    from zero_strategy.checkpoint._deepspeed import safe_load
+
+    model, zopt = _setup_tiny()
+    sched = torch.optim.lr_scheduler.LambdaLR(zopt.optimizer, lambda step: 1.0 / (1.0 + step))
+    tokens = torch.randint(0, 37, (2, 8))
+    for _ in range(2):
+        zopt.backward(model(tokens).float().pow(2).mean())
+        zopt.step()
+        zopt.zero_grad()
+        sched.step()
+    zs.save_checkpoint(tmp_path / "ckpt", model, zopt, extra_state={"lr_scheduler": sched.state_dict(), "epoch": 1})
+    zs.save_checkpoint(tmp_path / "bare", model, zopt)
+    with pytest.raises(zs.CheckpointError, match="holds no LR scheduler state"):
+        zs.load_checkpoint(tmp_path / "bare", model, zopt, lr_scheduler=sched)
+
+    model2, zopt2 = _setup_tiny()
+    sched2 = torch.optim.lr_scheduler.LambdaLR(zopt2.optimizer, lambda step: 1.0 / (1.0 + step))
+    zs.load_checkpoint(tmp_path / "ckpt", model2, zopt2, lr_scheduler=sched2)
+    assert sched2.last_epoch == 2 and sched2.get_last_lr() == pytest.approx(sched.get_last_lr(), rel=1e-12)
+    sched.step()
+    sched2.step()
+    assert [g["lr"] for g in zopt2.optimizer.param_groups] == pytest.approx([g["lr"] for g in zopt.optimizer.param_groups])
+
+    zs.checkpoint.export_checkpoint(tmp_path / "ckpt", tmp_path / "ds", format="deepspeed-universal")
+    states = safe_load(tmp_path / "ds" / "global_step2_universal" / "mp_rank_00_model_states.pt")
+    assert states["lr_scheduler"]["last_epoch"] == 2 and states["epoch"] == 1
 
 
 # ------------------------------------------------------------------ out again: DeepSpeed's universal checkpoint

@@ -58,13 +58,21 @@ def train_step(model, step: int, backward_step) -> float:
     return total.item() / world
 
 
+def scheduler(optimizer):
+    """The run's LR scheduler (``case["scheduler"]``): a decay every step, so a resume that did not
+    restore it shows in the next step's loss."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
+
+
 def deepspeed_engine(case: dict, load_universal: bool = False):
-    """DeepSpeed's engine over the run's model (its frozen parameter changed) for ``case``."""
+    """DeepSpeed's engine over the run's model (its frozen parameter changed) for ``case``, and that
+    frozen parameter's value (read before DeepSpeed partitions it at stage 3)."""
     import deepspeed
 
     model, opt = build()
     with torch.no_grad():  # the frozen parameter differs from a fresh model's: the resume must load it
         model.frozen_mix.mul_(-2.0)
+    frozen = model.frozen_mix.detach().clone()
     zero: dict = {"stage": case["stage"]}
     if "optimizer" in case["offload"]:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -78,9 +86,10 @@ def deepspeed_engine(case: dict, load_universal: bool = False):
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
         assert type(engine.optimizer.optimizer).__name__ == case["ds_optimizer"], type(engine.optimizer.optimizer)
-    else:  # the user's torch.optim.AdamW
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    return engine
+    else:  # the user's torch.optim.AdamW (and LR scheduler: DeepSpeed steps it in engine.step())
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
+                                               lr_scheduler=scheduler(opt) if case.get("scheduler") else None)
+    return engine, frozen
 
 
 def deepspeed_backward_step(engine):
@@ -98,8 +107,7 @@ def deepspeed_fp32_weights(engine) -> dict:
 
 
 def run_deepspeed(case: dict) -> dict:
-    engine = deepspeed_engine(case)
-    frozen = engine.module.frozen_mix.detach().clone()
+    engine, frozen = deepspeed_engine(case)
     backward_step, fp32_weights = deepspeed_backward_step(engine), lambda: deepspeed_fp32_weights(engine)
     for step in range(SAVE_AT):
         train_step(engine, step, backward_step)
@@ -108,7 +116,8 @@ def run_deepspeed(case: dict) -> dict:
     losses = [train_step(engine, step, backward_step) for step in range(SAVE_AT, END)]
     final = fp32_weights()
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "at_save": at_save, "final": final, "frozen": frozen},
+        torch.save({"losses": losses, "at_save": at_save, "final": final, "frozen": frozen,
+                    "lr": [pg["lr"] for pg in engine.optimizer.param_groups]},
                    os.path.join(case["dir"], "reference.pt"))
     dist.barrier()
     return {"name": case["name"]}
@@ -116,7 +125,7 @@ def run_deepspeed(case: dict) -> dict:
 
 def run_deepspeed_universal(case: dict, out) -> dict:
     """DeepSpeed resumes the universal checkpoint ``case["dir"]`` (``load_universal``) and trains on."""
-    engine = deepspeed_engine(case, load_universal=True)
+    engine, _ = deepspeed_engine(case, load_universal=True)
     path, client = engine.load_checkpoint(case["dir"])
     assert path is not None, f"DeepSpeed loaded nothing from {case['dir']}"
     hyper = [{k: pg[k] for k in ("lr", "weight_decay")} for pg in engine.optimizer.param_groups]
@@ -156,12 +165,15 @@ def run_ours(case: dict, out) -> dict:
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
                         offload_optimizer=zs.CPUOffload() if case.get("offload") else None)
     model, zopt = zs.setup(model, opt, cfg)
-    extra = zs.load_checkpoint(case["dir"], model, zopt)
+    sched = scheduler(zopt.optimizer) if case.get("scheduler") else None
+    extra = zs.load_checkpoint(case["dir"], model, zopt, lr_scheduler=sched)
     at_load = zs.full_state_dict(model, dtype=None)
 
     def backward_step(loss):
         zopt.backward(loss)
         zopt.step()
+        if sched is not None:
+            sched.step()
         zopt.zero_grad()
 
     losses = [train_step(model, step, backward_step) for step in range(SAVE_AT, END)]

@@ -25,6 +25,7 @@ and both re-sharding and streaming consolidation are a few lines over it.
 from . import _dcp_load  # noqa: F401 - registers the DCP reader with load_checkpoint
 from ._consolidate import consolidate, parse_size
 from ._dcp_save import export_checkpoint, save_dcp
+from ._deepspeed import deepspeed_lr_scheduler_state
 from ._layout import FORMAT_VERSION, CheckpointError
 from ._load import load_checkpoint, load_metadata
 from ._save import save_checkpoint, wait_for_save
@@ -33,4 +34,4 @@ from ._sharded_weights import load_full_state_dict, load_sharded_weights, safete
 __all__ = ["save_checkpoint", "wait_for_save", "load_checkpoint", "consolidate", "export_checkpoint", "save_dcp",
            "CheckpointError", "FORMAT_VERSION",
            "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader",
-           "load_full_state_dict"]
+           "load_full_state_dict", "deepspeed_lr_scheduler_state"]

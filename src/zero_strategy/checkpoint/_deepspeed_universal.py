@@ -213,13 +213,15 @@ def export_universal(out: Path, meta: Metadata, files, ckpt: Path) -> None:
         with safe_open(str(ckpt / BUFFERS_FILE), framework="pt") as f:
             buffers = {key: f.get_tensor(name) for key, kind, name in meta.state_dict_keys if kind == "buffer"}
     extra = meta.extra_state["value"] if meta.extra_state and meta.extra_state["kind"] == "json" else None
-    states: dict[str, Any] = dict(extra) if isinstance(extra, dict) and not set(extra) & _DEEPSPEED_KEYS else {}
+    # a dict extra_state is DeepSpeed's client_state; its "lr_scheduler" entry, the engine's scheduler state
+    states: dict[str, Any] = dict(extra) if isinstance(extra, dict) and not set(extra) & (_DEEPSPEED_KEYS - {
+        "lr_scheduler"}) else {}
     states.update({
         "module": buffers, "buffer_names": list(buffers), "param_shapes": shapes,
         "frozen_param_shapes": frozen_shapes,
         "shared_params": {name: fqn for fqn, p in meta.params.items() for name in p.names if name != fqn},
         "dp_world_size": meta.world_size, "mp_world_size": 1, "global_steps": int(first_step),
-        "skipped_steps": 0, "lr_scheduler": None, "ds_version": DS_LAYOUT_VERSION,
+        "skipped_steps": 0, "lr_scheduler": states.pop("lr_scheduler", None), "ds_version": DS_LAYOUT_VERSION,
         "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_VERSION},
     })
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
