@@ -17,7 +17,9 @@ What is compared, per resume:
   misses by 1e-3 to 2e-3 on the losses and 0.64 on the weights, fp32 and bf16 alike.
 
 The fp16 loss scale (DeepSpeed's own scaler state in a real checkpoint: DeepSpeed has no fp16 on
-this CPU), and an LR scheduler of DeepSpeed's engine resumed with ``lr_scheduler=``.
+this CPU), an LR scheduler of DeepSpeed's engine resumed with ``lr_scheduler=``, the HF Trainer's
+``resume_from_checkpoint`` on a DeepSpeed run's checkpoint-N and Accelerate's ``load_state`` on what
+its DeepSpeed plugin saves (both slow tier).
 
 Out again (item 3 of issue 42): one run resumed by us, saved, and exported as a DeepSpeed universal
 checkpoint; DeepSpeed resumes the export (``load_universal``) and continues as it continues its own
@@ -216,6 +218,98 @@ def test_our_checkpoints_carry_a_scheduler_in_extra_state_and_into_the_universal
     zs.checkpoint.export_checkpoint(tmp_path / "ckpt", tmp_path / "ds", format="deepspeed-universal")
     states = safe_load(tmp_path / "ds" / "global_step2_universal" / "mp_rank_00_model_states.pt")
     assert states["lr_scheduler"]["last_epoch"] == 2 and states["epoch"] == 1
+
+
+# ------------------------------------------------------------------ the HF Trainer's checkpoint-N of a DeepSpeed run
+def _trainer_checkpoint(ds_dir: Path, root: Path) -> Path:
+    """``checkpoint-3/`` as the HF Trainer with DeepSpeed writes it, from parts: DeepSpeed's own files
+    are the real run's (its ``engine.save_checkpoint(dir)``: ``latest``, ``global_step3/``, what the
+    Trainer's ``_save_optimizer_and_scheduler`` calls), and the Trainer's own files are written by
+    transformers' own code: ``trainer_state.json`` by ``TrainerState.save_to_json`` (global step 3 of
+    6), ``scheduler.pt`` by the Trainer's "constant" scheduler (``get_scheduler``) over the run's two
+    param groups after 3 steps (the DeepSpeed run's lr was constant), ``rng_state_{0,1}.pth`` by
+    ``Trainer._save_rng_state``. A real DeepSpeed Trainer run is not made: DeepSpeed through
+    Accelerate formed no process group on this CPU machine."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer, TrainerState
+    from transformers.optimization import get_scheduler
+
+    ckpt = root / "checkpoint-3"
+    shutil.copytree(ds_dir, ckpt, ignore=shutil.ignore_patterns("reference.pt"))
+    TrainerState(global_step=3, max_steps=6, num_train_epochs=1, logging_steps=1, train_batch_size=4,
+                 ).save_to_json(str(ckpt / "trainer_state.json"))
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in (3e-3, 6e-3)]
+    opt = torch.optim.AdamW(groups)
+    sched = get_scheduler("constant", opt)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    torch.save(sched.state_dict(), ckpt / "scheduler.pt")
+    for rank in range(2):
+        Trainer._save_rng_state(SimpleNamespace(args=SimpleNamespace(parallel_mode=None, world_size=2,
+                                                                     process_index=rank)), str(ckpt))
+    return ckpt
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_resumes_a_deepspeed_runs_checkpoint_n_as_deepspeed_continues(ds_runs, tmp_path):
+    """``ZeroTrainer(...).train(resume_from_checkpoint="checkpoint-3")`` (zero3, 2 processes under
+    ``accelerate launch``) on the checkpoint-N a DeepSpeed run's Trainer writes (made as
+    :func:`_trainer_checkpoint` says): the fp32 weights and Adam's state come from DeepSpeed's
+    ``global_step3/``, the scheduler from ``scheduler.pt``, the step from ``trainer_state.json``; it
+    trains steps 3-5 on the same global batches, and every logged loss and the final weights equal
+    DeepSpeed continuing its own run (the frozen parameter too)."""
+    from _accelerate_launch import accelerate_launch
+
+    ckpt = _trainer_checkpoint(_ds_dir(ds_runs, UNIVERSAL_FROM), tmp_path / "run")
+    (tmp_path / "out").mkdir()
+    reports, _ = accelerate_launch("hf_trainer_deepspeed_resume.py", {"checkpoint": str(ckpt), "preset": "zero3"},
+                                   timeout=240, out=tmp_path / "out")
+    ref = torch.load(_ds_dir(ds_runs, UNIVERSAL_FROM) / "reference.pt", weights_only=True)
+    got = torch.load(tmp_path / "out" / "resumed.pt", weights_only=True)
+    for rep in reports:
+        assert rep["global_step"] == 6
+        assert rep["losses"] == pytest.approx(ref["losses"], rel=1e-4)  # the Trainer logs 4 significant digits
+        assert rep["lr"] == pytest.approx([3e-3, 6e-3], rel=1e-12)
+    worst, where = worst_rel_diff(got["final"], ref["final"])
+    assert worst < FP32_TOL, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
+    assert torch.equal(got["frozen"], ref["frozen"])
+
+
+@pytest.mark.slow
+def test_accelerate_load_state_resumes_what_its_deepspeed_plugin_saved(ds_runs, tmp_path):
+    """``ZeroAccelerator.load_state(dir)`` (zero3, 2 processes under ``accelerate launch``) on the
+    directory ``Accelerator.save_state`` writes under a DeepSpeed plugin, made from parts: DeepSpeed's
+    files are the real run's checkpoint under the tag Accelerate gives it (``pytorch_model/``, named by
+    ``latest``: ``engine.save_checkpoint(dir, "pytorch_model")``), Accelerate's own RNG files written
+    by its ``save_accelerator_state``. Trained on 3 steps, the losses and final weights equal
+    DeepSpeed continuing its own run."""
+    from _accelerate_launch import accelerate_launch
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.state import PartialState
+
+    src = _ds_dir(ds_runs, UNIVERSAL_FROM)
+    state = tmp_path / "state"
+    shutil.copytree(src / (src / "latest").read_text().strip(), state / "pytorch_model")
+    (state / "latest").write_text("pytorch_model")
+    PartialState()  # its logging asks for one; reset below, so no other test sees it
+    try:
+        for rank in range(2):
+            save_accelerator_state(str(state), [], [], [], [], process_index=rank, step=3)
+    finally:
+        PartialState._reset_state()
+    (tmp_path / "out").mkdir()
+    reports, _ = accelerate_launch("accelerate_deepspeed_state.py", {"dir": str(state), "preset": "zero3"},
+                                   timeout=240, out=tmp_path / "out")
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    got = torch.load(tmp_path / "out" / "resumed.pt", weights_only=True)
+    for rep in reports:
+        rel = [abs(a - b) / abs(b) for a, b in zip(rep["losses"], ref["losses"])]
+        assert max(rel) < FP32_TOL, f"losses {rep['losses']} vs DeepSpeed's {ref['losses']}"
+    worst, where = worst_rel_diff(got["final"], ref["final"])
+    assert worst < FP32_TOL, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
+    assert torch.equal(got["frozen"], ref["frozen"])
 
 
 # ------------------------------------------------------------------ out again: DeepSpeed's universal checkpoint
