@@ -220,6 +220,21 @@ def test_our_checkpoints_carry_a_scheduler_in_extra_state_and_into_the_universal
     assert states["lr_scheduler"]["last_epoch"] == 2 and states["epoch"] == 1
 
 
+def test_a_universal_checkpoint_naming_a_folder_outside_zero_is_refused(tmp_path):
+    """A parameter name is a folder under ``zero/``: one that would lead out of it is refused by name."""
+    import zero_strategy as zs
+
+    model, zopt = _setup_tiny()
+    zs.save_checkpoint(tmp_path / "ckpt", model, zopt)
+    zs.checkpoint.export_checkpoint(tmp_path / "ckpt", tmp_path / "ds", format="deepspeed-universal")
+    f = tmp_path / "ds" / "global_step0_universal" / "mp_rank_00_model_states.pt"
+    states = torch.load(f, weights_only=True)
+    states["param_shapes"][0]["../../outside"] = torch.Size([2])
+    torch.save(states, f)
+    with pytest.raises(zs.CheckpointError, match=r"names a parameter '\.\./\.\./outside', which is not a folder"):
+        zs.load_checkpoint(tmp_path / "ds", model, zopt)
+
+
 # ------------------------------------------------------------------ the HF Trainer's checkpoint-N of a DeepSpeed run
 def _trainer_checkpoint(ds_dir: Path, root: Path) -> Path:
     """``checkpoint-3/`` as the HF Trainer with DeepSpeed writes it, from parts: DeepSpeed's own files
@@ -228,8 +243,8 @@ def _trainer_checkpoint(ds_dir: Path, root: Path) -> Path:
     transformers' own code: ``trainer_state.json`` by ``TrainerState.save_to_json`` (global step 3 of
     6), ``scheduler.pt`` by the Trainer's "constant" scheduler (``get_scheduler``) over the run's two
     param groups after 3 steps (the DeepSpeed run's lr was constant), ``rng_state_{0,1}.pth`` by
-    ``Trainer._save_rng_state``. A real DeepSpeed Trainer run is not made: DeepSpeed through
-    Accelerate formed no process group on this CPU machine."""
+    ``Trainer._save_rng_state``. A real DeepSpeed Trainer run is not made here: an earlier attempt at
+    DeepSpeed through Accelerate on this CPU machine formed no process group."""
     from types import SimpleNamespace
 
     from transformers import Trainer, TrainerState

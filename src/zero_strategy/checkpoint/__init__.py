@@ -6,8 +6,10 @@ state), ``buffers.safetensors`` and ``metadata.json`` (format version, per-param
 layout by fully qualified name, optimizer class, hyperparameters and scalar state,
 loss scale, per-file sha256). ``load_checkpoint`` re-shards by name onto the running
 world size and stage; ``consolidate`` streams a full state dict out in one process.
-``load_checkpoint`` also reads a DeepSpeed ZeRO checkpoint (``_deepspeed.py``) and a
-torch.distributed.checkpoint directory of an FSDP2/torchtitan run (``_dcp.py``) the same way.
+``load_checkpoint`` also reads a DeepSpeed ZeRO checkpoint (``_deepspeed.py``), DeepSpeed's universal
+checkpoint (``_deepspeed_universal.py``) and a torch.distributed.checkpoint directory of an
+FSDP2/torchtitan run (``_dcp.py``) the same way; ``export_checkpoint`` writes ours as DCP or as a
+DeepSpeed universal checkpoint.
 See ``_layout.py`` for the on-disk layout and ``_save.py`` for atomic replacement.
 
 [Note: why not torch.distributed.checkpoint]

@@ -99,6 +99,10 @@ class UniversalCheckpoint(DeepSpeedCheckpoint):
             for name, shape in group.items():
                 self.params[name] = _Param(name, tuple(shape), math.prod(shape), k, 0, owner[k])
         self.frozen = self._frozen()
+        for name in list(self.params) + list(self.frozen):  # each names a folder inside zero/
+            if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+                raise CheckpointError(f"{model_file} names a parameter {name!r}, which is not a folder inside "
+                                      f"{zero}")
         self.state_keys = self._state_keys()
         step0 = ((base.get("state") or {}).get(0) or {}).get("step") if stage3 else None
         self.steps = [self._group_step(k, step0) for k in range(len(shapes))]
