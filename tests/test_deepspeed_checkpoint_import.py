@@ -329,8 +329,10 @@ def test_accelerate_load_state_resumes_what_its_deepspeed_plugin_saved(ds_runs, 
 
 # ------------------------------------------------------------------ out again: DeepSpeed's universal checkpoint
 UNIVERSAL_FROM = "s2_fp32_offload"
-#: DeepSpeed's stage-3 universal load gives every param group group 0's hyperparameters (stage3.py,
-#: load_hp_checkpoint_state_from_checkpoint_dir_stage3): the worker sets them again, as a user must
+#: DeepSpeed's stage-3 universal load (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+#: gives every param group group 0's hyperparameters and every sub-group one shared ``step`` tensor
+#: (so each optimizer step advances it once per sub-group): the worker sets the hyperparameters again
+#: and gives each sub-group its own step, as a user must (docs/guides/migrating-from-deepspeed.md)
 GROUPS = [dict(lr=3e-3, weight_decay=0.1), dict(lr=6e-3, weight_decay=0.0)]
 
 
@@ -355,7 +357,7 @@ def _universal_round_trip(src: str) -> tuple[dict, dict, Path]:
                     "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True, capture_output=True,
                    env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=240)
     cases = [dict(name=f"deepspeed{s}", stage=s, bf16=False, offload="optimizer" if s > 1 else "", dir=str(uni),
-                  set_hyper=GROUPS if s == 3 else None) for s in (1, 2, 3)]
+                  set_hyper=GROUPS if s == 3 else None, unshare_step=s == 3) for s in (1, 2, 3)]
     by_name: dict = {}
     for rep in launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed_universal", "cases": cases}, timeout=300,
                       out=work):
@@ -384,24 +386,23 @@ def test_deepspeed_resumes_our_universal_export_as_it_continues_its_own_run(ds_r
     deepspeed-universal`` -> DeepSpeed (``"checkpoint": {"load_universal": true}``, 2 ranks) resumes
     and trains 3 steps: losses and fp32 weights equal DeepSpeed continuing its own checkpoint.
 
-    Stages 1 and 2 (DeepSpeed's own stage was 2): exact (measured 0). Stage 3: the weights at the
-    load are exact; its continuation differs from DeepSpeed's stage-2 run by ~1e-3 relative in the
-    losses even with the param groups' hyperparameters set again (which DeepSpeed's stage-3 universal
-    loader replaces by group 0's). DeepSpeed cannot load its own ``ds_to_universal`` conversion of this
-    run at stage 3 at all (no zero_pp_rank_0 model-states file), so this is bounded, not compared to
-    a DeepSpeed-made universal checkpoint: 1e-2 on the losses, 5e-2 on the weights.
+    Every stage exact (measured 0; DeepSpeed's own stage was 2). At stage 3 only with the two
+    workarounds of :data:`GROUPS`'s comment after ``load_checkpoint``: without them DeepSpeed's
+    stage-3 continuation drifts by 1e-3 to 1e-2 (measured), a DeepSpeed loader fault that its own
+    ``ds_to_universal`` output would meet too (which DeepSpeed 0.19.8 cannot even load at stage 3 from
+    this stage-2 run: it looks for a zero_pp_rank_0 model-states file that the conversion does not
+    write; the export writes both names).
     """
     res, ref, got = _round_trip_result(ds_runs, f"deepspeed{ds_stage}", 2)
     for k, want in ref["at_save"].items():
         assert torch.equal(got["at_load"][k], want), f"{k} after DeepSpeed's load differs from its master at the save"
     assert res["extra"] == {"epoch": 7}  # the client state comes back through our checkpoint's extra_state
-    loss_tol, weight_tol = (FP32_TOL, FP32_TOL) if ds_stage < 3 else (1e-2, 5e-2)
     rel = [abs(a - b) / abs(b) for a, b in zip(res["losses"], ref["losses"])]
-    assert rel[0] < FP32_TOL and max(rel) < loss_tol, f"losses {res['losses']} vs DeepSpeed's {ref['losses']}"
+    assert max(rel) < FP32_TOL, f"losses {res['losses']} vs DeepSpeed's {ref['losses']}"
     worst, where = worst_rel_diff(got["final"], ref["final"])
-    assert worst < weight_tol, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
-    if ds_stage < 3:
-        assert res["hyper"] == GROUPS  # each group's own, from the export
+    assert worst < FP32_TOL, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
+    # each group's own, from the export (stage 3: what DeepSpeed's loader set, before the worker's reset)
+    assert res["hyper"] == (GROUPS if ds_stage < 3 else [GROUPS[0]] * 2)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -132,6 +132,10 @@ def run_deepspeed_universal(case: dict, out) -> dict:
     if case.get("set_hyper"):  # DeepSpeed's stage-3 universal load gives every group group 0's: set them again
         for pg, values in zip(engine.optimizer.param_groups, case["set_hyper"]):
             pg.update(values)
+    if case.get("unshare_step"):  # ... and one step tensor to every sub-group, which each step then advances
+        for st in engine.optimizer.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
     at_load = deepspeed_fp32_weights(engine)
     backward_step = deepspeed_backward_step(engine)
     losses = [train_step(engine, step, backward_step) for step in range(SAVE_AT, END)]
