@@ -95,6 +95,7 @@ def test_export_names_the_formats_it_writes(saved, tmp_path, capsys):
     from zero_strategy.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["export", str(saved[0]), str(tmp_path / "out"), "--format", "deepspeed-universal"])
+        main(["export", str(saved[0]), str(tmp_path / "out"), "--format", "megatron"])
     assert exit_.value.code == 2
-    assert re.search(r"invalid choice: 'deepspeed-universal' \(choose from '?dcp'?\)", capsys.readouterr().err)
+    assert re.search(r"invalid choice: 'megatron' \(choose from '?dcp'?, '?deepspeed-universal'?\)",
+                     capsys.readouterr().err)

@@ -14,9 +14,10 @@ the working set a step adds and the peak (resting + working set)::
     zero-strategy consolidate ckpt/step-1000 ./model --dtype bf16 --max-shard-size 5GB --hf-config ./base
 
 It reads a torch.distributed.checkpoint (DCP) directory of an FSDP2 run too. ``export`` writes a
-checkpoint of ours as DCP, for an FSDP2 run to resume::
+checkpoint of ours as DCP, for an FSDP2 run to resume, or as a DeepSpeed universal checkpoint::
 
     zero-strategy export ckpt/step-1000 ./step-1000-dcp --format dcp
+    zero-strategy export ckpt/step-1000 ./step-1000-ds --format deepspeed-universal
 """
 
 from __future__ import annotations
@@ -378,16 +379,20 @@ def _checkpoint_tool(command: str, write: Callable[[], Path]) -> int:
 
 def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "export", help="write a checkpoint of ours as another system's checkpoint (DCP), to resume there",
-        description="Write a zero_strategy checkpoint directory as a torch.distributed.checkpoint (DCP) "
-                    "directory of model and optimizer state, in one process (no torch.distributed), one "
-                    "chunk in memory at a time. An FSDP2 run at any world size resumes it with "
-                    "get_state_dict, dcp.load({'model': ..., 'optim': ...}) and set_state_dict. "
-                    "OUT is a new directory.")
+        "export", help="write a checkpoint of ours as another system's checkpoint (DCP, DeepSpeed), to resume there",
+        description="Write a zero_strategy checkpoint directory as another system's checkpoint of model and "
+                    "optimizer state, in one process (no torch.distributed). --format dcp: a "
+                    "torch.distributed.checkpoint directory, one chunk in memory at a time; an FSDP2 run at any "
+                    "world size resumes it with get_state_dict, dcp.load({'model': ..., 'optim': ...}) and "
+                    "set_state_dict. --format deepspeed-universal: a DeepSpeed universal checkpoint, one "
+                    "parameter in memory at a time; DeepSpeed resumes it with engine.load_checkpoint(OUT) and "
+                    "\"checkpoint\": {\"load_universal\": true} in its config. OUT is a new directory.")
     parser.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory written by save_checkpoint")
     parser.add_argument("out", metavar="OUT", help="output directory (must not exist)")
-    parser.add_argument("--format", choices=("dcp",), required=True,
-                        help="dcp: torch.distributed.checkpoint, as FSDP2 and torchtitan read it")
+    parser.add_argument("--format", choices=("dcp", "deepspeed-universal"), required=True,
+                        help="dcp: torch.distributed.checkpoint, as FSDP2 and torchtitan read it; "
+                             "deepspeed-universal: DeepSpeed's universal checkpoint, which DeepSpeed resumes at "
+                             "any world size and stage with \"checkpoint\": {\"load_universal\": true}")
 
 
 def _run_export(args: argparse.Namespace) -> int:

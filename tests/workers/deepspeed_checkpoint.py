@@ -58,9 +58,16 @@ def train_step(model, step: int, backward_step) -> float:
     return total.item() / world
 
 
-def run_deepspeed(case: dict) -> dict:
+def scheduler(optimizer):
+    """The run's LR scheduler (``case["scheduler"]``): a decay every step, so a resume that did not
+    restore it shows in the next step's loss."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + step))
+
+
+def deepspeed_engine(case: dict, load_universal: bool = False):
+    """DeepSpeed's engine over the run's model (its frozen parameter changed) for ``case``, and that
+    frozen parameter's value (read before DeepSpeed partitions it at stage 3)."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
 
     model, opt = build()
     with torch.no_grad():  # the frozen parameter differs from a fresh model's: the resume must load it
@@ -73,22 +80,35 @@ def run_deepspeed(case: dict) -> dict:
         zero["offload_param"] = {"device": "cpu"}
     config = {"train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(), "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_optimization": zero, "bf16": {"enabled": case["bf16"]},
-              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9}
+              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
+              "checkpoint": {"load_universal": load_universal}}
     if case.get("ds_optimizer"):  # DeepSpeed's own: DeepSpeedCPUAdam where the optimizer is offloaded
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model), config=config)
         assert type(engine.optimizer.optimizer).__name__ == case["ds_optimizer"], type(engine.optimizer.optimizer)
-    else:  # the user's torch.optim.AdamW
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    else:  # the user's torch.optim.AdamW (and LR scheduler: DeepSpeed steps it in engine.step())
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config,
+                                               lr_scheduler=scheduler(opt) if case.get("scheduler") else None)
+    return engine, frozen
 
+
+def deepspeed_backward_step(engine):
     def backward_step(loss):
         engine.backward(loss)
         engine.step()
+    return backward_step
 
-    def fp32_weights() -> dict:
-        return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()
-                if p.requires_grad}
 
+def deepspeed_fp32_weights(engine) -> dict:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()
+            if p.requires_grad}
+
+
+def run_deepspeed(case: dict) -> dict:
+    engine, frozen = deepspeed_engine(case)
+    backward_step, fp32_weights = deepspeed_backward_step(engine), lambda: deepspeed_fp32_weights(engine)
     for step in range(SAVE_AT):
         train_step(engine, step, backward_step)
     engine.save_checkpoint(case["dir"], client_state={"epoch": 7})
@@ -96,8 +116,48 @@ def run_deepspeed(case: dict) -> dict:
     losses = [train_step(engine, step, backward_step) for step in range(SAVE_AT, END)]
     final = fp32_weights()
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "at_save": at_save, "final": final, "frozen": frozen},
+        torch.save({"losses": losses, "at_save": at_save, "final": final, "frozen": frozen,
+                    "lr": [pg["lr"] for pg in engine.optimizer.param_groups]},
                    os.path.join(case["dir"], "reference.pt"))
+    dist.barrier()
+    return {"name": case["name"]}
+
+
+def run_deepspeed_universal(case: dict, out) -> dict:
+    """DeepSpeed resumes the universal checkpoint ``case["dir"]`` (``load_universal``) and trains on."""
+    engine, _ = deepspeed_engine(case, load_universal=True)
+    path, client = engine.load_checkpoint(case["dir"])
+    assert path is not None, f"DeepSpeed loaded nothing from {case['dir']}"
+    hyper = [{k: pg[k] for k in ("lr", "weight_decay")} for pg in engine.optimizer.param_groups]
+    if case.get("set_hyper"):  # DeepSpeed's stage-3 universal load gives every group group 0's: set them again
+        for pg, values in zip(engine.optimizer.param_groups, case["set_hyper"]):
+            pg.update(values)
+    if case.get("unshare_step"):  # ... and one step tensor to every sub-group, which each step then advances
+        for st in engine.optimizer.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+    at_load = deepspeed_fp32_weights(engine)
+    backward_step = deepspeed_backward_step(engine)
+    losses = [train_step(engine, step, backward_step) for step in range(SAVE_AT, END)]
+    final = deepspeed_fp32_weights(engine)
+    if dist.get_rank() == 0:
+        torch.save({"at_load": at_load, "final": final}, out / f"{case['name']}.pt")
+    return {"name": case["name"], "losses": losses, "extra": {k: client[k] for k in ("epoch",) if k in client},
+            "hyper": hyper}
+
+
+def run_export(case: dict) -> dict:
+    """zero_strategy resumes the DeepSpeed checkpoint ``dir``, saves it as ours (``ours``) and rank 0
+    exports that as a DeepSpeed universal checkpoint (``universal``), as ``zero-strategy export`` does."""
+    import zero_strategy as zs
+
+    model, opt = build()
+    model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
+                                                     param_persistence_threshold=0))
+    extra = zs.load_checkpoint(case["dir"], model, zopt)
+    zs.save_checkpoint(case["ours"], model, zopt, extra_state=extra)
+    if dist.get_rank() == 0:
+        zs.checkpoint.export_checkpoint(case["ours"], case["universal"], format="deepspeed-universal")
     dist.barrier()
     return {"name": case["name"]}
 
@@ -109,12 +169,15 @@ def run_ours(case: dict, out) -> dict:
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
                         offload_optimizer=zs.CPUOffload() if case.get("offload") else None)
     model, zopt = zs.setup(model, opt, cfg)
-    extra = zs.load_checkpoint(case["dir"], model, zopt)
+    sched = scheduler(zopt.optimizer) if case.get("scheduler") else None
+    extra = zs.load_checkpoint(case["dir"], model, zopt, lr_scheduler=sched)
     at_load = zs.full_state_dict(model, dtype=None)
 
     def backward_step(loss):
         zopt.backward(loss)
         zopt.step()
+        if sched is not None:
+            sched.step()
         zopt.zero_grad()
 
     losses = [train_step(model, step, backward_step) for step in range(SAVE_AT, END)]
@@ -148,6 +211,10 @@ def main() -> None:
         results = run_cases(args["cases"], run_deepspeed, key="name")
     elif args["mode"] == "refused":
         results = run_cases(args["cases"], run_refused, key="name")
+    elif args["mode"] == "export":
+        results = run_cases(args["cases"], run_export, key="name")
+    elif args["mode"] == "deepspeed_universal":
+        results = run_cases(args["cases"], lambda case: run_deepspeed_universal(case, out), key="name")
     else:
         results = run_cases(args["cases"], lambda case: run_ours(case, out), key="name")
     finish(out, {"results": results})

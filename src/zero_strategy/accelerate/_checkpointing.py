@@ -17,6 +17,14 @@ rank's RNG file, which a rank that did not exist at save time lacks).
 
 Hooks registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
 see the non-ZeRO models only.
+
+[Note: a DeepSpeed plugin's save_state]
+``Accelerator.save_state`` under a DeepSpeed plugin has each model's engine write its checkpoint
+into the directory under the tag ``pytorch_model`` (``pytorch_model_1``, ... for more models),
+DeepSpeed's ZeRO files, next to Accelerate's own files (RNG states, samplers, schedulers not
+managed by DeepSpeed). ``load_state`` on such a directory (no ``zero_strategy_accelerate.json``)
+loads each ZeRO model from its tag directory with :func:`zero_strategy.load_checkpoint`, which reads
+DeepSpeed's format, and lets Accelerate restore the rest as usual.
 """
 
 from __future__ import annotations
@@ -81,26 +89,34 @@ def load_state(acc, super_load_state, input_dir, load_kwargs, kwargs) -> None:
     input_dir = _resolve_input_dir(acc, input_dir)
     info_path = Path(input_dir) / STATE_FILE
     info = json.loads(info_path.read_text()) if info_path.is_file() else None
-    saved = len(info["zero_models"]) if info is not None else 0
-    if saved != len(acc.zero_models):
+    sources = [Path(input_dir) / name for name in (info["zero_models"] if info is not None else [])]
+    if info is None:  # See [Note: a DeepSpeed plugin's save_state]
+        sources = [Path(input_dir) / _deepspeed_tag(i) for i in range(len(acc.zero_models) + 1)]
+        sources = sources[:next((i for i, d in enumerate(sources) if not d.is_dir()), len(sources))]
+    if len(sources) != len(acc.zero_models):
         raise ValueError(
-            f"load_state({input_dir}): the checkpoint holds {saved} ZeRO-sharded model(s) but this "
+            f"load_state({input_dir}): the checkpoint holds {len(sources)} ZeRO-sharded model(s) but this "
             f"ZeroAccelerator has prepared {len(acc.zero_models)}; prepare the same models (with their "
             "optimizers) before load_state"
-            + ("" if info is not None else f" (no {STATE_FILE}: was it saved by a ZeroAccelerator?)"))
+            + ("" if info is not None else f" (no {STATE_FILE}: was it saved by a ZeroAccelerator, or by "
+               "Accelerate's DeepSpeed plugin?)"))
     with contextlib.ExitStack() as stack:
         # every sharded checkpoint is checked (on every rank) before Accelerate restores anything and
         # before any model is loaded: a refused one leaves all as it was (See [Note: verify, agree,
         # then copy] in checkpoint/_load.py)
-        loads = [stack.enter_context(prepare_load(Path(input_dir) / zero_dir_name(i), record.model,
-                                                  _optimizer_arg(record)))
-                 for i, record in enumerate(acc.zero_models)]
+        loads = [stack.enter_context(prepare_load(source, record.model, _optimizer_arg(record)))
+                 for source, record in zip(sources, acc.zero_models)]
         with _accelerate_lists_without_zero(acc):
             super_load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         for load in loads:
             load.commit()
     if info is not None and "step" in info:
         acc.step = int(info["step"])
+
+
+def _deepspeed_tag(index: int) -> str:
+    """The tag Accelerate's DeepSpeed plugin saves model ``index`` under (its ``MODEL_NAME``)."""
+    return "pytorch_model" if index == 0 else f"pytorch_model_{index}"
 
 
 def _refuse_pending(acc, what: str) -> None:

@@ -6,8 +6,10 @@ state), ``buffers.safetensors`` and ``metadata.json`` (format version, per-param
 layout by fully qualified name, optimizer class, hyperparameters and scalar state,
 loss scale, per-file sha256). ``load_checkpoint`` re-shards by name onto the running
 world size and stage; ``consolidate`` streams a full state dict out in one process.
-``load_checkpoint`` also reads a DeepSpeed ZeRO checkpoint (``_deepspeed.py``) and a
-torch.distributed.checkpoint directory of an FSDP2/torchtitan run (``_dcp.py``) the same way.
+``load_checkpoint`` also reads a DeepSpeed ZeRO checkpoint (``_deepspeed.py``), DeepSpeed's universal
+checkpoint (``_deepspeed_universal.py``) and a torch.distributed.checkpoint directory of an
+FSDP2/torchtitan run (``_dcp.py``) the same way; ``export_checkpoint`` writes ours as DCP or as a
+DeepSpeed universal checkpoint.
 See ``_layout.py`` for the on-disk layout and ``_save.py`` for atomic replacement.
 
 [Note: why not torch.distributed.checkpoint]
@@ -25,6 +27,7 @@ and both re-sharding and streaming consolidation are a few lines over it.
 from . import _dcp_load  # noqa: F401 - registers the DCP reader with load_checkpoint
 from ._consolidate import consolidate, parse_size
 from ._dcp_save import export_checkpoint, save_dcp
+from ._deepspeed import deepspeed_lr_scheduler_state
 from ._layout import FORMAT_VERSION, CheckpointError
 from ._load import load_checkpoint, load_metadata
 from ._save import save_checkpoint, wait_for_save
@@ -33,4 +36,4 @@ from ._sharded_weights import load_full_state_dict, load_sharded_weights, safete
 __all__ = ["save_checkpoint", "wait_for_save", "load_checkpoint", "consolidate", "export_checkpoint", "save_dcp",
            "CheckpointError", "FORMAT_VERSION",
            "load_metadata", "parse_size", "load_sharded_weights", "safetensors_reader",
-           "load_full_state_dict"]
+           "load_full_state_dict", "deepspeed_lr_scheduler_state"]

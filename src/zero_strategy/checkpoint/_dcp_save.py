@@ -42,6 +42,7 @@ from .._mechanisms.background_save import join_saves_to
 from .._model.gather import whole_model_pass
 from ..api import engine_of
 from ._dcp import contiguous_start, flat_boxes
+from ._deepspeed_universal import export_universal
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, param_names, resolve_zero_optimizers
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
@@ -50,7 +51,7 @@ from ._safetensors_stream import verify_file
 from ._sync import agree, describe
 from ._validate import check_buffers_file, check_rank_file
 
-EXPORT_FORMATS = ("dcp",)
+EXPORT_FORMATS = ("dcp", "deepspeed-universal")
 
 
 def export_checkpoint(ckpt_dir: str | os.PathLike, out: str | os.PathLike, format: str = "dcp") -> Path:
@@ -59,6 +60,9 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out: str | os.PathLike, forma
 
     ``format="dcp"``: a torch.distributed.checkpoint directory of model and optimizer state that an
     FSDP2 run at any world size resumes (See [Note: our shards as DCP chunks]).
+    ``format="deepspeed-universal"``: a DeepSpeed universal checkpoint that DeepSpeed resumes at any
+    world size and ZeRO stage with ``"checkpoint": {"load_universal": true}`` (See [Note: the
+    universal layout] in _deepspeed_universal.py).
     """
     if format not in EXPORT_FORMATS:
         raise CheckpointError(f"format {format!r}: the formats written are {list(EXPORT_FORMATS)}")
@@ -75,12 +79,15 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out: str | os.PathLike, forma
         elif rec.name == BUFFERS_FILE:
             check_buffers_file(ckpt / rec.name, meta)
     files = _Files(ckpt, meta)
-    items = _model_items(meta, files) + _optimizer_items(meta, files, ckpt)
+    items = _model_items(meta, files) + _optimizer_items(meta, files, ckpt) if format == "dcp" else []
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out.parent, (f".{out.name}.tmp-",))  # of a killed run to the same out
     owned = OwnedDir.create(out.parent, f".{out.name}.tmp-")
     try:
-        _write(owned.path, items)
+        if format == "dcp":
+            _write(owned.path, items)
+        else:
+            export_universal(owned.path, meta, files, ckpt)
         os.rename(owned.path, out)
         owned.moved(out)
         owned.unmark()

@@ -110,21 +110,18 @@ def safe_load(path: Path) -> Any:
 # ------------------------------------------------------------------ finding it
 def find_deepspeed_checkpoint(path: Path) -> Path | None:
     """The tag directory (``global_stepN/``) when ``path`` is a DeepSpeed checkpoint: the run's
-    directory with its ``latest`` file, or the tag directory itself. None: not DeepSpeed's.
+    directory with its ``latest`` (or ``latest_universal``) file, or the tag directory itself. None:
+    not DeepSpeed's.
     Refuses the DeepSpeed forms not read here, saying what to do instead."""
-    latest = path / "latest"
-    if latest.is_file():
-        tag = latest.read_text(errors="replace").strip()
-        if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
-            raise CheckpointError(f"{latest} names {tag!r}, not a checkpoint tag inside {path}")
-        tagged = path / tag
-        if not tagged.is_dir() or tagged.is_symlink():
-            raise CheckpointError(f"{latest} names tag {tag!r} but {tagged} is not a directory")
-        path = tagged
-    elif (path / "latest_universal").is_file():
-        raise _universal(path)
+    for name in ("latest", "latest_universal"):  # universal: See [Note: the universal layout] in _deepspeed_universal.py
+        if (path / name).is_file():
+            path = _tagged(path, name)
+            break
     if (path / "zero").is_dir() and not _optim_files(path):
-        raise _universal(path)
+        if not (path / "zero" / "optimizer_state.pt").is_file():
+            raise CheckpointError(f"{path} has a zero/ folder but no zero/optimizer_state.pt: an incomplete "
+                                  "DeepSpeed universal checkpoint")
+        return path
     if _optim_files(path) or list(path.glob("*_model_states.pt")):
         return path
     tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir())
@@ -134,10 +131,29 @@ def find_deepspeed_checkpoint(path: Path) -> Path | None:
     return None
 
 
-def _universal(path: Path) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is a DeepSpeed universal checkpoint, which is not read yet: load the checkpoint DeepSpeed "
-        "saved before converting it (the directory with 'latest' and global_stepN/)")
+def deepspeed_lr_scheduler_state(path: str | Path) -> dict | None:
+    """The state of the LR scheduler a DeepSpeed run's engine had (``lr_scheduler`` of its model-states
+    file), or None: a directory that is not DeepSpeed's, or a run without one."""
+    tag = find_deepspeed_checkpoint(Path(path))
+    if tag is None:
+        return None
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (tag / name).is_file():
+            state = safe_load(tag / name).get("lr_scheduler")
+            return state if isinstance(state, dict) else None
+    return None
+
+
+def _tagged(path: Path, latest_name: str) -> Path:
+    """The tag directory that ``path/<latest_name>`` names, inside ``path``."""
+    latest = path / latest_name
+    tag = latest.read_text(errors="replace").strip()
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise CheckpointError(f"{latest} names {tag!r}, not a checkpoint tag inside {path}")
+    tagged = path / tag
+    if not tagged.is_dir() or tagged.is_symlink():
+        raise CheckpointError(f"{latest} names tag {tag!r} but {tagged} is not a directory")
+    return tagged
 
 
 def _optim_files(path: Path) -> list[Path]:
@@ -220,11 +236,44 @@ class DeepSpeedCheckpoint:
 
     @property
     def fp16(self) -> bool:
-        """Saved by an fp16 run (a loss scale that this reader does not carry over yet)."""
+        """Saved by an fp16 run: its loss scaler's state means something."""
         scaler = self.optim[0].get("loss_scaler")
         dynamic = bool(self.optim[0].get("dynamic_loss_scale")) or bool(getattr(scaler, "dynamic", False))
         return bool((self.config.get("fp16") or {}).get("enabled")) or dynamic or \
             float(getattr(scaler, "cur_scale", 1.0)) != 1.0
+
+    def loss_scale_state(self, ours: dict, growth_interval: int) -> dict | None:
+        """DeepSpeed's loss scaler as our ``LossScaler``'s state (``ours``: its current one, for what
+        DeepSpeed does not say); None where the run did not scale its loss (fp32, bf16).
+
+        [Note: DeepSpeed's loss scale, carried over]
+        DeepSpeed's ``DynamicLossScaler`` counts iterations: on a step without overflow it grows the
+        scale when ``stable = cur_iter - last_overflow_iter - 1`` (good steps before this one since the
+        last overflow) is a positive multiple of ``scale_window``, so the next growth comes after
+        ``m * scale_window - stable + 1`` more good steps (m the least with ``m * scale_window >=
+        max(stable, 1)``). Ours counts good steps up to ``growth_interval``: ``good_steps`` is set so
+        that the same number of good steps remains (it is negative right after an overflow, where
+        DeepSpeed waits one step longer than a window). ``cur_hysteresis`` is our ``hysteresis_left``.
+        """
+        scaler = self.optim[0].get("loss_scaler")
+        if scaler is None or not self.fp16:
+            return None
+        try:
+            state = dict(ours, scale=float(scaler.cur_scale))
+            if getattr(scaler, "dynamic", False):
+                stable = int(scaler.cur_iter) - int(scaler.last_overflow_iter) - 1
+                window = int(scaler.scale_window)
+                m = max(1, math.ceil(stable / window))
+                state["good_steps"] = growth_interval - (m * window - stable + 1)
+                state["hysteresis_left"] = int(scaler.cur_hysteresis)
+        except (AttributeError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{self.optim_files[0]}: the loss scaler's state is not DeepSpeed's ({err})") from None
+        return state
+
+    def lr_scheduler_state(self) -> dict | None:
+        """The state of the LR scheduler the DeepSpeed engine had (``lr_scheduler``), or None."""
+        state = self.model_states.get("lr_scheduler")
+        return state if isinstance(state, dict) else None
 
     def _param_shapes(self) -> list[dict]:
         shapes = self.model_states.get("param_shapes")

@@ -60,6 +60,7 @@ from .._model.gather import whole_model_pass
 from .._optim.chunked_step import stopped_part_way
 from ..api import engine_of
 from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
+from ._deepspeed_universal import UniversalCheckpoint, is_universal
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
 from ._safetensors_stream import verify_file
@@ -141,17 +142,22 @@ class _Reader:
 
 
 @torch.no_grad()
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, strict: bool = True) -> Any:
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer=None, strict: bool = True, *,
+                    lr_scheduler=None) -> Any:
     """Load a checkpoint saved by :func:`save_checkpoint` into a set-up model; return ``extra_state``.
 
     Works on any world size and stage. Every rank must call it. ``optimizer``: the one
     ``setup`` returned, to restore its state, hyperparameters and the loss scale (None:
     weights only). ``strict=False`` tolerates parameters or buffers missing on either
-    side (with a warning) instead of raising. A load refused by its checks (a damaged, edited
-    or mismatched checkpoint) has changed nothing, on any rank (See [Note: verify, agree, then
-    copy]).
+    side (with a warning) instead of raising. ``lr_scheduler``: a scheduler to restore too
+    (``load_state_dict``): from a DeepSpeed checkpoint, the state of the scheduler its engine had;
+    from ours, the ``"lr_scheduler"`` entry of a dict ``extra_state`` (save it so:
+    ``extra_state={"lr_scheduler": scheduler.state_dict(), ...}``). A checkpoint without one, or
+    with another scheduler class's state, is refused. A load refused by its checks (a damaged,
+    edited or mismatched checkpoint) has changed nothing, on any rank (See [Note: verify, agree,
+    then copy]).
     """
-    with prepare_load(path, model, optimizer, strict) as load:
+    with prepare_load(path, model, optimizer, strict, lr_scheduler=lr_scheduler) as load:
         return load.commit()
 
 
@@ -197,7 +203,12 @@ class PreparedLoad:
             _apply_hyperparameters(updates)
             if scaler is not None and zopt.scaler.enabled:
                 zopt.scaler.load_state_dict(scaler)
+        if self.lr_scheduler is not None:  # after the hyperparameters: it may set the groups' lr itself
+            self.lr_scheduler[0].load_state_dict(self.lr_scheduler[1])
         return self.extra
+
+    #: (the scheduler, its saved state) to restore at the commit, or None
+    lr_scheduler: tuple | None = None
 
     #: streamed groups are loaded and published chunk by chunk (See [Note: a streamed resume])
     streams_groups = True
@@ -224,7 +235,7 @@ def register_format(recognizes: Callable[[Path], bool], prepare: Callable) -> No
 
 @torch.no_grad()
 def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, strict: bool = True,
-                 accept_extra: Callable[[Any], Any] | None = None) -> PreparedLoad:
+                 accept_extra: Callable[[Any], Any] | None = None, *, lr_scheduler=None) -> PreparedLoad:
     """Every check of a load, on every rank, agreed on; nothing copied. See [Note: verify, agree, then copy].
 
     ``accept_extra(extra_state)``: a front end's own check of the saved extra state, run here so
@@ -259,9 +270,14 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
             _check_buffer_shapes(reader, model, buffers)
             extra, kind = _extra_state(reader, meta), PreparedLoad
         else:  # See [Note: DeepSpeed's layout] in _deepspeed.py
-            reader = DeepSpeedCheckpoint(tag_dir)
+            reader = UniversalCheckpoint(tag_dir) if is_universal(tag_dir) else DeepSpeedCheckpoint(tag_dir)
             buffers, hyper = _check_deepspeed(reader, names, buffers, model, engine, zopts, strict)
             extra, kind = reader.client_state(), DeepSpeedLoad
+        scheduler_state = None
+        if lr_scheduler is not None:
+            saved = reader.lr_scheduler_state() if tag_dir is not None and other is None else \
+                (extra.get("lr_scheduler") if isinstance(extra, dict) else None)
+            scheduler_state = (lr_scheduler, _check_scheduler_state(lr_scheduler, saved, ckpt_dir))
         if accept_extra is not None:
             try:
                 extra = accept_extra(extra)
@@ -269,6 +285,7 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
                 own = err
                 raise
         prepared = kind(path, model, engine, zopts, reader, names, buffers, hyper, extra)
+        prepared.lr_scheduler = scheduler_state
     except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
         error = f"cannot load checkpoint {path}: {describe(err)}"
         if reader is not None:
@@ -282,6 +299,20 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
             raise own from None  # the front end's own refusal, with its type, where it was raised
         raise
     return prepared
+
+
+def _check_scheduler_state(lr_scheduler, saved: Any, ckpt_dir: Path) -> dict:
+    """The saved scheduler state that ``lr_scheduler`` can take: refused when there is none, or when
+    its keys are another scheduler class's (``load_state_dict`` would take any dict silently)."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{ckpt_dir} holds no LR scheduler state to restore lr_scheduler from (a DeepSpeed "
+                              "run without a scheduler, or a checkpoint of ours whose extra_state has no "
+                              "'lr_scheduler' entry)")
+    here = set(lr_scheduler.state_dict())
+    if set(saved) != here:
+        raise CheckpointError(f"{ckpt_dir}: the saved LR scheduler state has keys {sorted(saved)}, "
+                              f"{type(lr_scheduler).__name__} has {sorted(here)}: saved by another scheduler class")
+    return saved
 
 
 def _saved_optimizers(meta: Metadata) -> list:
@@ -790,7 +821,9 @@ def _check_deepspeed(ds: DeepSpeedCheckpoint, names, buffers: list[str], model, 
     ds.load_frozen_files()
     if not zopts:
         return buffers, []
-    return buffers, [(_deepspeed_hyperparameters(ds, zopts, engine), None)]
+    scaler = zopts[0].scaler  # See [Note: DeepSpeed's loss scale, carried over] in _deepspeed.py
+    scale = ds.loss_scale_state(scaler.state_dict(), scaler.cfg.growth_interval) if scaler.enabled else None
+    return buffers, [(_deepspeed_hyperparameters(ds, zopts, engine), scale)]
 
 
 def _deepspeed_hyperparameters(ds: DeepSpeedCheckpoint, zopts, engine) -> list:
@@ -800,11 +833,6 @@ def _deepspeed_hyperparameters(ds: DeepSpeedCheckpoint, zopts, engine) -> list:
     zopt = zopts[0]
     if any(g.owned for g in engine.groups if g.trainable):
         raise _layout_changed("the model", "flat shards (DeepSpeed)", "whole parameters (the ownership layout)")
-    if ds.fp16:
-        raise CheckpointError(
-            f"{ds.dir} was saved by an fp16 DeepSpeed run, whose loss scale is not carried over yet: load the "
-            "weights only (optimizer=None; the fp32 masters are exact) and start the optimizer fresh, or resume "
-            "the run in DeepSpeed")
     opt = zopt.optimizer
     if ds.state_keys and not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         raise CheckpointError(f"{ds.dir} holds Adam state {ds.state_keys}, but the optimizer is "

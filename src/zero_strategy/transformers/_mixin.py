@@ -58,6 +58,20 @@ of these two methods are not called on a ZeRO model.
   Trainer writes (``adapter_model.safetensors``, ``adapter_config.json``, the tokenizer,
   ``training_args.bin``). Other models go through ``full_state_dict(rank0_only=True)``.
 * ``_load_best_model`` (``load_best_model_at_end``): from the best checkpoint's shards.
+* ``_load_from_checkpoint`` and ``_load_optimizer_and_scheduler`` on a ``checkpoint-N`` that the
+  Trainer wrote with DeepSpeed (See [Note: a DeepSpeed run's checkpoint-N]).
+
+[Note: a DeepSpeed run's checkpoint-N]
+The Trainer with DeepSpeed writes ``checkpoint-N/`` holding DeepSpeed's own checkpoint
+(``engine.save_checkpoint(checkpoint-N)``: ``latest`` and ``global_stepN/``, the fp32 masters and
+the optimizer's state per rank), its ``scheduler.pt`` (unless DeepSpeed's config had its own
+scheduler, which DeepSpeed then saves inside its checkpoint), ``trainer_state.json`` and the RNG
+states; model weights only at stages 1-2 or with ``stage3_gather_16bit_weights_on_model_save``,
+and in 16 bits. ``train(resume_from_checkpoint=checkpoint-N)`` takes the exact fp32 weights and
+the optimizer state from DeepSpeed's checkpoint with :func:`zero_strategy.load_checkpoint` (so the
+stock weight load, which would want a weights file, is skipped), the scheduler from
+``scheduler.pt`` or else from DeepSpeed's checkpoint (another scheduler class there is refused),
+and the trainer state and RNG states as the stock Trainer does.
 * The end of ``train()`` waits for an asynchronous checkpoint save (``async_save``) still writing,
   through a callback's ``on_train_end``, and raises its failure.
 * Gradients: the Trainer clears them with ``model.zero_grad()``, which cannot reach
@@ -282,18 +296,32 @@ class ZeroTrainerMixin:
         if record is None or checkpoint is None:  # with a record, the floor stops the stock load
             return super()._load_optimizer_and_scheduler(checkpoint)
         ckpt = os.path.join(checkpoint, ZERO_CHECKPOINT_DIR)
-        if not os.path.isdir(ckpt):
+        deepspeed = not os.path.isdir(ckpt) and _is_deepspeed_run(checkpoint)
+        if deepspeed:  # See [Note: a DeepSpeed run's checkpoint-N]
+            ckpt = checkpoint
+        elif not os.path.isdir(ckpt):
             raise FileNotFoundError(
                 f"{type(self).__name__}: {checkpoint} has no {ZERO_CHECKPOINT_DIR}/ (it was not saved by a ZeRO "
-                "trainer, or with save_only_model=True); resume needs every rank's optimizer shard")
+                "trainer, or with save_only_model=True) nor a DeepSpeed checkpoint; resume needs every rank's "
+                "optimizer shard")
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         # read before the shards are loaded: a scheduler file torch.load refuses changes nothing
         scheduler_state = (torch.load(scheduler, weights_only=True)
                            if os.path.isfile(scheduler) and self.lr_scheduler is not None else None)
-        load_checkpoint(ckpt, record.model, self._optimizers(record))
+        from_deepspeed = deepspeed and scheduler_state is None and self.lr_scheduler is not None and \
+            _deepspeed_has_scheduler(checkpoint)
+        load_checkpoint(ckpt, record.model, self._optimizers(record),
+                        lr_scheduler=self.lr_scheduler if from_deepspeed else None)
         if scheduler_state is not None:
             self.lr_scheduler.load_state_dict(scheduler_state)
         self._subclass_checkpoint_chain("_load_optimizer_and_scheduler", checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if isinstance(getattr(self, "accelerator", None), ZeroAccelerator) and \
+                not os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_CHECKPOINT_DIR)) and \
+                _is_deepspeed_run(resume_from_checkpoint):
+            return  # the fp32 weights come with the optimizer's state: See [Note: a DeepSpeed run's checkpoint-N]
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _subclass_checkpoint_chain(self, name: str, path: str) -> None:
         """The trainer class's own ``name`` after the ZeRO part; See [Note: the subclass's checkpoint overrides]."""
@@ -353,6 +381,18 @@ class ZeroTrainerMixin:
                                     f"safetensors weights in {best}")
         # a weights-only checkpoint (save_only_model=True): each rank reads only its slices
         load_sharded_weights(record.model, safetensors_reader(best))
+
+
+def _is_deepspeed_run(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` (a ``checkpoint-N``) holds a DeepSpeed checkpoint (``latest`` naming a tag)."""
+    return os.path.isfile(os.path.join(checkpoint, "latest")) or \
+        os.path.isfile(os.path.join(checkpoint, "latest_universal"))
+
+
+def _deepspeed_has_scheduler(checkpoint: str) -> bool:
+    from ..checkpoint import deepspeed_lr_scheduler_state
+
+    return deepspeed_lr_scheduler_state(checkpoint) is not None
 
 
 class _StockCheckpointFloor(Trainer):
