@@ -96,8 +96,10 @@ def shard_batch(batch: Mapping[str, Any], sp: SequenceParallelGroup, pad_token_i
                 widths = [0, 0] * (value.dim() - 2) + [0, pad]
                 out[key] = torch.nn.functional.pad(value, widths, value=fill.get(key, 0))
     chunk = (s + pad) // sp.size
-    return {key: value[:, chunk * sp.rank:chunk * (sp.rank + 1)] if _per_token(value, b, s + pad) else value
-            for key, value in out.items()}
+    # copies: a slice of a [b > 1, s] batch is not contiguous (transformers' loss views shift_labels flat),
+    # and a shard of its own does not pin the whole sequence
+    return {key: value[:, chunk * sp.rank:chunk * (sp.rank + 1)].clone() if _per_token(value, b, s + pad)
+            else value for key, value in out.items()}
 
 
 def _per_token(value: Any, b: int, s: int) -> bool:
