@@ -93,3 +93,81 @@ def test_activation_offload_moves_the_layer_inputs_to_the_host():
     assert off.host_bytes == 32 * kept.layer_input == 32 * 2 * 32768 * 4096
     assert kept.with_checkpointing - off.with_checkpointing == 31 * kept.layer_input  # one is back for its recompute
     assert off.peak_without_checkpointing == kept.peak_without_checkpointing  # nothing to offload without checkpoints
+
+
+def _meta_llama(checkpointing: bool = False):
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                                      num_key_value_heads=8, num_hidden_layers=8, vocab_size=128256)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    return config, model
+
+
+def _device_for(model, config, stage: int, activations: int) -> AvailableMemory:
+    """A GPU whose 75% holds ``stage``'s peak model states and working set plus ``activations``, not a byte more."""
+    states = estimate_memory(model, world_size=4, config=config.replace(stage=stage)).peak_device
+    return AvailableMemory(device=int((states + activations) / 0.75) + 1, host=1024 * GIB, nvme=None)
+
+
+def test_zero_auto_adds_the_tiled_loss_where_the_untiled_sequence_does_not_fit(caplog):
+    """A device that holds zero2's model states and a 16K-token sequence's activations with the tiled
+    loss, but not with the model's own: zero_auto keeps zero2 and turns the tiled loss on, and says so."""
+    import zero_strategy as zs
+
+    hf, model = _meta_llama()
+    cfg = zs.ZeroConfig.load({"preset": "zero_auto", "precision": "bf16"})
+    tiled = estimate_activations(hf, 1, 16384, "bf16", "sdpa", tiled_loss=True).peak_without_checkpointing
+    untiled = estimate_activations(hf, 1, 16384, "bf16", "sdpa").peak_without_checkpointing
+    assert untiled > 2 * tiled  # the logits are most of it
+    mem = _device_for(model, cfg, 2, tiled)
+    with caplog.at_level("INFO", logger="zero_strategy"):
+        chosen = choose_preset(model, cfg, world_size=4, available=mem, seq_len=16384)
+    assert (chosen.stage, chosen.tiled_loss, chosen.tiled_mlp, chosen.sequence_parallel_size) == (2, True, False, 1)
+    assert "zero_auto chose zero2 with tiled_loss=True" in caplog.text
+    assert f"tiled_loss=True: {tiled / GIB:.2f} GiB per rank" in caplog.text
+    # the same budget with the activations given as bytes (no seq_len): nothing fits, nothing is tiled
+    with pytest.raises(MemoryError):
+        choose_preset(model, cfg, world_size=4, available=mem, activations=untiled)
+
+
+def test_zero_auto_offloads_the_checkpointed_inputs_when_tiling_is_not_enough():
+    import zero_strategy as zs
+
+    hf, model = _meta_llama(checkpointing=True)
+    cfg = zs.ZeroConfig.load({"preset": "zero_auto", "precision": "bf16"})
+    both = dict(tiled_loss=True, tiled_mlp=True)
+    tiled = estimate_activations(hf, 1, 65536, "bf16", "sdpa", **both)
+    off = estimate_activations(hf, 1, 65536, "bf16", "sdpa", **both, activation_offload=True)
+    assert off.peak_with_checkpointing < tiled.peak_with_checkpointing
+    mem = _device_for(model, cfg, 2, off.peak_with_checkpointing)
+    chosen = choose_preset(model, cfg, world_size=4, available=mem, seq_len=65536)
+    assert (chosen.stage, chosen.tiled_loss, chosen.tiled_mlp, chosen.activation_offload) == (2, True, True, True)
+    # without a GPU the inputs are in host memory already (one pool): tiling, never offload
+    host = _device_for(model, cfg, 2, tiled.peak_with_checkpointing).device
+    chosen = choose_preset(model, cfg, world_size=4, available=AvailableMemory(device=None, host=host), seq_len=65536)
+    assert (chosen.stage, chosen.tiled_loss, chosen.tiled_mlp, chosen.activation_offload) == (2, True, True, False)
+
+
+def test_zero_auto_never_changes_the_sequence_parallel_degree_but_names_one_that_fits():
+    """Nothing fits a 64K-token sequence per rank; split over 2 ranks (the config's sp, or a larger
+    one the error names) it would. zero_auto keeps the user's degree: a larger one changes the data."""
+    import zero_strategy as zs
+
+    hf, model = _meta_llama()
+    cfg = zs.ZeroConfig.load({"preset": "zero_auto", "precision": "bf16"})
+    full = dict(tiled_loss=True, tiled_mlp=True)
+    half = estimate_activations(hf, 1, 65536, "bf16", "sdpa", **full, sequence_parallel_size=2)
+    mem = _device_for(model, cfg, 3, half.peak_without_checkpointing)
+    with pytest.raises(MemoryError, match=r"sequence_parallel_size=2 would fit \(zero3 with tiled_loss=True \+ "
+                                          r"tiled_mlp=True\); zero_auto does not change it"):
+        choose_preset(model, cfg, world_size=4, available=mem, seq_len=65536)
+    chosen = choose_preset(model, cfg.replace(sequence_parallel_size=2), world_size=4, available=mem, seq_len=65536)
+    assert (chosen.stage, chosen.sequence_parallel_size, chosen.tiled_loss, chosen.tiled_mlp) == (3, 2, True, True)
+
+
+def test_seq_len_needs_a_transformers_model():
+    with pytest.raises(ValueError, match="needs a Hugging Face transformers model.*activations="):
+        choose_preset(nn.Linear(4, 4), "zero_auto", world_size=1,
+                      available=AvailableMemory(device=GIB, host=GIB), seq_len=128)
