@@ -255,13 +255,12 @@ def attention_kind(base: Callable, impl: str, n: int) -> str:
     with its own flash-attention wrapper (``kernels-community/flash-attn2``, ``flash_attention_3``, ...)
     is wrapped as flash is; any other function (flex, paged, a Hub kernel's own entry point) is
     refused by name: the wrapper knows how sdpa, eager and flash mask causally, not how it does."""
-    from transformers.integrations.flash_attention import flash_attention_forward
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if base is sdpa_attention_forward:
-        return "sdpa"
-    if base is flash_attention_forward:
-        return "flash"
+    # already imported with the registry that holds them (this package does not import transformers)
+    wrappers = {"sdpa": ("transformers.integrations.sdpa_attention", "sdpa_attention_forward"),
+                "flash": ("transformers.integrations.flash_attention", "flash_attention_forward")}
+    for kind, (module, function) in wrappers.items():
+        if base is not None and base is getattr(sys.modules.get(module), function, None):
+            return kind
     raise ValueError(f"sequence_parallel_size={n}: attn_implementation={impl!r} is not supported under sequence "
                      f"parallelism: its function ({getattr(base, '__qualname__', base)!r}) is none of transformers' "
                      "sdpa, eager or flash-attention wrappers, whose causal masking the all-to-all relies on. Load "
