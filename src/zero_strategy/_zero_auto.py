@@ -58,9 +58,9 @@ from pathlib import Path
 
 import torch
 
+from ._estimate_activations import ActivationEstimate, estimate_activations
 from ._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
 from .config import NVMeOffload, ZeroConfig, ZeroConfigError
-from ._estimate_activations import ActivationEstimate, estimate_activations
 from .estimate import MemoryEstimate, UnitSizes, count_parameters, estimate_memory, unit_sizes
 
 logger = logging.getLogger("zero_strategy")
@@ -232,7 +232,7 @@ def activation_tools(config: ZeroConfig, workload: Workload, available: Availabl
 
 def _first_fit(num_params, frozen, units, config, world_size, available, headroom, workload):
     """(preset row, activation tools, estimate) of the first preset and tools that fit, by [Note: zero_auto]'s
-    order, or None; and the rows of the config's own activation settings for the table."""
+    order, or None; and for each activation setting tried, (tools, estimate, the candidates' rows)."""
     tools = activation_tools(config, workload, available)
     tables = []
     for extra in tools:
@@ -256,6 +256,7 @@ def _sp_would_fit(num_params, frozen, units, config, world_size, available, head
     heads = getattr(workload.hf_config, "num_attention_heads", 0)
     kv = getattr(workload.hf_config, "num_key_value_heads", None) or heads
     for n in range(config.sequence_parallel_size + 1, world_size + 1):
+        # the degrees setup would take: dividing the world, the heads, and the kv heads (or divided by them)
         if world_size % n or heads % n or (kv >= n and kv % n) or (kv < n and n % kv):
             continue
         found, _ = _first_fit(num_params, frozen, units, config.replace(sequence_parallel_size=n), world_size,
