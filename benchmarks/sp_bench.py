@@ -156,6 +156,14 @@ def one_run(args, length: int, sp: int, tiled: bool = False) -> dict:
             "estimate_MiB": estimate_bytes(args, length, sp, tiled) / MiB}
 
 
+def _write(args, rows: list, skipped: list, ratios: dict, load_before) -> None:
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows,
+                   "skipped": skipped, "ratios": ratios, "loadavg_before": load_before,
+                   "loadavg_after": os.getloadavg()}, f, indent=1)
+
+
 def worker(args) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks go back to the OS
@@ -182,6 +190,7 @@ def worker(args) -> None:
                 dist.all_gather_object(every, mine)
                 rows.extend(every)
                 if dist.get_rank() == 0:
+                    _write(args, rows, skipped, {}, load_before)  # a run cut short keeps what it measured
                     worst = max(every, key=lambda r: r["peak_anon_MiB"])
                     print(f"seq {length:6d}  sp {sp}  tiled {tiled!s:5}  tokens/rank {length // sp:6d}  peak anon RSS "
                           f"above setup {worst['peak_anon_MiB']:8.1f} MiB (worst rank; estimate "
@@ -197,11 +206,7 @@ def worker(args) -> None:
                 ratios.setdefault(key, {})["time_sp2_over_sp1_same_tokens_per_rank"] = \
                     row["step_s"] / by[(L // 2, 1, tiled)]["step_s"]
         print(json.dumps(ratios, indent=1))
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows,
-                       "skipped": skipped, "ratios": ratios, "loadavg_before": load_before,
-                       "loadavg_after": os.getloadavg()}, f, indent=1)
+        _write(args, rows, skipped, ratios, load_before)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
