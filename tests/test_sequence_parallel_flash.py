@@ -65,6 +65,8 @@ def results():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_flash_attention_under_sequence_parallelism_matches_one_process(name):
     per_rank = results().of(name)
