@@ -195,6 +195,30 @@ def test_activations_in_the_table_and_json(capsys, tmp_path):
     assert "without checkpointing" in capsys.readouterr().out
 
 
+def test_activations_per_sequence_parallel_rank(capsys, tmp_path):
+    """``--sp N`` (or a config's sequence_parallel_size) gives one rank's activations of a sequence
+    split over N ranks; it must divide the world size."""
+    from zero_strategy.estimate import estimate_activations
+
+    transformers = pytest.importorskip("transformers")
+    path = _tiny_llama_dir(tmp_path)
+    hf = transformers.AutoConfig.from_pretrained(path)
+    argv = ["estimate", "--model", str(path), "--stage", "3", "-n", "4", "--batch-size", "1", "--seq-len", "64",
+            "--json"]
+    assert main(argv + ["--sp", "2", "--tiled-loss", "--activation-offload"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    expected = estimate_activations(hf, 1, 64, "bf16", tiled_loss=True, sequence_parallel_size=2,
+                                    activation_offload=True)
+    assert row["activations"] == expected.to_dict() and row["activations"]["local_seq_len"] == 32
+    config = tmp_path / "zero.json"
+    config.write_text(json.dumps({"preset": "zero3", "precision": "bf16", "sequence_parallel_size": 4}))
+    assert main(["estimate", "--model", str(path), "-n", "4", "--batch-size", "1", "--seq-len", "64",
+                 "--config", str(config)]) == 0
+    assert "sequence parallel over 4 ranks: 16 tokens of each sequence per rank" in capsys.readouterr().out
+    assert main(argv + ["--sp", "3"]) == 2
+    assert "--sp: 3 must divide the world size, 4" in capsys.readouterr().err
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_model_name_is_read_from_the_local_cache_only(tmp_path):

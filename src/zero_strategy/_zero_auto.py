@@ -26,6 +26,18 @@ estimate does not count. Activations can be estimated with ``zero-strategy estim
 quarter of the device should pass them to ``choose_preset(model, activations=...)``, which counts
 them on the device beside the model states, and set up with the preset it returns.
 
+With the step's shape instead (``choose_preset(model, seq_len=..., batch_size=...)``, a
+Llama-style transformers model), the activations are estimated per candidate (See [Note: activation
+memory of a Llama-style decoder] in _estimate_activations.py), at the config's
+``sequence_parallel_size`` and tiling, with or without checkpointing as the model is set
+(``model.is_gradient_checkpointing``). When they do not fit beside a preset's model states, the
+activation tools are tried at that preset before the next preset, each adding to the one before:
+the tiled loss, then the tiled MLP, then (checkpointing on and a GPU present) activation offload.
+Tiling recomputes the head or the MLP once in backward, which costs less than the next preset's
+traffic or an offloaded step; activation offload moves L layer inputs over PCIe each way. The
+sequence-parallel degree is never changed: at sp N, N ranks share each sample, so a step trains on
+other data; when nothing fits and a larger degree would, the error says which.
+
 Order (the first that fits is chosen): zero2, zero3, zero2_offload, zero3_offload,
 zero3_offload_nvme. No offload first: offload runs the optimizer step on the CPU and
 copies gradients and parameters over PCIe every step (DeepSpeed's ZeRO-2 offload takes
@@ -46,8 +58,9 @@ from pathlib import Path
 
 import torch
 
+from ._estimate_activations import ActivationEstimate, estimate_activations
 from ._mechanisms.available_memory import HEADROOM, host_available_bytes, human_bytes
-from .config import NVMeOffload, ZeroConfig
+from .config import NVMeOffload, ZeroConfig, ZeroConfigError
 from .estimate import MemoryEstimate, UnitSizes, count_parameters, estimate_memory, unit_sizes
 
 logger = logging.getLogger("zero_strategy")
@@ -111,15 +124,17 @@ def measure_available(comm, device: torch.device, config: ZeroConfig) -> Availab
 
 
 def candidates(num_params: int, frozen: int, units: UnitSizes, config: ZeroConfig, world_size: int,
-               available: AvailableMemory, headroom: float = HEADROOM, activations: int = 0) -> list[Candidate]:
+               available: AvailableMemory, headroom: float = HEADROOM, activations: int = 0,
+               host_activations: int = 0) -> list[Candidate]:
     """Each candidate preset with its per-rank totals and whether it fits (see [Note: zero_auto]);
-    ``activations``: bytes per rank the step's activations add on the device (0: left to the headroom)."""
+    ``activations``: bytes per rank the step's activations add on the device (0: left to the headroom);
+    ``host_activations``: those activation offload keeps in host memory."""
     out = []
     for name in CANDIDATES:
         cfg = _resolved(config, name)
         est = estimate_memory(num_params, frozen_params=frozen, world_size=world_size, config=cfg, units=units,
                               activations=activations)
-        device, host = est.peak_device, est.peak_host
+        device, host = est.peak_device, est.peak_host + host_activations
         if available.device is None:  # one pool: the "device" is host memory
             device, host = 0, device + host
         budget = lambda b: (1 - headroom) * b  # noqa: E731
@@ -167,21 +182,138 @@ def shortfall_message(rows: list[Candidate], available: AvailableMemory, headroo
             "(name smaller units with unit_classes).")
 
 
+@dataclass(frozen=True)
+class Workload:
+    """One step's shape on a rank, for the activation estimate: ``batch_size`` sequences of
+    ``seq_len`` tokens (the whole sequence: sequence parallelism divides it) through ``hf_config``'s
+    decoder, with one checkpoint per layer or none."""
+
+    hf_config: object
+    batch_size: int
+    seq_len: int
+    checkpointing: bool
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, seq_len: int, batch_size: int = 1) -> "Workload":
+        """The shape of ``model``'s first transformers model (the outermost module with a ``config``
+        naming a ``model_type``); refused, naming the fix, for a model that has none."""
+        for module in model.modules():
+            hf_config = getattr(module, "config", None)
+            if getattr(hf_config, "model_type", None):
+                text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+                checkpointing = bool(getattr(module, "is_gradient_checkpointing", False))
+                return cls(text, batch_size, seq_len, checkpointing)
+        raise ZeroConfigError("seq_len", f"the activation estimate needs a Hugging Face transformers model; "
+                              f"{type(model).__name__} holds none",
+                              "Pass activations= (bytes per rank) instead of seq_len=.")
+
+    def activations(self, config: ZeroConfig) -> ActivationEstimate:
+        impl = getattr(self.hf_config, "_attn_implementation", None)
+        return estimate_activations(self.hf_config, self.batch_size, self.seq_len, config.precision,
+                                    "eager" if impl == "eager" else "sdpa",  # flash saves what sdpa does
+                                    tiled_loss=config.tiled_loss, tiled_mlp=config.tiled_mlp,
+                                    sequence_parallel_size=config.sequence_parallel_size,
+                                    activation_offload=config.activation_offload and self.checkpointing)
+
+
+def activation_tools(config: ZeroConfig, workload: Workload, available: AvailableMemory) -> list[dict]:
+    """The config's own activation settings, then each tool it lacks added to the ones before
+    (See [Note: zero_auto]): ``[{}, {"tiled_loss": True}, {"tiled_loss": True, "tiled_mlp": True}, ...]``."""
+    tools, added = [{}], {}
+    steps = [("tiled_loss", config.tiled_loss is False), ("tiled_mlp", config.tiled_mlp is False),
+             ("activation_offload", not config.activation_offload and workload.checkpointing
+              and available.device is not None)]  # on a CPU-only run the inputs are in host memory already
+    for name, missing in steps:
+        if missing:
+            added = {**added, name: True}
+            tools.append(added)
+    return tools
+
+
+def _first_fit(num_params, frozen, units, config, world_size, available, headroom, workload):
+    """(preset row, activation tools, estimate) of the first preset and tools that fit, by [Note: zero_auto]'s
+    order, or None; and for each activation setting tried, (tools, estimate, the candidates' rows)."""
+    tools = activation_tools(config, workload, available)
+    tables = []
+    for extra in tools:
+        act = workload.activations(config.replace(**extra))
+        rows = candidates(num_params, frozen, units, config.replace(**extra), world_size, available, headroom,
+                          act.peak(workload.checkpointing), act.host_bytes)
+        tables.append((extra, act, rows))
+    for index in range(len(CANDIDATES)):
+        for extra, act, rows in tables:
+            if rows[index].fits:
+                return (rows[index], extra, act), tables
+    return None, tables
+
+
+def _describe(extra: dict) -> str:
+    return " + ".join(f"{name}=True" for name in extra) or "the config's own activation settings"
+
+
+def _sp_would_fit(num_params, frozen, units, config, world_size, available, headroom, workload) -> str:
+    """A sentence naming the smallest larger sequence-parallel degree that would fit, or ''."""
+    heads = getattr(workload.hf_config, "num_attention_heads", 0)
+    kv = getattr(workload.hf_config, "num_key_value_heads", None) or heads
+    for n in range(config.sequence_parallel_size + 1, world_size + 1):
+        # the degrees setup would take: dividing the world, the heads, and the kv heads (or divided by them)
+        if world_size % n or heads % n or (kv >= n and kv % n) or (kv < n and n % kv):
+            continue
+        found, _ = _first_fit(num_params, frozen, units, config.replace(sequence_parallel_size=n), world_size,
+                              available, headroom, workload)
+        if found is not None:
+            row, extra, _ = found
+            return (f" sequence_parallel_size={n} would fit ({row.name} with {_describe(extra)}); zero_auto does "
+                    f"not change it, because {n} ranks then share each sample and a step trains on other data: "
+                    "set it yourself.")
+    return ""
+
+
 def choose(model: torch.nn.Module, config: ZeroConfig, world_size: int, available: AvailableMemory,
-           rank: int = 0, headroom: float = HEADROOM, activations: int = 0) -> ZeroConfig:
-    """The config of the first candidate that fits, logged on rank 0; raises when none does."""
+           rank: int = 0, headroom: float = HEADROOM, activations: int = 0,
+           workload: Workload | None = None) -> ZeroConfig:
+    """The config of the first candidate that fits, logged on rank 0; raises when none does.
+    ``workload``: estimate the activations per candidate and add activation tools where they do
+    not fit (See [Note: zero_auto]); ``activations`` is then not given."""
     num_params, frozen = count_parameters(model)
     units = unit_sizes(model, config.unit_classes, config.param_persistence_threshold)
-    rows = candidates(num_params, frozen, units, config, world_size, available, headroom, activations)
+    if workload is None:
+        rows = candidates(num_params, frozen, units, config, world_size, available, headroom, activations)
+        chosen, extra, why = next((r for r in rows if r.fits), None), {}, ""
+    else:
+        found, tables = _first_fit(num_params, frozen, units, config, world_size, available, headroom, workload)
+        if found is not None:  # the table of the activation settings chosen
+            chosen, extra, _ = found
+            rows = next(r for e, _, r in tables if e == extra)
+        else:  # the table with every tool: what is still missing
+            chosen, extra, rows = None, {}, tables[-1][2]
+        why = _explain(workload, tables, chosen, extra, config)
     table = format_candidates(rows, available, headroom)
-    chosen = next((r for r in rows if r.fits), None)
     if chosen is None:
+        hint = "" if workload is None else _sp_would_fit(num_params, frozen, units, config, world_size, available,
+                                                          headroom, workload)
         raise MemoryError(f"zero_strategy: zero_auto found no preset whose model states and working set fit "
                           f"({num_params:,} trainable + {frozen:,} frozen parameters, {world_size} rank(s)).\n"
-                          f"{table}\n{shortfall_message(rows, available, headroom)}")
+                          f"{table}\n{why}{shortfall_message(rows, available, headroom)}{hint}")
     if rank == 0:
-        logger.info("%s\nzero_auto chose %s", table, chosen.name)
-    return _resolved(config, chosen.name)
+        logger.info("%s\n%szero_auto chose %s%s", table, why, chosen.name,
+                    f" with {_describe(extra)}" if extra else "")
+    return _resolved(config, chosen.name).replace(**extra)
+
+
+def _explain(workload: Workload, tables, chosen: Candidate | None, extra: dict, config: ZeroConfig) -> str:
+    """One line per activation setting tried: its bytes per rank; empty when the config's own fit."""
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    if chosen is not None and not extra and tables[0][2][0].fits:
+        return ""
+    sp = config.sequence_parallel_size
+    lines = [f"zero_auto: activations of {workload.batch_size} x {workload.seq_len} tokens per step"
+             + (f", split over {sp} sequence-parallel ranks" if sp > 1 else "")
+             + (", one checkpoint per layer" if workload.checkpointing else ", no checkpointing") + ":"]
+    for tools, act, _ in tables:
+        host = f" (+ {gib(act.host_bytes)} in host memory)" if act.host_bytes else ""
+        lines.append(f"  {_describe(tools)}: {gib(act.peak(workload.checkpointing))} per rank on the device{host}")
+    return "\n".join(lines) + "\n"
 
 
 def resolve(model: torch.nn.Module, config: ZeroConfig, comm, device: torch.device) -> ZeroConfig:

@@ -594,7 +594,7 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 
 def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto", *, world_size: int | None = None,
                   available: "_auto.AvailableMemory | None" = None, headroom: float = _auto.HEADROOM,
-                  activations: int = 0) -> ZeroConfig:
+                  activations: int = 0, seq_len: int | None = None, batch_size: int = 1) -> ZeroConfig:
     """The config ``zero_auto`` would choose for ``model`` (materialised or on the meta device).
 
     ``available``: per-rank memory to plan for (an :class:`AvailableMemory`); default:
@@ -606,7 +606,11 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     fit when none does. ``activations``: activation bytes per rank to count on the device beside
     the model states (``estimate_activations(...).peak_with_checkpointing``; the tiled loss and
     checkpointing lower it), so a long sequence can tip the choice toward more sharding or offload.
-    See [Note: zero_auto] in _zero_auto.py.
+    ``seq_len`` (with ``batch_size`` sequences per rank; a Llama-style transformers model): estimate
+    the activations per candidate instead, at the config's ``sequence_parallel_size`` and tiling, and
+    where they do not fit add the tiled loss, the tiled MLP and activation offload (with
+    checkpointing, on a GPU) before moving to the next preset; the sequence-parallel degree is never
+    changed, but the error names one that would fit. See [Note: zero_auto] in _zero_auto.py.
     """
     cfg = ZeroConfig.load(config).replace(auto=True, offload_optimizer=None, offload_params=None)
     if world_size is None:
@@ -614,4 +618,10 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     if available is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         available = _auto.measure_local(single_device(model, None), cfg, max(1, local_ranks))
-    return _auto.choose(model, cfg, world_size, available, headroom=headroom, activations=activations)
+    workload = None
+    if seq_len is not None:
+        if activations:
+            raise ValueError("choose_preset: pass activations= (bytes) or seq_len= (estimated), not both")
+        workload = _auto.Workload.of(model, seq_len, batch_size)
+    return _auto.choose(model, cfg, world_size, available, headroom=headroom, activations=activations,
+                        workload=workload)

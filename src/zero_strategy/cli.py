@@ -99,6 +99,12 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                       help="with the tiled loss (ZeroConfig tiled_loss), optionally its chunk in tokens")
     acts.add_argument("--tiled-mlp", type=_positive_int, nargs="?", const=0, default=None, metavar="CHUNK",
                       help="with the tiled MLP (ZeroConfig tiled_mlp), optionally its chunk in tokens")
+    acts.add_argument("--sp", "--sequence-parallel-size", dest="sp", type=_positive_int, default=None, metavar="N",
+                      help="Ulysses sequence parallelism (ZeroConfig sequence_parallel_size): N ranks share each "
+                           "sequence of --seq-len tokens; activations are one rank's (default: the config's, else 1)")
+    acts.add_argument("--activation-offload", action="store_true", default=None,
+                      help="with activation offload (ZeroConfig activation_offload): the checkpointed layers' "
+                           "inputs wait on the host")
     here = parser.add_argument_group("this machine: will the run fit its memory and disks?")
     here.add_argument("--this-machine", action="store_true",
                       help="set the ranks on this machine (--gpus-per-node, else --world-size) beside its free "
@@ -166,6 +172,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
                 raise ZeroConfigError(f"--{name.replace('_', '-')}", "given together with --config",
                                       "Use one of them (the config already sets it).")
         config = ZeroConfig.load(args.config)
+        args.zero_config = config
         stage = config.stage if args.stage is None else args.stage  # --stage overrides the config
         if args.shard_group_size is None and isinstance(config.shard_group_size, int):
             kwargs["shard_group_size"] = config.shard_group_size
@@ -245,22 +252,40 @@ def _extras(args, hf_config, model, estimates, kwargs) -> dict:
         if hf_config is None:
             raise ZeroConfigError("--batch-size", "activations need the model's shape",
                                   "Pass --model DIR (a Hugging Face config) instead of --params.")
-        tiled = False if args.tiled_loss is None else (args.tiled_loss or True)
-        tiled_mlp = False if args.tiled_mlp is None else (args.tiled_mlp or True)
+        config = getattr(args, "zero_config", None)  # --config's tiling, SP and offload, unless given here
+        tiled = _chunk_flag(args.tiled_loss, config.tiled_loss if config is not None else False)
+        tiled_mlp = _chunk_flag(args.tiled_mlp, config.tiled_mlp if config is not None else False)
+        sp = args.sp or (config.sequence_parallel_size if config is not None else 1)
+        offload = bool(args.activation_offload or (config is not None and config.activation_offload))
+        world = kwargs["world_size"]
+        if sp > 1 and world % sp:
+            raise ZeroConfigError("--sp", f"{sp} must divide the world size, {world}",
+                                  "Pass a divisor of --world-size (the other factor is data parallel).")
         act = estimate_activations(hf_config, args.batch_size, args.seq_len, estimates[0].precision, args.attention,
-                                   tiled_loss=tiled, tiled_mlp=tiled_mlp)
+                                   tiled_loss=tiled, tiled_mlp=tiled_mlp, sequence_parallel_size=sp,
+                                   activation_offload=offload)
         for row in rows:
             row["activations"] = act.to_dict()
+        split = (f", sequence parallel over {sp} ranks: {act.local_seq_len} tokens of each sequence per rank"
+                 if sp > 1 else "")
         lines.append(f"activations per rank ({act.batch_size} x {act.seq_len} tokens, {act.precision}, "
-                     f"{act.attention} attention): {gib(act.without_checkpointing)} without checkpointing, "
+                     f"{act.attention} attention{split}): {gib(act.without_checkpointing)} without checkpointing, "
                      f"{gib(act.with_checkpointing)} with one checkpoint per layer (peak: every layer's input "
                      "+ one layer recomputed)")
+        if offload:
+            lines.append(f"  activation offload: {gib(act.host_bytes)} of layer inputs wait in host memory "
+                         "(with checkpointing)")
         loss = (f"the tiled loss ({act.tiled_loss} tokens a chunk)" if act.tiled_loss else
                 "the model's own loss (--tiled-loss to tile it)")
         lines.append(f"  the loss adds {gib(act.loss_transient)} at the start of backward with {loss}: peak "
                      f"{gib(act.peak_without_checkpointing)} without checkpointing, "
                      f"{gib(act.peak_with_checkpointing)} with")
     return {"rows": rows, "lines": lines}
+
+
+def _chunk_flag(given: int | None, configured: bool | int) -> bool | int:
+    """``--tiled-loss [CHUNK]`` / ``--tiled-mlp [CHUNK]``: absent -> the config's; bare -> True."""
+    return configured if given is None else (given or True)
 
 
 def _this_machine(args, estimates, extras: dict, config: ZeroConfig | None) -> None:

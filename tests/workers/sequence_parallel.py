@@ -28,12 +28,53 @@ VOCAB = 64
 
 
 def tiny_llama(case: dict) -> LlamaForCausalLM:
+    flash = case.get("flash")
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=case.get("kv_heads", 2),
                       max_position_embeddings=128, tie_word_embeddings=False,
-                      attn_implementation=case.get("attn", "sdpa"))
+                      attn_implementation="sdpa" if flash else case.get("attn", "sdpa"))
     torch.manual_seed(7)
-    return LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    if flash:  # as from_pretrained(attn_implementation=flash) leaves it, past the check for flash_attn
+        model.config._attn_implementation = flash
+    return model
+
+
+def install_flash_on_cpu(name: str) -> list[str]:
+    """transformers' flash-attention path (its wrapper, ``_flash_attention_forward``, the lazy kernel
+    import by ``config._attn_implementation``) with a ``flash_attn_func`` made of torch's SDPA, since
+    flash_attn does not run on a CPU. A Hub name (``kernels-community/...``) is registered as
+    ``load_and_register_attn_kernel`` registers a kernel that has ``flash_attn_varlen_func``.
+    Returns the names the kernel was imported by."""
+    import torch.nn.functional as F
+    import transformers.modeling_flash_attention_utils as fa
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):  # [b, s, heads, d]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             dropout_p=dropout_p, is_causal=causal, scale=softmax_scale,
+                                             enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False):
+        raise AssertionError("the varlen kernel: the sequence was taken as padded or packed")
+
+    imported: list[str] = []
+
+    def lazy_imports(implementation, attention_wrapper=None, allow_all_kernels=False):
+        imported.append(implementation)
+        if implementation != name:
+            raise ValueError(f"no flash kernel is named {implementation!r}")
+        return flash_attn_func, flash_attn_varlen_func, None, fa._pad_input, fa._unpad_input
+
+    fa._lazy_imports, fa._loaded_implementation = lazy_imports, None
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, flash_attention_forward)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+    return imported
 
 
 def samples(step: int, count: int, seq: int, masked_prompt: int) -> list[dict]:
@@ -59,6 +100,7 @@ def run(case: dict) -> dict:
     sp = case["sp"]
     dp, dp_rank = world // sp, rank // sp
     accum, steps, clip = case.get("accum", 1), case.get("steps", 3), case.get("clip")
+    imported = install_flash_on_cpu(case["flash"]) if case.get("flash") else []
     base = tiny_llama(case)
     ref = copy.deepcopy(base)
     ref_opt = optimizer(case.get("optimizer", "sgd"), ref.parameters())
@@ -121,7 +163,7 @@ def run(case: dict) -> dict:
     wdiff, worst = worst_rel_diff(full, ref.state_dict())
     zs.teardown(model, keep_weights=False)
     return dict(case=case, losses=losses, ref_losses=ref_losses, weight_rel_diff=wdiff, worst_tensor=worst,
-                attn_after_teardown=model.config._attn_implementation)
+                attn_after_teardown=model.config._attn_implementation, flash_imported=sorted(set(imported)))
 
 
 def main() -> None:

@@ -40,17 +40,20 @@ class Peak:
 
 
 def step(model, opt, ids, sp: int) -> None:
+    """The loops users write: the output (and its logits) held until after backward."""
     if sp == 1:
-        loss = model(input_ids=ids, labels=ids).loss
+        outputs = model(input_ids=ids, labels=ids)
+        loss = outputs.loss
     else:
         shard = zs.shard_sequence({"input_ids": ids, "labels": ids}, model)
-        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-        loss = model.loss_function(logits=logits, labels=None, shift_labels=shard["shift_labels"], vocab_size=VOCAB)
+        outputs = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+        loss = model.loss_function(logits=outputs.logits, labels=None, shift_labels=shard["shift_labels"],
+                                   vocab_size=VOCAB)
         loss = zs.sequence_parallel_loss(loss, shard["shift_labels"], model)
-        del logits
     loss.backward()
     opt.step()
     opt.zero_grad()
+    del outputs
 
 
 def peak_of(sp: int) -> int:

@@ -230,7 +230,8 @@ def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
             raise ValueError(f"sequence_parallel_size={n}: cannot find the attention function {impl!r} of "
                              f"{type(m).__name__}; load the model with attn_implementation='sdpa' (or 'eager')")
         name = f"zero_ulysses_{impl}_{id(m):x}"
-        transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp))
+        kind = "eager" if impl == "eager" else attention_kind(base, impl, n)
+        transformers.AttentionInterface.register(name, ulysses_attention(base, impl, sp, kind))
         config._attn_implementation = name
         refuse = _refuse_generate(n)
         if hasattr(m, "generate"):
@@ -246,6 +247,25 @@ def sequence_parallel_attention(model: nn.Module, sp) -> Callable[[], None]:
                 del m.__dict__["generate"]
 
     return undo
+
+
+def attention_kind(base: Callable, impl: str, n: int) -> str:
+    """Which of the wrapper's kinds (``sdpa``, ``flash``) the registered attention function ``base`` is:
+    decided by the function, not by its name, so a kernel from the Hub that transformers registers
+    with its own flash-attention wrapper (``kernels-community/flash-attn2``, ``flash_attention_3``, ...)
+    is wrapped as flash is; any other function (flex, paged, a Hub kernel's own entry point) is
+    refused by name: the wrapper knows how sdpa, eager and flash mask causally, not how it does."""
+    # already imported with the registry that holds them (this package does not import transformers)
+    wrappers = {"sdpa": ("transformers.integrations.sdpa_attention", "sdpa_attention_forward"),
+                "flash": ("transformers.integrations.flash_attention", "flash_attention_forward")}
+    for kind, (module, function) in wrappers.items():
+        if base is not None and base is getattr(sys.modules.get(module), function, None):
+            return kind
+    raise ValueError(f"sequence_parallel_size={n}: attn_implementation={impl!r} is not supported under sequence "
+                     f"parallelism: its function ({getattr(base, '__qualname__', base)!r}) is none of transformers' "
+                     "sdpa, eager or flash-attention wrappers, whose causal masking the all-to-all relies on. Load "
+                     "the model with attn_implementation='sdpa' (or 'eager', 'flash_attention_2', or a Hub flash "
+                     "kernel such as 'kernels-community/flash-attn2')")
 
 
 def _refuse_generate(n: int) -> Callable:

@@ -26,7 +26,11 @@ still shards over every rank, and the engine sees ordinary data-parallel gradien
   as it is O(s²) anyway). Grouped-query attention with fewer kv heads than N repeats
   each kv head N/kv times before the all-to-all and hands the wrapped function a view
   of the module whose ``num_key_value_groups`` matches the local heads (the module is
-  never changed).
+  never changed). Which function it is decides how it is called, not its name
+  (``hf.attention_kind``): transformers' sdpa and flash wrappers (``flash_attention_2/3/4`` and
+  Hub kernels it registers with its flash wrapper), the model's eager function; anything else is
+  refused by name. A flash kernel sees the config under the name it was loaded with: transformers
+  imports the kernel by ``config._attn_implementation``, which names the wrapper's registration.
 * **Loss and gradients** (:func:`sequence_parallel_loss`): a rank's loss is its shard's
   token-loss sum; the group sums them with a differentiable all-reduce and divides by
   the valid tokens of the whole sample, so every rank of the group holds (and logs) the
@@ -57,8 +61,9 @@ __all__ = ["shard_batch", "sequence_parallel_loss", "ulysses_attention", "Sequen
 #: the label that marks a token without loss (transformers' and torch's ignore_index)
 IGNORE_INDEX = -100
 
-#: kernels that take causal masking from the module (``is_causal``) when given no mask
-_CAUSAL_WITHOUT_MASK = ("sdpa", "flash")
+#: the kinds of attention function the wrapper knows how to call: sdpa and flash take causal masking
+#: from the module (``is_causal``) when given no mask; eager needs the mask
+KERNEL_KINDS = ("sdpa", "flash", "eager")
 
 
 def shard_batch(batch: Mapping[str, Any], sp: SequenceParallelGroup, pad_token_id: int = 0) -> dict[str, Any]:
@@ -96,8 +101,10 @@ def shard_batch(batch: Mapping[str, Any], sp: SequenceParallelGroup, pad_token_i
                 widths = [0, 0] * (value.dim() - 2) + [0, pad]
                 out[key] = torch.nn.functional.pad(value, widths, value=fill.get(key, 0))
     chunk = (s + pad) // sp.size
-    return {key: value[:, chunk * sp.rank:chunk * (sp.rank + 1)] if _per_token(value, b, s + pad) else value
-            for key, value in out.items()}
+    # copies: a slice of a [b > 1, s] batch is not contiguous (transformers' loss views shift_labels flat),
+    # and a shard of its own does not pin the whole sequence
+    return {key: value[:, chunk * sp.rank:chunk * (sp.rank + 1)].clone() if _per_token(value, b, s + pad)
+            else value for key, value in out.items()}
 
 
 def _per_token(value: Any, b: int, s: int) -> bool:
@@ -148,17 +155,37 @@ class _GroupsView:
     """The attention module as the wrapped kernel should see it after the all-to-all: the same
     module, with ``num_key_value_groups`` of the local heads (the module itself is untouched)."""
 
-    def __init__(self, module, groups: int):
+    def __init__(self, module, groups: int, config=None):
         self._module = module
         self.num_key_value_groups = groups
+        if config is not None:
+            self.config = config
 
     def __getattr__(self, name: str):
         return getattr(self._module, name)
 
 
-def ulysses_attention(base: Callable, base_name: str, sp: SequenceParallelGroup) -> Callable:
-    """``base`` (a transformers attention function) run on whole sequences for 1/N of the heads."""
-    causal_without_mask = base_name.startswith(_CAUSAL_WITHOUT_MASK)
+class _ConfigView:
+    """The model's config as transformers' flash-attention wrapper reads it: under the name of the
+    kernel it was loaded with (``_attn_implementation``, which it imports the kernel by), not the
+    name the wrapper is registered under."""
+
+    def __init__(self, config, impl: str):
+        self._config = config
+        self._attn_implementation = impl
+
+    def __getattr__(self, name: str):
+        return getattr(self._config, name)
+
+
+def ulysses_attention(base: Callable, base_name: str, sp: SequenceParallelGroup, kind: str | None = None) -> Callable:
+    """``base`` (a transformers attention function registered as ``base_name``) run on whole
+    sequences for 1/N of the heads. ``kind``: which of :data:`KERNEL_KINDS` ``base`` is (default:
+    read off ``base_name``); a flash kernel sees the config under ``base_name``."""
+    kind = kind or ("eager" if base_name == "eager" else "sdpa" if base_name.startswith("sdpa") else "flash")
+    if kind not in KERNEL_KINDS:
+        raise ValueError(f"attention kind {kind!r}: expected one of {KERNEL_KINDS}")
+    causal_without_mask = kind != "eager"
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         n = sp.size
@@ -171,12 +198,16 @@ def ulysses_attention(base: Callable, base_name: str, sp: SequenceParallelGroup)
         k = SequenceToHeads.apply(key, sp)      # [b, kv'/N, s, d]
         v = SequenceToHeads.apply(value, sp)
         groups = q.shape[1] // k.shape[1]
-        view = module if getattr(module, "num_key_value_groups", groups) == groups else _GroupsView(module, groups)
+        config = None
+        if kind == "flash" and hasattr(module, "config"):
+            config = _ConfigView(module.config, base_name)
+        same = getattr(module, "num_key_value_groups", groups) == groups and config is None
+        view = module if same else _GroupsView(module, groups, config)
         if causal_without_mask:
             mask = None
         else:
             mask = _causal_mask(q.shape[2], q.dtype, q.device)
-        if base_name.startswith("flash") and torch.is_tensor(kwargs.get("position_ids")):
+        if kind == "flash" and torch.is_tensor(kwargs.get("position_ids")):
             kwargs["position_ids"] = gather_sequence(kwargs["position_ids"], sp)
         out, _ = base(view, q, k, v, mask, *args, **kwargs)             # [b, s, h/N, d]
         out = HeadsToSequence.apply(out.transpose(1, 2), sp)           # [b, h, s/N, d]

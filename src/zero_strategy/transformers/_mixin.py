@@ -159,6 +159,12 @@ class _TrainerZeroAccelerator(ZeroAccelerator):
 # ``prediction_step`` returns that loss for evaluation and no logits (each rank holds a shard).
 
 
+#: Trainer subclasses whose training loss under sequence parallelism is the model's own (TRL's SFT
+#: calls the stock loss under DeepSpeed's: ``sft_trainer.py``, "Ulysses sequence parallelism reduces
+#: the model's own loss across ranks"); See [Note: sequence parallelism under the Trainer]
+_SP_LOSS_OF_THE_MODEL = ("trl.trainer.sft_trainer.SFTTrainer",)
+
+
 class ZeroTrainerMixin:
     """Put first in the bases of a ``transformers.Trainer`` subclass to train it with ZeRO.
 
@@ -178,6 +184,7 @@ class ZeroTrainerMixin:
                              + MIGRATION)
         self._zero_config_spec = zero_config
         super().__init__(*args, **kwargs)
+        self._refuse_unsplittable_training()
         self.add_callback(_ZeroGradAfterStep())
         self._prepare_frozen_models()
         adopt_vllm_weight_sync(self)  # See [Note: weight sync to vLLM at stage 3] in _vllm_sync.py
@@ -214,6 +221,30 @@ class ZeroTrainerMixin:
         if sp is not None and sp.size > 1:
             return self.accelerator.skip_first_batches(dataloader, num_batches)
         return super().get_resumed_dataloader(dataloader, num_batches)
+
+    def _refuse_unsplittable_training(self) -> None:
+        """What sequence parallelism cannot honour, refused at construction naming the fix, never trained
+        as something else (See [Note: sequence parallelism under the Trainer])."""
+        sp = getattr(getattr(self, "accelerator", None), "sequence_parallel", None)
+        if sp is None or sp.size == 1:
+            return
+        name, args = type(self).__name__, self.args
+        if getattr(args, "packing", False) or getattr(args, "padding_free", False):
+            raise ValueError(f"{name}: packing and padding_free put several sequences in one row, which sequence "
+                             f"parallelism (sp_size={sp.size}) cannot split: its attention is causal over the whole "
+                             "row. Pass packing=False and padding_free=False (one sequence per row, padded at the "
+                             "end), or sp_size=1")
+        own = next(c for c in type(self).__mro__ if "compute_loss" in vars(c) and c is not ZeroTrainerMixin)
+        if own is not Trainer and f"{own.__module__}.{own.__qualname__}" not in _SP_LOSS_OF_THE_MODEL:
+            raise ValueError(f"{name}: {own.__qualname__} computes a loss of its own, which sequence parallelism "
+                             f"(sp_size={sp.size}) would replace by the model's cross-entropy over each whole "
+                             "sample; it is not supported. Use sp_size=1, or a Trainer whose loss is the model's "
+                             "(transformers.Trainer, trl.SFTTrainer)")
+        if (self.compute_loss_func is not None or getattr(self, "label_smoother", None) is not None
+                or getattr(args, "loss_type", "nll") not in ("nll", "chunked_nll")):
+            raise ValueError(f"{name}: under sequence parallelism (sp_size={sp.size}) the loss is the model's own "
+                             "token-mean cross-entropy over each whole sample; compute_loss_func, label_smoothing_factor "
+                             "and loss_type other than 'nll' are not supported. Drop them, or use sp_size=1")
 
     def _sequence_parallel_batch(self, inputs) -> bool:
         sp = getattr(getattr(self, "accelerator", None), "sequence_parallel", None)
