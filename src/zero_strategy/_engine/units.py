@@ -309,7 +309,7 @@ def _unit_class_hint(root: nn.Module) -> str:
 def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError,
                           gather: bool = True) -> CollectiveError:
     """The error for a wait on a unit's collective that failed, naming the unit (see [Note: bounded
-    waits] in _comm/waits.py); a timed-out ``gather`` adds what usually causes it."""
+    waits] in _comm/collectives.py); a timed-out ``gather`` adds what usually causes it."""
     head = f"zero_strategy: rank {comm.rank} gave up on {what}."
     if isinstance(error, CollectiveDesync):
         return CollectiveDesync(f"{head}\n{error}")

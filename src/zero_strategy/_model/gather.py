@@ -243,7 +243,7 @@ def gathered(engine: "ZeroEngine", params: Iterable[nn.Parameter] | None, kind: 
     units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
     was_sharded = {id(u): u.state is ShardState.SHARDED for u in units}
     if any(u.sharded_groups for u in units):
-        engine.comm.enter(kind)  # see [Note: bounded waits] in _comm/waits.py
+        engine.comm.enter(kind)  # see [Note: bounded waits] in _comm/collectives.py
     for u in units:
         u.gather(engine.comm)
     try:
