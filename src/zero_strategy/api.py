@@ -348,7 +348,7 @@ def zero_grad(model: nn.Module) -> None:
     """Drop every gradient shard of the model (all its optimizers' groups) now.
 
     ``model.zero_grad()``, ``submodule.zero_grad()`` and ``optimizer.zero_grad()`` work
-    too (see [Note: param.grad after backward] in _engine/grad_markers.py); this one frees the
+    too (see [Note: param.grad after backward] in _engine/gradients.py); this one frees the
     gradient memory at once instead of when the next gradient arrives. With ``overlap_step``
     it refuses a backward's gradients dropped before ``step()`` as ``optimizer.zero_grad()``
     does (See [Note: a step overlap_step began is not undone] in _optim/optimizer.py).

@@ -22,7 +22,7 @@ gathers in the gather schedule (See [Note: gather schedule] in _engine/units.py)
 on streams of their own (See [Note: two streams of collectives] in _comm/collectives.py),
 and everything deferred to the step in a fixed group order. A parameter no rank used
 in a step does not move, as in DDP with ``find_unused_parameters=True`` (See [Note: no
-gradient on any rank] in _engine/untouched.py).
+gradient on any rank] in _engine/gradients.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from .placement import offload_services, single_device, size_swap_pool
 from .plan import ShardingPlan, plan_for
 from .reduce import MAX_IN_FLIGHT, ReduceQueue
 from .units import GatherSchedule, Pass, Unit, build_units, refuse_replaced_units
-from .untouched import StepAgreements, unfrozen_names
+from .gradients import StepAgreements, unfrozen_names
 
 
 # ------------------------------------------------------------ the pieces hooks are made of

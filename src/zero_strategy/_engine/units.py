@@ -69,7 +69,7 @@ are used or skipped together:
   holds units (ViT's ``cls_token``) goes with that module's.
 
 A group no rank has a gradient for is then not stepped, as DDP's parameters (See
-[Note: no gradient on any rank] in _engine/untouched.py, which also covers what is left
+[Note: no gradient on any rank] in _engine/gradients.py, which also covers what is left
 inside a group). The cost would be more, smaller collectives, one per member and part and collective
 kind (a list of 64 experts in each of 27 layers: about 1,700 of each kind per step);
 instead a unit's groups are gathered as one coalesced all-gather and its small groups

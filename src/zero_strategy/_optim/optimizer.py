@@ -67,7 +67,7 @@ import torch
 
 from .._engine.engine import ZeroEngine, refuse_while_offloaded
 from .._engine.group_gathers import publish_masters
-from .._engine.untouched import keep_untouched
+from .._engine.gradients import keep_untouched
 from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import device_step_batches
 from .loss_scale import LossScaler
@@ -395,7 +395,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The user's optimizer steps the masters of ``groups`` that have a ``.grad`` (unhooked:
         See [Note: hooks fire once per step]); ``window``: elements [a, b) of one group's shard
         (a chunk of a streamed group, _optim/chunked_step.py)."""
-        with keep_untouched(self.optimizer, groups, window):  # See [Note: no gradient on any rank] in _engine/untouched.py
+        with keep_untouched(self.optimizer, groups, window):  # See [Note: no gradient on any rank] in _engine/gradients.py
             self._internal_steps += 1
             try:
                 self._unhooked_step(self.optimizer)
