@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .._engine.group_gathers import gather_replicated_groups
+from .._engine.units import gather_replicated_groups
 from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import step_batches
 from .adam_windows import step_in_windows, window_plan

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from .._engine.engine import ZeroEngine, refuse_while_offloaded
-from .._engine.group_gathers import publish_masters
+from .._engine.units import publish_masters
 from .._engine.gradients import keep_untouched
 from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import device_step_batches
