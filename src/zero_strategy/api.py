@@ -42,7 +42,7 @@ from ._model.install import install
 from ._model.memory import MemoryReport, measure
 from ._model.tiled_loss import tiled_causal_lm_loss
 from ._model import sequence_parallel as _sp
-from ._mechanisms.host_memory import release_freed_host_memory
+from ._mechanisms.memory import release_freed_host_memory
 from ._optim.layouts import layout_of
 from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
 from .config import ZeroConfig

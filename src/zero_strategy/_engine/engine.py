@@ -40,7 +40,7 @@ from .._comm.collectives import Collectives
 from .._config.policies import NVMeOffload
 from .._config.state_kinds import KINDS
 from .._mechanisms.background_save import BackgroundSave
-from .._mechanisms.host_memory import ReleasePoints
+from .._mechanisms.memory import ReleasePoints
 from .._user_warnings import warn_at_user
 from .flat import FlatGroup, ParamSlot, ShardState
 from .placement import offload_services, single_device, size_swap_pool
@@ -638,9 +638,9 @@ class ZeroEngine:
     def _drop_idle_buffers(self) -> None:
         """Where a phase ends: the buffers kept from one step to the next that no one holds now."""
         self.transfers.cast_scratch.release()
-        self.transfers.host_pool.release()  # See [Note: the training cycle's host buffers] in _mechanisms/host_pool.py
+        self.transfers.host_pool.release()  # See [Note: the training cycle's host buffers] in _mechanisms/memory.py
         if self.swap is not None:
-            self.swap.pool.drop_idle()  # See [Note: staging between passes] in _mechanisms/host_memory.py
+            self.swap.pool.drop_idle()  # See [Note: staging between passes] in _mechanisms/memory.py
 
     def release_all(self) -> None:
         for u in self.units:

@@ -107,7 +107,7 @@ from typing import Iterable, Iterator
 import torch
 
 from .._comm.collectives import Collectives, Handle
-from .._mechanisms.host_pool import storage_use_count
+from .._mechanisms.memory import storage_use_count
 
 
 class GradState(enum.Enum):

@@ -113,7 +113,7 @@ from torch import nn
 
 from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, CollectiveTimeout, Handle
 from .._config.policies import OffloadPolicy
-from .._mechanisms.host_memory import release_if_large
+from .._mechanisms.memory import release_if_large
 from .._mechanisms.transfers import Transfers
 from .._user_warnings import warn_at_user
 from .flat import FlatGroup, ShardState, preserve_version
@@ -429,7 +429,7 @@ def build_units(
 
     Meta-device parameters are materialized here, unit by unit (see _engine/materialize.py);
     with ``release_host_memory`` what the last unit freed goes back to the OS before the next
-    is materialized (See [Note: freed host memory] in _mechanisms/host_memory.py).
+    is materialized (See [Note: freed host memory] in _mechanisms/memory.py).
     ``owned_optimizers``: the optimizers whose groups take the ownership layout (See [Note:
     the ownership layout] in _engine/flat.py), balanced over all their groups together.
     ``kept_dtypes``: id(param) -> the dtype it computes in instead of ``compute_dtype`` (See

@@ -157,7 +157,7 @@ class SlotPool:
 
     def drop_idle(self) -> None:
         """Free every buffer no one holds (they are allocated again on the next use). See
-        [Note: staging between passes] in _mechanisms/host_memory.py."""
+        [Note: staging between passes] in _mechanisms/memory.py."""
         with self._cv:
             idle, self._free = [b for b in self._free if b is not None], [None] * len(self._free)
         for buf in idle:

@@ -40,9 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from .cast_scratch import CastScratch
-from .host_pool import HostPool
+from .memory import HostPool, WorkingSet
 from .worker_threads import WorkerThreads
-from .working_set import WorkingSet
 
 HOST = torch.device("cpu")
 
@@ -142,7 +141,7 @@ class Transfers:
     @property
     def kept_bytes(self) -> int:
         """Host bytes kept for the next step: the step's cast buffers and the training cycle's
-        idle buffers (See [Note: the training cycle's host buffers] in host_pool.py)."""
+        idle buffers (See [Note: the training cycle's host buffers] in memory.py)."""
         return self.cast_scratch.nbytes + self.host_pool.idle_bytes
 
     @property

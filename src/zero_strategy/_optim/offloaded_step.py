@@ -198,7 +198,7 @@ class OffloadedStep:
         """On the CPU worker: one optimizer step over ``batch``'s masters (state read ahead
         for ``upcoming`` groups). Returns each group's upload event (or None). What it frees it
         keeps for the next step: See [Note: releases where a phase ends] in
-        _mechanisms/host_memory.py."""
+        _mechanisms/memory.py."""
         chunked = batch[0].masters.streams and not batch[0].owned  # casts chunk by chunk, in step_in_chunks
         # casts window by window (See [Note: the bf16 step in cache-sized windows] in adam_windows.py)
         windowed = None if chunked else self._window_plan(batch)
