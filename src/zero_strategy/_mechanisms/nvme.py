@@ -50,7 +50,7 @@ from .aligned import aligned_empty, round_up
 from .nvme_files import NVMeError, check_room, prepare_base, resolve_nvme_path
 from .swap_file import SwapFile, wait_all
 from .swap_set import Residency, SwapSet
-from .worker_threads import WorkerThreads
+from .transfers import WorkerThreads
 
 __all__ = ["NVMeError", "NVMeStore", "Residency", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
 

@@ -62,7 +62,7 @@ class OffloadedStep:
         self._owned_views, self._optimizer = owned_views, optimizer
         self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
         self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
-        engine.transfers.pool  # its worker starts now, at setup, not in a backward hook (_mechanisms/worker_threads.py)
+        engine.transfers.pool  # its worker starts now, at setup, not in a backward hook (_mechanisms/transfers.py)
         if engine.swap is not None:  # slots of its own for the reads backward starts
             pool = engine.swap.pool  # See [Note: NVMe state read during backward]
             pool.grow_to(pool.count + engine.swap.policy.read_ahead + 1)
