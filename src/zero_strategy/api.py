@@ -48,7 +48,8 @@ from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
 from .config import ZeroConfig
 
 __all__ = [
-    "setup", "is_set_up", "engine_of", "EngineView", "teardown", "full_shapes", "zero_grad", "reset_iter_state", "no_sync",
+    "setup", "is_set_up", "engine_of", "EngineView", "teardown", "full_shapes", "zero_grad", "reset_iter_state",
+    "no_sync",
     "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",

@@ -1,4 +1,4 @@
-"""Gradients: where a flat group's live between backward and step, what ``param.grad`` shows, which any rank has.
+"""The flat groups' gradients: where they live until the step, what ``param.grad`` shows, which ranks have one.
 
 One concept, three objects, in the order a gradient meets them: :class:`GradBuffer` (one flat
 group's gradients: accumulate, reduce-scatter, the reduced shard), :class:`GradMarkers` (the
