@@ -14,6 +14,14 @@ Four figures, each a proxy for how easy the code is to follow (issue 37 set the 
   (module-level imports, the package's own ``__init__`` not run, so the figure is the
   engine's own), and the larger set its function-level imports can reach.
 
+Where it stood (the files cut by concept in issue 37's second round, 2026-12-07): the step
+entered 21 files before and 12 after (the collectives' counters and waits into
+``_comm/collectives.py``; the gradient buffer, its markers and the step agreement into
+``_engine/gradients.py``; the group gathers into ``_engine/units.py``; the working set, the host
+pool and the release of freed memory into ``_mechanisms/memory.py``; the worker threads into
+``_mechanisms/transfers.py``; the loss scale into ``_optim/optimizer.py``), the pre-forward 8
+before and 6 after, with no circle either time. docs/architecture.md shows the step's path.
+
 Steady state is traced: one untraced step first, so first-use imports and lazy setup do not
 count. Run from the repository root::
 
@@ -32,6 +40,9 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: issue 37's targets, and the figures before its files were cut by concept (2026-12-07)
+STEP_TARGET, STEP_BEFORE = 12, 21
+PRE_FORWARD_TARGET, PRE_FORWARD_BEFORE = 6, 8
 SOURCE = ROOT / "src" / "zero_strategy"
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -250,10 +261,12 @@ def main() -> None:
     result = {**trace_step(), "circles": circles(every),
               "engine_runtime_closure": engine_loads(),
               "engine_static_closure": reach(every, "zero_strategy._engine.engine")}
-    print(f"step (stage 3, CPU offload): {len(result['step_files'])} files, {result['step_calls']} calls")
+    print(f"step (stage 3, CPU offload): {len(result['step_files'])} files, {result['step_calls']} calls "
+          f"(target: at most {STEP_TARGET}; {STEP_BEFORE} before issue 37's cut by concept)")
     for f in result["step_files"]:
         print(f"    {f}")
-    print(f"one unit's pre-forward: {len(result['pre_forward_files'])} files, {result['pre_forward_calls']} calls")
+    print(f"one unit's pre-forward: {len(result['pre_forward_files'])} files, {result['pre_forward_calls']} calls "
+          f"(target: at most {PRE_FORWARD_TARGET}; {PRE_FORWARD_BEFORE} before)")
     for f in result["pre_forward_files"]:
         print(f"    {f}")
     print(f"circles (TYPE_CHECKING and lazy imports counted): {len(result['circles'])}")

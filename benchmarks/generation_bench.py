@@ -115,7 +115,7 @@ def worker(args) -> None:
     def run(name: str):
         model = models[name]
         gathered = zs.gathered_for_generation(model) if name.startswith("once") else None
-        gathers_before = zs.engine_of(model).comm.stats.all_gather.calls if zs.is_set_up(model) else 0
+        gathers_before = zs.api._engine_of(model).comm.stats.all_gather.calls if zs.is_set_up(model) else 0
         dist.barrier()
         start = time.perf_counter()
         with torch.no_grad():
@@ -127,7 +127,7 @@ def worker(args) -> None:
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                      max_new_tokens=args.new_tokens, pad_token_id=0)
         seconds = time.perf_counter() - start
-        gathers = (zs.engine_of(model).comm.stats.all_gather.calls - gathers_before) if zs.is_set_up(model) else 0
+        gathers = (zs.api._engine_of(model).comm.stats.all_gather.calls - gathers_before) if zs.is_set_up(model) else 0
         slowest = torch.tensor([seconds])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return float(slowest), gathers, out

@@ -365,7 +365,7 @@ def build_ours(name, a, dev, ids):
     # zero1/2/3, zero2_offload, zero3_offload, zero3_offload_nvme
     cfg = zs.ZeroConfig.preset(name, precision="bf16", **overrides)
     model, zopt = zs.setup(model, opt, cfg)
-    swap = zs.engine_of(model).swap
+    swap = zs.api._engine_of(model).swap
     # swap traffic of the optimizer steps after the first (which creates AdamW's state and writes it whole)
     io = {"step_s": 0.0, "read": 0, "written": 0, "steps": 0, "calls": 0}
 

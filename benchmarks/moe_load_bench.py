@@ -135,7 +135,7 @@ def worker(args) -> None:
         else:
             model = AutoModelForCausalLM.from_pretrained(args.dir)
         model, _ = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), "zero3")
-        engine = zs.engine_of(model)
+        engine = zs.api._engine_of(model)
         share = sum((hi - lo) * 4 for g in engine.groups for _, lo, hi, _ in g.slot_ranges_in_shard())
     seconds = time.perf_counter() - start
     peak = sampler.stop() - baseline

@@ -531,7 +531,7 @@ def engine_bench(a, dev: str | None, raw_file: RawFile | None = None) -> dict:
     out: dict = {}
     t0 = time.perf_counter()
     model, opt, zopt, x, n, d, cfg = build(a, "nvme")
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     swap = engine.swap
     out.update(params=n, d=d, layers=a.layers, groups=len(zopt.groups), stage=a.stage,
                offload_params=a.offload_params, adam=a.adam, setup_s=time.perf_counter() - t0,

@@ -166,7 +166,7 @@ def worker(args) -> None:
                 times.append((dt.item(), os.getloadavg()[0]))
         systems = {}
         for system, (model, zopts, times) in runs.items():
-            engine = zs.api.engine_of(model)
+            engine = zs.api._engine_of(model)
             measured = torch.tensor([float(sum(state_bytes(z) for z in zopts))])
             gathered = [torch.zeros(1) for _ in range(world)]
             dist.all_gather(gathered, measured)

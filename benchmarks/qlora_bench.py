@@ -71,7 +71,7 @@ def worker(args) -> None:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     import zero_strategy as zs
-    from zero_strategy.api import engine_of
+    from zero_strategy.api import _engine_of as engine_of
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -103,7 +103,7 @@ def test_optimizer_state(tmp_path):
     zs.save_checkpoint(tmp_path / "c", model, opt)
     out = zs.checkpoint.consolidate(tmp_path / "c", tmp_path / "out", include_optimizer=True)
     got = load_file(out / "optimizer.safetensors")
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     for g in engine.trainable_groups:
         state = opt.optimizer.state[g.master]
         for s in g.slots:

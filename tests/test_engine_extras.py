@@ -40,9 +40,9 @@ def test_zero_grad_through_the_model_clears_the_shards():
     ref, ropt, model, zopt = pair(2)
     tokens, targets = batch(0, 0, 0)
     loss_fn(model(tokens), targets).backward()
-    assert any(g.grads.grad_shard is not None for g in zs.engine_of(model).groups)
+    assert any(g.grads.grad_shard is not None for g in zs.api._engine_of(model).groups)
     zs.zero_grad(model)
-    assert all(g.grads.grad_shard is None for g in zs.engine_of(model).groups)
+    assert all(g.grads.grad_shard is None for g in zs.api._engine_of(model).groups)
 
 
 def test_release_only_teardown_gathers_nothing_and_frees_state():
@@ -50,7 +50,7 @@ def test_release_only_teardown_gathers_nothing_and_frees_state():
     tokens, targets = batch(0, 0, 0)
     loss_fn(model(tokens), targets).backward()
     zopt.step()
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     zs.teardown(model, keep_weights=False)
     assert all(p.untyped_storage().nbytes() <= p.element_size() for p in model.parameters())  # released: no memory
     assert len(zopt.optimizer.state) == 0 and all(g.grads.grad_shard is None for g in engine.groups)
@@ -90,3 +90,21 @@ def test_load_full_state_dict_names_what_is_missing():
     ref, ropt, model, zopt = pair(2)
     with pytest.raises(zs.CheckpointError, match="lack 1 parameter.*final_norm.bias"):
         zs.load_full_state_dict(model, {k: v for k, v in ref.state_dict().items() if k != "final_norm.bias"})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_engine_of_is_a_read_only_view_one_per_setup(stage):
+    """``engine_of`` hands users what setup resolved, never the engine: the config, whether the
+    parameters are sharded, the same view until teardown and a new one after the next setup."""
+    ref, ropt, model, zopt = pair(stage)
+    view = zs.engine_of(model)
+    assert isinstance(view, zs.api.EngineView) and not isinstance(view, zs.api.ZeroEngine)
+    assert zs.engine_of(model) is view
+    assert view.config is zs.api._engine_of(model).config and view.config.stage == stage
+    assert view.shards_parameters is (stage == 3)
+    assert view.after_save_succeeds(lambda: None) is False  # no asynchronous save writing
+    with pytest.raises(AttributeError):
+        view.groups  # noqa: B018 - the engine's internals are not on the view
+    zs.teardown(model)
+    model, zopt = zs.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), zs.ZeroConfig(stage=stage))
+    assert zs.engine_of(model) is not view

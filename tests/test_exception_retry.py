@@ -39,7 +39,7 @@ def test_reset_iter_state_after_an_abandoned_backward_and_illegal_transitions_ar
     model = TinyLM(layers=2)
     model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)),
                            zs.ZeroConfig(stage=3, param_persistence_threshold=0))
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     tokens, targets = batch(0, 0, 0)
 
     def boom(grad):
@@ -82,7 +82,7 @@ def test_a_keyboard_interrupt_in_forward_is_recovered_by_zero_grad(stage):
         model(tokens)
     interrupt["on"] = False
     zopt.zero_grad()
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     assert engine.training_state.value == "idle"
     assert all(u.state.value == "sharded" for u in engine.units if u.sharded_groups)
     train(plain, popt, range(1))

@@ -8,7 +8,7 @@ from torch import nn
 
 from zero_strategy._comm.collectives import Collectives
 from zero_strategy._engine.flat import FlatGroup, ShardState
-from zero_strategy._engine.group_gathers import begin_gather_groups
+from zero_strategy._engine.units import begin_gather_groups
 
 
 def make_group(shapes, world_size, rank, shard_params=False, dtype=torch.float32):

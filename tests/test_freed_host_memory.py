@@ -11,7 +11,7 @@ staging), which is what the last pass may have left in the allocator's free list
 evaluation, also what its own forward freed (its logits and the loss's copies of them, kept by
 the allocator for the next evaluation forward). 64 MiB of slack covers the interpreter's and
 torch's own working memory. See [Note: releases where a
-phase ends] in src/zero_strategy/_mechanisms/host_memory.py for why nothing is released between
+phase ends] in src/zero_strategy/_mechanisms/memory.py for why nothing is released between
 steps: what a step frees, the next one takes again, and giving it back made every step fault it
 in again (the offloaded step at half the fused kernel's speed, a 21M-parameter iteration at half
 its speed).

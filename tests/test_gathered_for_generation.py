@@ -131,7 +131,7 @@ def test_a_nested_block_holds_until_the_outer_one_ends():
     import zero_strategy as zs
 
     model = _one_rank_model()
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     states = lambda: {u.state.value for u in engine.units if u.sharded_groups}  # noqa: E731
     with zs.gathered_for_generation(model):
         with torch.no_grad(), zs.gathered_for_generation(model):
@@ -168,7 +168,7 @@ def test_gather_once_in_generate_makes_generate_gather_once():
     import zero_strategy as zs
 
     model = _one_rank_model()
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     seen = []
     original = engine.units[1].release
 

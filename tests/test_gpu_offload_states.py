@@ -46,7 +46,7 @@ def _run(config, include=None, non_blocking=False, round_trip=True, steps=3):
         torch.cuda.synchronize()
         offloaded = zs.memory_report(model)
         freed = allocated - torch.cuda.memory_allocated()
-        pinned = all(t.is_pinned() for _, t in zs.engine_of(model).offloaded.host_copies())
+        pinned = all(t.is_pinned() for _, t in zs.api._engine_of(model).offloaded.host_copies())
         zs.reload_states(model, non_blocking=non_blocking)
         torch.cuda.synchronize()
         if step == 0:

@@ -51,7 +51,7 @@ def test_stage_matches_plain_training_on_gpu(stage, precision):
     torch.cuda.reset_peak_memory_stats()
     full = zs.full_state_dict(model)
     # in host memory, gathered one group at a time: the device held at most one group beyond its shards
-    largest = max(g.padded_numel * 4 for g in zs.engine_of(model).groups)
+    largest = max(g.padded_numel * 4 for g in zs.api._engine_of(model).groups)
     assert torch.cuda.max_memory_allocated() - before <= 2 * largest + 2 ** 20
     assert all(t.device.type == "cpu" for t in full.values())
     for name, t in master.state_dict().items():

@@ -2,7 +2,7 @@
 
 Each release returns pages the next allocation faults in again, so one inside the training cycle
 costs every step (the offloaded step fell to half the fused kernel's speed that way; See [Note:
-releases where a phase ends] in src/zero_strategy/_mechanisms/host_memory.py). These tests count
+releases where a phase ends] in src/zero_strategy/_mechanisms/memory.py). These tests count
 the releases a user's loops cause: none while training, one when an evaluation follows training,
 none when no-grad forwards are part of the training cycle (a reference model's logits, as TRL's
 DPO computes them with PEFT), and around each checkpoint save.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from zero_strategy._mechanisms import host_memory
+from zero_strategy._mechanisms import memory
 
 from _models import TinyLM, batch, loss_fn, param_groups
 
@@ -22,7 +22,7 @@ from _models import TinyLM, batch, loss_fn, param_groups
 @pytest.fixture
 def releases(monkeypatch) -> list[str]:
     calls: list[str] = []
-    monkeypatch.setattr(host_memory, "release_freed_host_memory", lambda: calls.append("release") or True)
+    monkeypatch.setattr(memory, "release_freed_host_memory", lambda: calls.append("release") or True)
     return calls
 
 

@@ -2,7 +2,7 @@
 
 The training cycle's gradient buffers go back to a pool at ``zero_grad`` and the next backward
 takes them again (See [Note: the training cycle's host buffers] in
-src/zero_strategy/_mechanisms/host_pool.py). A buffer someone still refers to must not be reused:
+src/zero_strategy/_mechanisms/memory.py). A buffer someone still refers to must not be reused:
 an optimizer that keeps the gradients it stepped on (to log them, or to compare two steps) must
 find them as they were, exactly as with torch, whose ``zero_grad`` drops ``.grad`` without
 touching the tensor.

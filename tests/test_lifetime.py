@@ -28,7 +28,7 @@ def test_dropped_model_and_optimizer_are_collected():
     model = TinyLM(layers=2)
     model, zopt = zs.setup(model, torch.optim.AdamW(model.parameters()), "zero3")
     train_one_step(model, zopt)
-    model_ref, engine_ref = weakref.ref(model), weakref.ref(zs.engine_of(model))
+    model_ref, engine_ref = weakref.ref(model), weakref.ref(zs.api._engine_of(model))
     del model, zopt
     gc.collect()
     assert model_ref() is None and engine_ref() is None

@@ -65,7 +65,7 @@ def _enospc(*args, **kwargs):
 
 def _assert_store_released(model):
     """The store is marked failed and every staging slot is back in the pool."""
-    swap = zs.api.engine_of(model).swap
+    swap = zs.api._engine_of(model).swap
     assert swap._failed is not None
     assert len(swap.pool._free) == swap.pool.count
 

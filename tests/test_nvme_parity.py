@@ -70,7 +70,7 @@ def test_units_with_many_groups_and_deep_prefetch_do_not_wait_on_their_own_slots
     model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)),
                            zs.ZeroConfig(stage=3, param_persistence_threshold=0, prefetch=prefetch,
                                          offload_optimizer=nvme, offload_params=nvme))
-    assert max(len(u.sharded_groups) for u in zs.engine_of(model).units) == 3
+    assert max(len(u.sharded_groups) for u in zs.api._engine_of(model).units) == 3
     train(plain, torch.optim.AdamW(param_groups(plain)), range(2))
     train(model, zopt, range(2))
     assert_same_weights(model, plain)

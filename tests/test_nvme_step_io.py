@@ -49,7 +49,7 @@ class Requests:
     in submission order (one entry per request, however many chunks it is split into)."""
 
     def __init__(self, model):
-        self.file = zs.engine_of(model).swap.file
+        self.file = zs.api._engine_of(model).swap.file
         self.log: list[tuple[str, str, str, str]] = []
         submit = self.file.submit
 
@@ -95,7 +95,7 @@ def test_a_synced_backward_starts_the_steps_reads_after_its_own(tmp_path):
     model, zopt = _setup(tmp_path, layers=3)
     train(model, zopt, range(1))
     requests = Requests(model)
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     read_ahead = engine.swap.policy.read_ahead
 
     with zs.no_sync(model):  # a micro-batch that no step follows: nothing of the step is read

@@ -73,12 +73,12 @@ def _nvme(tmp_path, buffer=BUFFER):
 
 
 def _largest_state_bytes(model) -> int:
-    return max(12 * g.shard_numel for g in zs.engine_of(model).trainable_groups)
+    return max(12 * g.shard_numel for g in zs.api._engine_of(model).trainable_groups)
 
 
 def _slot_bound(model) -> tuple[int, int]:
     """(slots, bytes per slot): the most staging the store may hold."""
-    pool = zs.engine_of(model).swap.pool
+    pool = zs.api._engine_of(model).swap.pool
     return pool.count, max(pool.slot_bytes, ALIGN_ELEMS * 12)
 
 
@@ -96,7 +96,7 @@ def test_a_streamed_step_equals_the_whole_group_step(tmp_path, name):
     plain = _model()
     whole, whole_opt = _setup(copy.deepcopy(plain), make, "cpu")
     streamed, streamed_opt = _setup(copy.deepcopy(plain), make, _nvme(tmp_path))
-    assert all(g.masters.streams for g in zs.engine_of(streamed).trainable_groups if g.shard_numel > 4096)
+    assert all(g.masters.streams for g in zs.api._engine_of(streamed).trainable_groups if g.shard_numel > 4096)
     assert _largest_state_bytes(streamed) > 16 * BUFFER
     plain_opt = make(param_groups(plain))
     for m, o in ((plain, plain_opt), (whole, whole_opt), (streamed, streamed_opt)):
@@ -118,7 +118,7 @@ def test_the_smallest_buffer_still_trains_by_chunks(tmp_path, stage):
     streamed, opt = _setup(copy.deepcopy(plain), make, _nvme(tmp_path, buffer=4096), stage=stage)
     train(streamed, opt, range(2))
     train(plain, make(param_groups(plain)), range(2))
-    buffers = zs.engine_of(streamed).swap.pool.buffers()  # (before full_state_dict, which drops idle ones)
+    buffers = zs.api._engine_of(streamed).swap.pool.buffers()  # (before full_state_dict, which drops idle ones)
     assert buffers and max(b.numel() for b in buffers) <= ALIGN_ELEMS * 12
     full = zs.full_state_dict(streamed)
     for key, ref in plain.state_dict().items():
@@ -165,7 +165,7 @@ def test_untouched_parameters_of_a_streamed_group_keep_their_values_and_state(tm
         warnings.simplefilter("ignore")  # one unit (no repeated blocks), heads kept behind: both said
         whole, whole_opt = run("cpu")
         streamed, streamed_opt = run(_nvme(tmp_path))
-    assert any(g.masters.streams and g.shard_numel > 8 * ALIGN_ELEMS for g in zs.engine_of(streamed).trainable_groups)
+    assert any(g.masters.streams and g.shard_numel > 8 * ALIGN_ELEMS for g in zs.api._engine_of(streamed).trainable_groups)
     mine, ref = zs.full_state_dict(streamed), zs.full_state_dict(whole)
     for key in ref:
         torch.testing.assert_close(mine[key], ref[key], rtol=0, atol=0, msg=key)
@@ -183,7 +183,7 @@ def test_staging_never_exceeds_its_slots(tmp_path):
     opt.load_state_dict(saved)
     train(model, opt, range(2, 3))
     report = zs.memory_report(model)
-    buffers = zs.engine_of(model).swap.pool.buffers()
+    buffers = zs.api._engine_of(model).swap.pool.buffers()
     assert max(b.numel() for b in buffers) <= per_slot
     # the slots the store keeps, and at the worst moment of each phase (a whole set brought in
     # for the optimizer's state dict is counted too, and is gone once it is written back)
@@ -191,7 +191,7 @@ def test_staging_never_exceeds_its_slots(tmp_path):
     assert report.working_set["staging"] <= slots * per_slot
     # a checkpoint brings one group in whole: its optimizer set and (stage 3) its parameter
     # shard, each tensor 4096-aligned as the store lays them out
-    store, whole_group = zs.engine_of(model).swap, {}
+    store, whole_group = zs.api._engine_of(model).swap, {}
     for key in store._meta:
         whole_group[key[0]] = whole_group.get(key[0], 0) + store._slot_bytes(key)
     largest_group = max(whole_group.values())
@@ -201,7 +201,7 @@ def test_staging_never_exceeds_its_slots(tmp_path):
     train(model, opt, range(3, 4))
     report = zs.memory_report(model)
     assert report.peak_working_set["staging"] <= slots * per_slot, report
-    assert 0 < report.peak_working_set["gathered"] <= 4 * sum(g.padded_numel for g in zs.engine_of(model).groups)
+    assert 0 < report.peak_working_set["gathered"] <= 4 * sum(g.padded_numel for g in zs.api._engine_of(model).groups)
     assert report.peak_working_set["grad_buckets"] > 0
     assert report.peak_working_set_bytes >= max(report.peak_working_set.values())
 

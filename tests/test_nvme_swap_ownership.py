@@ -58,7 +58,7 @@ def test_swap_directory_is_private_and_its_file_exclusive(tmp_path):
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     assert sorted(p.name for p in d.iterdir()) == ["lock", "swap.bin"]
     assert stat.S_IMODE((d / "swap.bin").stat().st_mode) == 0o600
-    owner = zs.api.engine_of(model).swap.file.dir
+    owner = zs.api._engine_of(model).swap.file.dir
     with pytest.raises(nvme_files.NVMeError, match=r"cannot create NVMe swap file .*swap\.bin: File exists"):
         owner.create_file("swap.bin", direct=False)  # O_EXCL: never reopened, never truncated
     zs.teardown(model, keep_weights=False)

@@ -4,7 +4,7 @@ CI once hung for 300 s in ``Thread.start()`` called from a stage-3 forward hook:
 swap file's thread pool started a worker lazily, on the first read a gather asked for,
 inside the ``torch.compiler.disable`` region around the hook, and the new thread never
 began to run. The store now starts every thread it will use when it is built
-(_mechanisms/worker_threads.py). Pinned here: forward, backward, the step, ``state_dict``
+(_mechanisms/transfers.py). Pinned here: forward, backward, the step, ``state_dict``
 and a save start no thread at all; closing the model's store stops them.
 """
 

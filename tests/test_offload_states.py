@@ -88,8 +88,8 @@ def _dropped(model, zopt, include) -> tuple[int, int]:
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_bf16"])
 def test_memory_report_drops_by_the_bytes_the_layout_predicts(name):
     model, zopt = _setup(CONFIGS[name])
-    groups = zs.engine_of(model).trainable_groups
-    every = zs.engine_of(model).groups
+    groups = zs.api._engine_of(model).trainable_groups
+    every = zs.api._engine_of(model).groups
     adam = sum(8 * g.shard_numel for g in groups)  # exp_avg + exp_avg_sq, fp32
     assert _dropped(model, zopt, ["optim_states"]) == (adam, adam)
     trainable = sum(p.numel() for p in {id(p): p for p in model.parameters() if p.requires_grad}.values())

@@ -130,7 +130,7 @@ def _zero(opt_name: str, precision: str, stage: int):
             zopt.step()
             zopt.zero_grad()
             losses.append(loss.item())
-        groups = len(zs.engine_of(model).trainable_groups)
+        groups = len(zs.api._engine_of(model).trainable_groups)
         return losses, zs.full_state_dict(model), groups  # from the fp32 masters
     finally:
         zs.teardown(model)

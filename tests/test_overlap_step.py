@@ -77,7 +77,7 @@ def test_accumulating_inside_no_sync_is_fine():
     backward(model, 1)
     zopt.step()
     zopt.zero_grad()
-    assert zs.engine_of(model).steps_overlapped == len(zs.engine_of(model).trainable_groups)
+    assert zs.api._engine_of(model).steps_overlapped == len(zs.api._engine_of(model).trainable_groups)
 
 
 def test_clipping_after_early_steps_is_refused():
@@ -134,7 +134,7 @@ def test_a_forward_before_step_is_refused_and_changes_nothing():
     model.zero_grad()  # the skip written through the model: the next forward is the first call we see
     with pytest.raises(RuntimeError, match=r"Nothing was changed by this refusal: call\s+optimizer.step\(\)"):
         backward(model, 1)
-    assert zopt.steps_in_flight and zs.engine_of(model).is_idle  # left for step() to complete
+    assert zopt.steps_in_flight and zs.api._engine_of(model).is_idle  # left for step() to complete
     with pytest.raises(zs.OverlapStepCommitted, match="applied the gradients as backward left them"):
         zopt.step()  # the gradients were cleared after the groups stepped with them
     assert_same(model, zopt, *stepped_reference())

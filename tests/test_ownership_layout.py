@@ -106,7 +106,7 @@ def test_one_rank_equals_torch(recipe, stage):
     _train(ref, make(ref))
     model = copy.deepcopy(base)
     model, zopts = zs.setup(model, make(model), zs.ZeroConfig(stage=stage, param_persistence_threshold=0))
-    assert any(g.owned for g in zs.api.engine_of(model).groups)
+    assert any(g.owned for g in zs.api._engine_of(model).groups)
     _train(model, zopts)
     assert rel_diff(zs.full_state_dict(model), ref.state_dict()) <= 1e-6
     assert rel_diff(model.state_dict(), ref.state_dict()) <= 1e-6  # through the slots at stage 3 too
@@ -116,7 +116,7 @@ def test_one_rank_equals_torch(recipe, stage):
 def test_elementwise_optimizers_keep_the_flat_layout():
     model = TinyLM(layers=2)
     model, _ = zs.setup(model, _muon_recipe(model), "zero2")
-    groups = zs.api.engine_of(model).groups
+    groups = zs.api._engine_of(model).groups
     assert {g.optimizer_index for g in groups if g.owned} == {0}
     assert not any(g.owned for g in groups if g.trainable and g.optimizer_index == 1)
 
@@ -205,7 +205,7 @@ def test_nvme_optimizer_offload_keeps_the_ownership_layout(tmp_path):
     model = TinyLM(layers=2)
     cfg = zs.ZeroConfig(stage=2, offload_optimizer={"device": "nvme", "path": str(tmp_path)})
     model, _ = zs.setup(model, _muon_recipe(model), cfg)
-    owned = [g for g in zs.api.engine_of(model).groups if g.owned]
+    owned = [g for g in zs.api._engine_of(model).groups if g.owned]
     assert owned and all(g.swap is not None and g.master.numel() == 0 for g in owned)  # evicted: on disk
     zs.teardown(model)
 

@@ -1,5 +1,5 @@
 """A pass over the whole model gives the idle NVMe staging back, and training goes on unchanged
-(See [Note: staging between passes] in _mechanisms/host_memory.py).
+(See [Note: staging between passes] in _mechanisms/memory.py).
 
 The staging pool keeps its slots between steps. A checkpoint save, a save and load round trip
 and a ``full_state_dict`` free the slots no one holds, before and after: the engine's own

@@ -12,7 +12,7 @@ blocks, AdamW, glibc returning freed blocks to the OS so resident memory follows
 * **after ``zero_grad``**: the process holds what torch's AdamW holds for these parameters
   (8 bytes each, in memory unless on NVMe) plus the staging buffers the engine grew and the
   buffers it keeps for the next step (the working set's idle ``staging``, See [Note: the training
-  cycle's host buffers] in src/zero_strategy/_mechanisms/host_pool.py), plus 48 MiB. What it
+  cycle's host buffers] in src/zero_strategy/_mechanisms/memory.py), plus 48 MiB. What it
   keeps is at most the bf16 gradients, the buckets in flight and one step batch of fp32 casts,
   never an fp32 copy of every gradient. Before, the offloaded presets
   kept an fp32 host copy of every gradient (zero3_offload 775 MiB against a bound of 560 MiB,

@@ -9,7 +9,7 @@ across ranks) and stages 2-3 hung on an image tower only one rank ran. A paramet
 used must not move at all (DDP leaves its ``.grad`` None and the optimizer skips it): an
 expert inside a block, a projector on text-only steps and an adapter in a block's flat
 group moved 0.4-0.9% through weight decay and momentum before [Note: members get their own
-flat groups] (_engine/units.py) and [Note: no gradient on any rank] (_engine/untouched.py).
+flat groups] (_engine/units.py) and [Note: no gradient on any rank] (_engine/gradients.py).
 
 The models are in tests/_routed_models.py, the worker in tests/workers/routed.py; each case
 trains 4 steps with weight decay (AdamW, or SGD with momentum), so a parameter stepped

@@ -4,7 +4,7 @@
 The ZeRO formula counts what rests (shards, masters, optimizer state); a rank runs out of
 memory at the worst moment of a step, when it also holds the working set the engine
 measures in ``memory_report(...).peak_working_set`` (See [Note: the working set] in
-_mechanisms/working_set.py). The estimate counts the same three categories, each as the
+_mechanisms/memory.py). The estimate counts the same three categories, each as the
 engine allocates it, with P and G the bytes of a compute-dtype and a gradient element,
 Ψ trainable and Ψf frozen parameters, N ranks, and the units of ``unit_sizes``:
 

@@ -42,13 +42,14 @@ from ._model.install import install
 from ._model.memory import MemoryReport, measure
 from ._model.tiled_loss import tiled_causal_lm_loss
 from ._model import sequence_parallel as _sp
-from ._mechanisms.host_memory import release_freed_host_memory
+from ._mechanisms.memory import release_freed_host_memory
 from ._optim.layouts import layout_of
 from ._optim.optimizer import OverlapStepCommitted, ZeroOptimizer
 from .config import ZeroConfig
 
 __all__ = [
-    "setup", "is_set_up", "engine_of", "teardown", "full_shapes", "zero_grad", "reset_iter_state", "no_sync",
+    "setup", "is_set_up", "engine_of", "EngineView", "teardown", "full_shapes", "zero_grad", "reset_iter_state",
+    "no_sync",
     "memory_report", "offload_states", "reload_states", "states_offloaded", "states_offloaded_for_generation",
     "comm_stats", "full_state_dict", "write_safetensors", "adapter_state_dict", "gathered_parameters",
     "gathered_units", "gathered_for_generation", "gather_once_in_generate", "modified_on_every_rank",
@@ -165,7 +166,7 @@ def _sequence_parallel_of(model) -> SequenceParallelGroup:
     prepares data loaders before the model they feed)."""
     if isinstance(model, SequenceParallelGroup):
         return model
-    engine = engine_of(model)
+    engine = _engine_of(model)
     return engine.sequence_parallel or SequenceParallelGroup(None, 0, 1)
 
 
@@ -275,11 +276,62 @@ def is_set_up(model: nn.Module) -> bool:
     return _lookup(model) is not None
 
 
-def engine_of(model: nn.Module) -> ZeroEngine:
+def _engine_of(model: nn.Module) -> ZeroEngine:
+    """The engine itself: for this module, the checkpoint package and tests, never handed to users."""
     engine = _lookup(model)
     if engine is None:
         raise ValueError("this model was not set up with zero_strategy.setup(model, optimizer, config)")
     return engine
+
+
+class EngineView:
+    """What ``setup`` made of a model, read-only: the public face of its engine (``engine_of``).
+
+    One view per setup: ``engine_of(model)`` returns the same object until ``teardown``, so
+    ``engine_of(model) is view`` says whether ``model`` is still set up by the same call. The view
+    holds the engine weakly: keeping a view does not keep a dropped model's memory alive.
+    """
+
+    __slots__ = ("_engine", "__weakref__")
+
+    def __init__(self, engine: ZeroEngine):
+        self._engine = weakref.ref(engine)
+
+    def _live(self) -> ZeroEngine:
+        engine = self._engine()
+        if engine is None:
+            raise ValueError("zero_strategy: the model of this EngineView was dropped")
+        return engine
+
+    @property
+    def config(self) -> ZeroConfig:
+        """The config the model runs with: presets, files and ``"zero_auto"`` resolved."""
+        return self._live().config
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether parameters rest as shards between uses (stage 3): a rank holds no whole weight."""
+        return self._live().plan.shards_parameters
+
+    def after_save_succeeds(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the saving thread once the asynchronous save of this model now writing has
+        succeeded (never if it fails), and return True; return False, ``fn`` not run, when none is
+        writing. Pruning an old checkpoint this way never loses it to a failed save."""
+        return self._live().background_save.after_success(fn)
+
+
+#: engine -> its one view, weakly on both sides (the view refers to the engine weakly)
+_VIEWS: "weakref.WeakKeyDictionary[ZeroEngine, EngineView]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(model: nn.Module) -> EngineView:
+    """The :class:`EngineView` of a set-up model: its resolved config, whether its parameters are
+    sharded. ``ValueError`` when ``model`` is not set up."""
+    engine = _engine_of(model)
+    view = _VIEWS.get(engine)
+    if view is None:
+        view = _VIEWS[engine] = EngineView(engine)
+    return view
 
 
 def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseException | None = None) -> None:
@@ -300,7 +352,7 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
     and releases like ``keep_weights=False``. ``error``: the exception that ended training,
     for a caller that tears down outside its ``except`` block (a front end's teardown).
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     failing = error if error is not None else failing_exception()
     # an asynchronous save still writing finishes first; its failure is raised once the model is
     # released below (on the error path it is logged: the error being handled comes first)
@@ -341,19 +393,19 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:
     """Each managed parameter's unsharded shape (stage-3 parameters are empty at rest)."""
-    return {slot.param: slot.shape for _, slot in engine_of(model).managed.values()}
+    return {slot.param: slot.shape for _, slot in _engine_of(model).managed.values()}
 
 
 def zero_grad(model: nn.Module) -> None:
     """Drop every gradient shard of the model (all its optimizers' groups) now.
 
     ``model.zero_grad()``, ``submodule.zero_grad()`` and ``optimizer.zero_grad()`` work
-    too (see [Note: param.grad after backward] in _engine/grad_markers.py); this one frees the
+    too (see [Note: param.grad after backward] in _engine/gradients.py); this one frees the
     gradient memory at once instead of when the next gradient arrives. With ``overlap_step``
     it refuses a backward's gradients dropped before ``step()`` as ``optimizer.zero_grad()``
     does (See [Note: a step overlap_step began is not undone] in _optim/optimizer.py).
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     committed = None
     for zopt in engine.optimizers():  # each completes the step its groups began, if any, first
         try:
@@ -375,7 +427,7 @@ def reset_iter_state(model: nn.Module) -> None:
     must call it (it waits for collectives already in flight). Like FSDP2's
     ``FSDPModule.reset_iter_state``.
     """
-    engine_of(model).reset_iter_state()
+    _engine_of(model).reset_iter_state()
 
 
 def no_sync(model: nn.Module):
@@ -384,7 +436,7 @@ def no_sync(model: nn.Module):
     Stage 1 always reduces once per step and ignores it; stages 2-3 keep a full
     gradient buffer per unit until the first backward outside the context.
     """
-    return engine_of(model).no_sync()
+    return _engine_of(model).no_sync()
 
 
 def memory_report(model: nn.Module, reset_peak: bool = False) -> MemoryReport:
@@ -394,7 +446,7 @@ def memory_report(model: nn.Module, reset_peak: bool = False) -> MemoryReport:
     ``reset_peak=True``: after measuring, the peaks start again from now, so the next
     report's peak is the next phase's (as ``torch.cuda.reset_peak_memory_stats``).
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     report = measure(engine, engine.optimizers())
     if reset_peak:
         engine.transfers.working_set.reset_peak()
@@ -433,7 +485,7 @@ def offload_states(model: nn.Module, optimizer=None, include=None, device: str =
     ``non_blocking=True`` with pinned memory leaves the copies queued on the current CUDA stream.
     Local to each rank (no collective). See [Note: what offload_states moves] in _model/offload_states.py.
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     if str(getattr(device, "value", device)).lower() != "cpu":
         raise ValueError(f"zero_strategy.offload_states: device={device!r} is not supported; states move to "
                          "host memory (device='cpu'); NVMe offload is a config policy (offload_optimizer=NVMeOffload)")
@@ -445,7 +497,7 @@ def reload_states(model: nn.Module, optimizer=None, non_blocking: bool = False) 
     """Bring back everything :func:`offload_states` moved for this model, bit for bit (DeepSpeed's
     ``engine.reload_states()``); a no-op when nothing is offloaded. ``optimizer`` is checked to
     belong to the model; the model's whole offloaded state comes back in any case."""
-    engine = engine_of(model)
+    engine = _engine_of(model)
     _optimizers_of(engine, optimizer, "zero_strategy.reload_states")
     offload_states_impl.reload(engine, non_blocking=non_blocking)
 
@@ -456,7 +508,7 @@ def states_offloaded(model: nn.Module, optimizer=None, include=None, *, pin_memo
     raises). For a rollout phase: ``with zs.states_offloaded(model, include=["optim_states", ...]):
     outputs = model.generate(...)``. When states were offloaded before the block already, it leaves
     them, and what it added, offloaded (``reload_states`` brings everything back)."""
-    engine = engine_of(model)
+    engine = _engine_of(model)
     return offload_states_impl.offloaded(engine, _optimizers_of(engine, optimizer, "zero_strategy.states_offloaded"),
                                          include, pin_memory=pin_memory, non_blocking=non_blocking)
 
@@ -465,12 +517,12 @@ def states_offloaded_for_generation(model: nn.Module) -> contextlib.AbstractCont
     """What a generation phase runs in: :func:`states_offloaded` with the kinds of
     ``ZeroConfig(offload_states_during_generation=...)``, or nothing when it is off. Every
     ``generate()`` of a set-up model runs in it by itself; this is for other rollout code."""
-    return offload_states_impl.offloaded_for_generation(engine_of(model))
+    return offload_states_impl.offloaded_for_generation(_engine_of(model))
 
 
 def comm_stats(model: nn.Module) -> dict:
     """What this rank communicated during the last ``optimizer.step()`` cycle (see _collectives)."""
-    return engine_of(model).last_step_comm
+    return _engine_of(model).last_step_comm
 
 
 @torch.no_grad()
@@ -486,7 +538,7 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False,
     and return ``{}``; on gloo rank 0 receives them straight into the tensors it returns.
     ``dtype=None`` keeps each tensor's stored dtype.
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     with whole_model_pass(engine):  # See [Note: releases where a phase ends]
         return gather.full_state_dict(engine, rank0_only, dtype)
 
@@ -504,7 +556,7 @@ def write_safetensors(model: nn.Module, directory: str | os.PathLike, file_of: d
     as :func:`full_state_dict`; None: the compute dtype), the others as stored. For the front
     ends' saves (See [Note: streamed save_model] in accelerate/_saving.py).
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     with whole_model_pass(engine):  # See [Note: releases where a phase ends]
         saves.write_files(engine, os.fspath(directory), dict(file_of), list(files), write, dtype,
                                    "write_safetensors")
@@ -520,7 +572,7 @@ def adapter_state_dict(model: nn.Module, adapters: Sequence[str] | None = None, 
     it writes what the save of the whole ``state_dict()`` would (PEFT filters it the same way).
     See [Note: streamed adapter saves] in _model/hf.py.
     """
-    return hf.adapter_values(engine_of(model), list(adapters) if adapters else None,
+    return hf.adapter_values(_engine_of(model), list(adapters) if adapters else None,
                              save_embedding_layers, dtype, "adapter_state_dict")
 
 
@@ -534,7 +586,7 @@ def gathered_parameters(model: nn.Module, params: Iterable[nn.Parameter] | None 
     ranks and written into the fp32 masters on exit; otherwise changes are discarded
     (stage 3) and must not be made. Every rank must enter the context.
     """
-    with gather.gathered_parameters(engine_of(model), params, modifier_rank):
+    with gather.gathered_parameters(_engine_of(model), params, modifier_rank):
         yield
 
 
@@ -545,7 +597,7 @@ def gathered_units(model: nn.Module, named: Iterable[tuple[str, nn.Parameter]] |
     the parameters the engine does not hold as one last list. For a consumer that streams the whole
     model's current weights (the vLLM weight sync), holding one unit beyond the shards. Every rank
     must iterate to the end (each unit is an all-gather)."""
-    yield from gather.gathered_units(engine_of(model), model.named_parameters() if named is None else named)
+    yield from gather.gathered_units(_engine_of(model), model.named_parameters() if named is None else named)
 
 
 def gathered_for_generation(model: nn.Module, budget_bytes: int | None = None):
@@ -565,7 +617,7 @@ def gathered_for_generation(model: nn.Module, budget_bytes: int | None = None):
     to this rank). A no-op at stages 1-2. Every rank must enter it. See [Note: gathered
     for generation] in _model/generation.py.
     """
-    return generation.gathered_for_generation(engine_of(model), budget_bytes)
+    return generation.gathered_for_generation(_engine_of(model), budget_bytes)
 
 
 def gather_once_in_generate(model: nn.Module, enabled: bool = True, budget_bytes: int | None = None) -> None:
@@ -577,7 +629,7 @@ def gather_once_in_generate(model: nn.Module, enabled: bool = True, budget_bytes
     """
     if budget_bytes is not None and budget_bytes < 0:
         raise ValueError(f"gather_once_in_generate: budget_bytes={budget_bytes} must be >= 0 (or None: measured)")
-    policy = engine_of(model).generation
+    policy = _engine_of(model).generation
     policy.once_in_generate, policy.budget_bytes = bool(enabled), budget_bytes
 
 
@@ -588,7 +640,7 @@ def modified_on_every_rank(model: nn.Module, params: Iterable[nn.Parameter] | No
 
     Front ends use it around library calls that rewrite weights in place (PEFT's merges).
     """
-    with gather.modified_on_every_rank(engine_of(model), params):
+    with gather.modified_on_every_rank(_engine_of(model), params):
         yield
 
 

@@ -134,7 +134,7 @@ class ZeroConfig:
             step; around each save, load and full state dict; the end of setup), never
             between steps, whose next step would take it again (glibc's ``malloc_trim``; a
             no-op without glibc), so the process holds what it uses rather than what it once
-            freed. See [Note: releases where a phase ends] in _mechanisms/host_memory.py.
+            freed. See [Note: releases where a phase ends] in _mechanisms/memory.py.
         async_save: ``zero_strategy.save_checkpoint`` (and every front end's save: Lightning's
             ``trainer.save_checkpoint`` and ``ModelCheckpoint``, Accelerate's ``save_state``, the
             Hugging Face Trainer's checkpoints) returns once this rank's shards are copied into host

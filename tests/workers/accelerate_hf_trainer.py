@@ -55,7 +55,7 @@ def main() -> None:
     report["checkpoint_files"] = sorted(os.listdir(ckpt2))
     report["zero_files"] = sorted(os.listdir(ckpt2 / "zero_checkpoint"))
     report["zero_files_last"] = sorted(os.listdir(out / "run_a" / "checkpoint-4" / "zero_checkpoint"))
-    report["background_saves"] = zs.engine_of(model_a).background_save.started
+    report["background_saves"] = zs.api._engine_of(model_a).background_save.started
 
     model_b = make_model(seed=99)  # other weights: the resume must replace them
     trainer_b = ZeroTrainer(model=model_b, args=arguments(out / "run_b"), train_dataset=Tokens(),

@@ -53,7 +53,7 @@ def train(accelerator, recipe: str):
         adamw.step()
     if zs.is_set_up(model):
         state = zs.full_state_dict(model)
-        layouts = sorted({"owned" if g.owned else "flat" for g in zs.engine_of(model).groups if g.trainable})
+        layouts = sorted({"owned" if g.owned else "flat" for g in zs.api._engine_of(model).groups if g.trainable})
     else:
         state, layouts = accelerator.unwrap_model(model).state_dict(), []
     flat = torch.cat([v.detach().float().flatten() for _, v in sorted(state.items())]).tolist()

@@ -137,7 +137,7 @@ def launch_mode(args: dict, out: Path) -> dict:
     run_steps(acc, model, opt, sched, 0, k, gas, clip)
     ckpt = out / "state"
     acc.save_state(str(ckpt))
-    report["background_saves"] = zs.engine_of(model).background_save.started  # async_save in the config
+    report["background_saves"] = zs.api._engine_of(model).background_save.started  # async_save in the config
     at_k = full_weights(acc, model)
     run_steps(acc, model, opt, sched, k, n, gas, clip)
     at_n = full_weights(acc, model)

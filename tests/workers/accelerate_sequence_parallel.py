@@ -166,7 +166,7 @@ def main() -> None:
     full = zs.full_state_dict(model)
     report.update(losses=losses, seqlens=seqlens, weight_rel_diff=worst_rel_diff(full, reference.state_dict()),
                   sp_group_ranks=torch.distributed.get_process_group_ranks(sp_group) if sp_size > 1 else None,
-                  engine_sp=zs.engine_of(model).sequence_parallel.size, rank=rank)
+                  engine_sp=zs.api._engine_of(model).sequence_parallel.size, rank=rank)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     accelerator.end_training()  # the loop's last line (it also ends the process group)
     os._exit(0)

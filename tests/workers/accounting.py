@@ -61,7 +61,7 @@ def run_case(case: dict) -> dict:
         zopt.step()
         zopt.zero_grad()
     outside = _dist_counter.counts()
-    largest_shard = max(g.shard_numel for g in zs.engine_of(model).groups)
+    largest_shard = max(g.shard_numel for g in zs.api._engine_of(model).groups)
     return dict(case=case, counts=numbers, memory=report.by_category, placement=report.by_placement,
                 comm=zs.comm_stats(model), outside=outside, largest_shard=largest_shard)
 

@@ -130,7 +130,7 @@ def case_bounded(root: Path) -> dict:
 
 
 def model_engine_peak(model) -> int:
-    return zs.engine_of(model).background_save.peak_staged_bytes
+    return zs.api._engine_of(model).background_save.peak_staged_bytes
 
 
 def _held_for(seconds: float) -> float:

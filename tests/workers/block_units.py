@@ -30,7 +30,7 @@ def run(name: str) -> dict:
     model = copy.deepcopy(base)
     model, zopt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                            zs.ZeroConfig(stage=3, param_persistence_threshold=0))
-    units = [u.name for u in zs.engine_of(model).units]
+    units = [u.name for u in zs.api._engine_of(model).units]
     losses = []
     for step in range(3):
         x, y = images(rank, step)

@@ -43,7 +43,7 @@ def run(case: dict) -> dict:
                         offload_params=case.get("offload") if case["stage"] == 3 else None,
                         collective_timeout=20.0)
     model, zopt = zs.setup(model, make_optimizer(case, model), cfg)
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     units = [dict(name=u.name, groups=len(u.groups), sharded=len(u.sharded_groups),
                   trainable=sum(g.trainable for g in u.groups),
                   whole_trainable=sum(g.trainable and not g.shard_params for g in u.groups),

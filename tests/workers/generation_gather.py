@@ -57,20 +57,20 @@ def generate(model, ids: torch.Tensor, sample: bool) -> list[list[int]]:
 
 
 def gathers(model) -> int:
-    return zs.engine_of(model).comm.stats.all_gather.calls
+    return zs.api._engine_of(model).comm.stats.all_gather.calls
 
 
 def sharded_groups(model) -> int:
-    return sum(len(u.sharded_groups) for u in zs.engine_of(model).units)
+    return sum(len(u.sharded_groups) for u in zs.api._engine_of(model).units)
 
 
 def sharded_units(model) -> int:
     """Units with sharded groups: one (coalesced) all-gather each, however many groups they have."""
-    return sum(1 for u in zs.engine_of(model).units if u.sharded_groups)
+    return sum(1 for u in zs.api._engine_of(model).units if u.sharded_groups)
 
 
 def unit_states(model) -> list[str]:
-    return sorted({u.state.value for u in zs.engine_of(model).units if u.sharded_groups})
+    return sorted({u.state.value for u in zs.api._engine_of(model).units if u.sharded_groups})
 
 
 def config_of(case: dict, nvme_path: str):
@@ -115,7 +115,7 @@ def run_generate(case: dict, out) -> dict:
         uneven_expected = plain.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **uneven_kwargs).tolist()
     finally:
         logging.getLogger("zero_strategy").removeHandler(lines)
-    return {"stage": zs.engine_of(model).plan.stage, "greedy_equal": greedy == expected[False],
+    return {"stage": zs.api._engine_of(model).plan.stage, "greedy_equal": greedy == expected[False],
             "sampled_equal": sampled == expected[True], "per_unit_equal": per_unit == expected[False],
             "uneven_equal": uneven == uneven_expected,
             "gathers_in_block": in_block, "gathers_without_block": without_block,

@@ -151,7 +151,7 @@ def run_case(case: dict) -> dict:
     sizes = parameter_sizes(model)
     model, zopt = zs.setup(model, optimizer_for(model),
                            zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0))
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     recomputes = count_recomputes(model)
     losses, phases, gathered_after = [], {}, []
     for step in range(STEPS):

@@ -250,7 +250,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     # this rank's loss is its own micro-batch's: compare the mean over ranks with the reference's
     mean = torch.tensor(losses_zero, dtype=torch.float64)
     dist.all_reduce(mean)
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     return dict(case=case, losses_ref=losses_ref, losses_zero=(mean / world).tolist(),
                 weight_rel_diff=worst_rel_diff(zs.full_state_dict(model), ref_model.state_dict())[0],
                 training_state=engine.training_state.value, committed=zero.committed,

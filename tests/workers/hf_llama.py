@@ -35,7 +35,7 @@ def main() -> None:
         model = copy.deepcopy(base)
         model, zopt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                zs.ZeroConfig(stage=stage, param_persistence_threshold=0))
-        units = [u.name for u in zs.engine_of(model).units]
+        units = [u.name for u in zs.api._engine_of(model).units]
         losses = []
         for step in range(3):
             g = torch.Generator().manual_seed(100 * step + rank)

@@ -43,7 +43,7 @@ def run(out: Path, name: str, zero_config: str | None, **how) -> tuple[dict, lis
     weights = zs.full_state_dict(model) if zero_config else {k: v.detach() for k, v in model.state_dict().items()}
     owned = []
     if zero_config:  # the optimizer ZeroTrainer re-homed, and how many groups it steps whole
-        engine = zs.api.engine_of(model)
+        engine = zs.api._engine_of(model)
         owned = [next(f"{type(z.optimizer).__module__}.{type(z.optimizer).__name__}" for z in engine.optimizers()),
                  sum(1 for g in engine.groups if g.owned)]
     return weights, losses, owned

@@ -62,7 +62,7 @@ def main() -> None:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
         model, zopt = zs.setup(model, opt, zs.ZeroConfig(stage=stage, shard_group_size=k,
                                                            param_persistence_threshold=0))
-        engine = zs.engine_of(model)
+        engine = zs.api._engine_of(model)
         patched = {}
         restore = (collectives._all_gather_single, dist.reduce_scatter, dist.all_reduce)
         patched = counting(lambda: engine.comm)

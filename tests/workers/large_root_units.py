@@ -29,7 +29,7 @@ def peaks(unit_classes: list[str]) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     peak = zs.memory_report(model).peak_working_set
-    return {"units": [u.name for u in zs.engine_of(model).units], "gathered": peak["gathered"],
+    return {"units": [u.name for u in zs.api._engine_of(model).units], "gathered": peak["gathered"],
             "grad_buckets": peak["grad_buckets"]}
 
 

@@ -250,7 +250,7 @@ def run_case(case: dict, out, world: int) -> dict:
         report["built_on_meta"] = module.report_meta
     report["global_step"] = trainer.global_step
     if zero_strategy.is_set_up(module):  # how many saves went to the background (ZeroStrategy(async_save=True))
-        report["background_saves"] = zero_strategy.engine_of(module).background_save.started
+        report["background_saves"] = zero_strategy.api._engine_of(module).background_save.started
     state = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
     if dist.get_rank() == 0:
         torch.save(state, os.path.join(case["save_dir"], f"{case['name']}.pt"))

@@ -72,7 +72,7 @@ def run_case(case: dict) -> dict:
                         offload_params=_offload(case.get("offload_params"), case))
     model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95)), cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))  # as the Reference's
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     losses: list = []
     out: dict = {"case": case, "losses": losses}
 

@@ -60,7 +60,7 @@ def _batch(rank: int, step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _own_bytes(model, element_size: int) -> int:
     """The bytes of the checkpoint this rank's shards hold (each element once)."""
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     return sum((hi - lo) * element_size for g in engine.groups for _, lo, hi, _ in g.slot_ranges_in_shard())
 
 
@@ -89,7 +89,7 @@ def run(case: dict) -> dict:
     element_size = next(iter(ref.parameters())).element_size()
     report = dict(case=case["case"], logit_diff=logit_diff, kept=kept, kept_in_forward=seen_dtypes,
                   bytes_read=sum(counts.values()), own_bytes=_own_bytes(model, element_size),
-                  keys_read=sorted(counts), units=len(zs.engine_of(model).units))
+                  keys_read=sorted(counts), units=len(zs.api._engine_of(model).units))
     if case.get("train", True):
         model.train()
         ref.train()

@@ -89,7 +89,7 @@ def train_lightning(args: dict) -> tuple[dict, object]:
             self.net = make_model()
 
         def training_step(self, batch, batch_idx):
-            self.replicas = zs.engine_of(self).comm.replicas
+            self.replicas = zs.api._engine_of(self).comm.replicas
             return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self):
@@ -150,7 +150,7 @@ def main() -> None:
         report["environment"] = extra[0] if mode == "lightning" else ""
         import torch.distributed as dist
         report["global_rank"] = dist.get_rank()
-        report["replicas"] = extra[1] if mode == "lightning" else zs.engine_of(extra[0]).comm.replicas
+        report["replicas"] = extra[1] if mode == "lightning" else zs.api._engine_of(extra[0]).comm.replicas
     except Exception:  # noqa: BLE001 - reported to the test
         report["error"] = traceback.format_exc()
     rank = report.get("global_rank", place["RANK"] or place["SLURM_PROCID"])

@@ -50,7 +50,7 @@ def parity(case, path):
         model, opt = zs.setup(model, torch.optim.AdamW(param_groups(model)),
                               zs.ZeroConfig(stage=3, precision=case["precision"], param_persistence_threshold=0,
                                             offload_optimizer=nv, offload_params=nv))
-        streams = [g.masters.streams for g in zs.engine_of(model).trainable_groups]
+        streams = [g.masters.streams for g in zs.api._engine_of(model).trainable_groups]
         _train(model, opt)
         runs[tag] = (zs.full_state_dict(model), streams)
         zs.teardown(model, keep_weights=False)
@@ -91,7 +91,7 @@ def memory(case, path):
     stop.set()
     sampler.join()
     after = zs.memory_report(model)
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     resting = ((after.total - after.by_category["staging"]) - (before.total - before.by_category["staging"]))
     res = {"case": case, "growth": max(peak[0], _anon()) - base, "resting_growth": resting,
            "largest_unit_fp32": 4 * max(sum(g.padded_numel for g in u.groups) for u in engine.units),

@@ -60,7 +60,7 @@ def _shard_elements(config) -> int:
     from _models import TinyLM, param_groups
     model = TinyLM(layers=3)
     model, _ = zs.setup(model, torch.optim.AdamW(param_groups(model)), config)
-    n = sum(g.shard_numel for g in zs.engine_of(model).trainable_groups)
+    n = sum(g.shard_numel for g in zs.api._engine_of(model).trainable_groups)
     zs.teardown(model, keep_weights=False)
     return n
 

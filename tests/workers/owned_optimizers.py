@@ -100,7 +100,7 @@ def zero_run(base, case, rank, steps):
                         offload_params=_offload(case.get("offload_params"), case),
                         overlap_step=case.get("overlap_step", False))
     model, zopts = zs.setup(model, optimizers(model, case["recipe"]), cfg)
-    engine = zs.api.engine_of(model)
+    engine = zs.api._engine_of(model)
     owned = sorted(g.name for g in engine.groups if g.owned)
     on_host = any(g.masters.steps_on_host for g in engine.groups if g.owned)
     start = 0

@@ -385,8 +385,8 @@ def _run_case(case: dict) -> dict:
     return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, norms_ref=norms_ref,
                 norms_zero=norms_zero, skipped_ref=ref.skipped, skipped_zero=zopt.skipped_steps,
                 loss_scale_ref=ref.scale, loss_scale_zero=zopt.loss_scale,
-                steps_overlapped=zs.engine_of(model).steps_overlapped,
-                trainable_groups=len(zs.engine_of(model).trainable_groups), weight_rel_diff=worst, worst_tensor=worst_name)
+                steps_overlapped=zs.api._engine_of(model).steps_overlapped,
+                trainable_groups=len(zs.api._engine_of(model).trainable_groups), weight_rel_diff=worst, worst_tensor=worst_name)
 
 
 def main() -> None:

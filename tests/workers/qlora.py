@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from _worker import finish, run_cases, start
 
 import zero_strategy as zs
-from zero_strategy.api import engine_of
+from zero_strategy.api import _engine_of as engine_of
 
 STEPS = 3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
-from zero_strategy.api import engine_of  # noqa: E402
+from zero_strategy.api import _engine_of as engine_of  # noqa: E402
 
 
 def qlora_base(dense: Path):

@@ -68,7 +68,7 @@ def main() -> None:
         # a forward with grad whose output is never backpropagated, then training again
         model(batch(rank, step, 6)[0], depth=2)
     # units left sharded after all of that
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     report["units_gathered_after"] = [u.name for u in engine.units[1:] if u.state.value == "gathered"]
 
     full = zs.full_state_dict(model)

@@ -74,7 +74,7 @@ def run_case(case: dict) -> dict:
     ref_opt = torch.optim.AdamW(param_groups(ref))
     model = copy.deepcopy(base)
     model, zopt = zs.setup(model, torch.optim.AdamW(param_groups(model)), config_of(case))
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     losses = []
 
     def step(i):

@@ -116,7 +116,7 @@ def run(case: str, out: Path) -> dict:
               "completion_ids": seen, "logged": logged_metrics(logs), "gathers_per_generate": gathers,
               "weights": {k: v.detach().float().clone() for k, v in weights.items()}}
     if zero_config is not None:
-        engine = zs.engine_of(trainer.model)
+        engine = zs.api._engine_of(trainer.model)
         report["stage"] = engine.plan.stage
         report["sharded_groups"] = sum(len(u.sharded_groups) for u in engine.units)
         report["sharded_units"] = sum(1 for u in engine.units if u.sharded_groups)  # one coalesced gather each
@@ -143,7 +143,7 @@ class Instrument(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.budget_bytes is not None:
             zs.gather_once_in_generate(model, budget_bytes=self.budget_bytes)
-        stats = zs.engine_of(model).comm.stats
+        stats = zs.api._engine_of(model).comm.stats
         inner = model.generate
 
         def generate(*a, **k):

@@ -55,7 +55,7 @@ class FakeEngine:
 
     def receive(self, name: str, tensor: torch.Tensor) -> None:
         if self.model is not None and zs.is_set_up(self.model):
-            engine = zs.engine_of(self.model)
+            engine = zs.api._engine_of(self.model)
             gathered = sum(1 for u in engine.units if u.sharded_groups and u.state.value == "gathered")
             self.max_gathered_units = max(self.max_gathered_units, gathered)
         # kept as handed over, as vLLM's packed producer keeps several: must stay valid after its unit is
@@ -202,7 +202,7 @@ def run(which: str, kind: str, mode: str, zero_config, out: Path, lora: bool) ->
          "losses": [h["loss"] for h in logs if "loss" in h]}
     if which == "zero":
         r["stage"] = trainer.accelerator.zero_config.stage
-        r["sharded"] = zs.is_set_up(model) and zs.engine_of(model).plan.shards_parameters
+        r["sharded"] = zs.is_set_up(model) and zs.api._engine_of(model).plan.shards_parameters
         r["full"] = zs.full_state_dict(model)
         # what TRL's own code reads at stage 3 (no DeepSpeed, no FSDP detected): the placeholders
         if generation is not None:

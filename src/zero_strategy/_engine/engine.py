@@ -22,7 +22,7 @@ gathers in the gather schedule (See [Note: gather schedule] in _engine/units.py)
 on streams of their own (See [Note: two streams of collectives] in _comm/collectives.py),
 and everything deferred to the step in a fixed group order. A parameter no rank used
 in a step does not move, as in DDP with ``find_unused_parameters=True`` (See [Note: no
-gradient on any rank] in _engine/untouched.py).
+gradient on any rank] in _engine/gradients.py).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ from .._comm.collectives import Collectives
 from .._config.policies import NVMeOffload
 from .._config.state_kinds import KINDS
 from .._mechanisms.background_save import BackgroundSave
-from .._mechanisms.host_memory import ReleasePoints
+from .._mechanisms.memory import ReleasePoints
 from .._user_warnings import warn_at_user
 from .flat import FlatGroup, ParamSlot, ShardState
 from .placement import offload_services, single_device, size_swap_pool
 from .plan import ShardingPlan, plan_for
 from .reduce import MAX_IN_FLIGHT, ReduceQueue
 from .units import GatherSchedule, Pass, Unit, build_units, refuse_replaced_units
-from .untouched import StepAgreements, unfrozen_names
+from .gradients import StepAgreements, unfrozen_names
 
 
 # ------------------------------------------------------------ the pieces hooks are made of
@@ -638,9 +638,9 @@ class ZeroEngine:
     def _drop_idle_buffers(self) -> None:
         """Where a phase ends: the buffers kept from one step to the next that no one holds now."""
         self.transfers.cast_scratch.release()
-        self.transfers.host_pool.release()  # See [Note: the training cycle's host buffers] in _mechanisms/host_pool.py
+        self.transfers.host_pool.release()  # See [Note: the training cycle's host buffers] in _mechanisms/memory.py
         if self.swap is not None:
-            self.swap.pool.drop_idle()  # See [Note: staging between passes] in _mechanisms/host_memory.py
+            self.swap.pool.drop_idle()  # See [Note: staging between passes] in _mechanisms/memory.py
 
     def release_all(self) -> None:
         for u in self.units:

@@ -69,8 +69,7 @@ from torch import nn
 from .._comm.collectives import Collectives, Handle
 from .._config.policies import OffloadPolicy
 from .._mechanisms.transfers import Transfers
-from .grad_markers import nan_placeholder
-from .grads import GradBuffer
+from .gradients import GradBuffer, nan_placeholder
 from .storage import make_storage, uses_swap
 
 
@@ -202,7 +201,7 @@ class FlatGroup:
             offload_optimizer=offload_optimizer, offload_params=offload_params, transfers=self.transfers, swap=self.swap, device=device,
             initial_master=lambda out: self._copy_params_into(out, self.shard_start, self.shard_numel))
         self.grads = GradBuffer(self, grad_dtype, device)
-        #: slots kept out of a step while a count their state shares advanced (see _engine/untouched.py)
+        #: slots kept out of a step while a count their state shares advanced (see _engine/gradients.py)
         self.kept_behind: frozenset[int] = frozenset()
         self.warned_kept_behind = False
 

@@ -1,4 +1,8 @@
-"""Units: which module subtrees are sharded together, their flat groups, and the order they gather in.
+"""Units: which module subtrees are sharded together, their flat groups, the order they gather in, and the gathers.
+
+One concept, "issue the gathers": which units there are (detection, :func:`build_units`), a
+:class:`Unit`'s gather and release, the :class:`GatherSchedule` that orders them, and the
+coalesced collectives over a unit's flat groups (or the step's groups kept whole) at the end.
 
 [Note: choosing units]
 A unit is gathered and reduced together (one all-gather of all its flat groups, one
@@ -69,7 +73,7 @@ are used or skipped together:
   holds units (ViT's ``cls_token``) goes with that module's.
 
 A group no rank has a gradient for is then not stepped, as DDP's parameters (See
-[Note: no gradient on any rank] in _engine/untouched.py, which also covers what is left
+[Note: no gradient on any rank] in _engine/gradients.py, which also covers what is left
 inside a group). The cost would be more, smaller collectives, one per member and part and collective
 kind (a list of 64 experts in each of 27 layers: about 1,700 of each kind per step);
 instead a unit's groups are gathered as one coalesced all-gather and its small groups
@@ -88,11 +92,19 @@ precision's dtype would cast them down. The front end names them (``kept_dtypes`
 _model/hf.py, the one module that knows the library's flag), and they get flat groups of
 their own in that dtype, with gradients reduced in it too: a group apart from the others,
 never a group of mixed dtypes.
+
+**Gathers over several flat groups at once**: a stage-3 unit's, and the step's of groups kept whole.
+
+Each :class:`~.flat.FlatGroup` knows how to make room for its ``full`` and where its gather
+source is; the functions at the end of this module issue the collectives over a list of them, one
+coalesced call where they travel together (See [Note: coalesced collectives] in
+_comm/collectives.py): batching groups, not one group's layout or states (flat.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 from collections import OrderedDict
 
@@ -101,14 +113,14 @@ from torch import nn
 
 from .._comm.collectives import CollectiveDesync, CollectiveError, Collectives, CollectiveTimeout, Handle
 from .._config.policies import OffloadPolicy
-from .._mechanisms.host_memory import release_if_large
+from .._mechanisms.memory import release_if_large
 from .._mechanisms.transfers import Transfers
 from .._user_warnings import warn_at_user
-from .flat import FlatGroup, ShardState
-from .group_gathers import begin_gather_groups
+from .flat import FlatGroup, ShardState, preserve_version
 from .materialize import materialize_unit
 from .materialize import unit_modules as unit_scope
 from .plan import ShardingPlan
+
 
 ROOT = "<root>"
 
@@ -309,7 +321,7 @@ def _unit_class_hint(root: nn.Module) -> str:
 def missing_ranks_message(comm: Collectives, what: str, error: CollectiveError,
                           gather: bool = True) -> CollectiveError:
     """The error for a wait on a unit's collective that failed, naming the unit (see [Note: bounded
-    waits] in _comm/waits.py); a timed-out ``gather`` adds what usually causes it."""
+    waits] in _comm/collectives.py); a timed-out ``gather`` adds what usually causes it."""
     head = f"zero_strategy: rank {comm.rank} gave up on {what}."
     if isinstance(error, CollectiveDesync):
         return CollectiveDesync(f"{head}\n{error}")
@@ -417,7 +429,7 @@ def build_units(
 
     Meta-device parameters are materialized here, unit by unit (see _engine/materialize.py);
     with ``release_host_memory`` what the last unit freed goes back to the OS before the next
-    is materialized (See [Note: freed host memory] in _mechanisms/host_memory.py).
+    is materialized (See [Note: freed host memory] in _mechanisms/memory.py).
     ``owned_optimizers``: the optimizers whose groups take the ownership layout (See [Note:
     the ownership layout] in _engine/flat.py), balanced over all their groups together.
     ``kept_dtypes``: id(param) -> the dtype it computes in instead of ``compute_dtype`` (See
@@ -621,3 +633,85 @@ class GatherSchedule:
             skipped.wait_gather()
             skipped.release()
         self._cursor = max(self._cursor, position)
+
+
+# ------------------------------------------------ gathers over several flat groups
+class _DeferredHandle:
+    """A gather whose collective is issued at ``wait()`` (its disk read is already running)."""
+
+    __slots__ = ("_start",)
+
+    def __init__(self, start):
+        self._start = start
+
+    def wait(self) -> None:
+        if self._start is not None:
+            start, self._start = self._start, None
+            start().wait()
+
+
+def begin_gather_groups(groups: list[FlatGroup], comm: Collectives, label: str):
+    """Start one all-gather of the ``groups`` not gathered yet (several: coalesced, See [Note:
+    coalesced collectives] in _comm/collectives.py); None when all are gathered. Where a shard
+    rests on NVMe, the reads start now and the collective is issued at ``wait()``, in the
+    same order on every rank (``_DeferredHandle``)."""
+    opened = [g for g in groups if g.open_for_gather()]
+    if not opened:
+        return None
+    name = opened[0].name if len(opened) == 1 else label
+
+    def start():
+        with contextlib.ExitStack() as stack:
+            for g in opened:
+                stack.enter_context(preserve_version(g.full))
+            sources = [g.gather_source() for g in opened]
+            return comm.all_gather_coalesced([g.full for g in opened], sources, label=name)
+    if any(g.params.needs_deferred_gather for g in opened):
+        return _DeferredHandle(start)
+    return start()
+
+
+#: the step's all-gathers of groups kept whole are coalesced up to this many elements per call (4 MiB
+#: in fp32): small groups (stage 3's persistent ones, biases and norms) cost a collective's fixed
+#: cost each, while above it one group's own bytes outweigh it and the copies in and out would only
+#: add to them. See [Note: coalesced collectives] in _comm/collectives.py.
+COALESCE_STEP_ELEMENTS = 1 << 20
+
+
+def publish_masters(groups: list[FlatGroup], comm: Collectives) -> list:
+    """:meth:`FlatGroup.publish_master` for each of ``groups``, with the all-gathers of neighbours that
+    fit :data:`COALESCE_STEP_ELEMENTS` together issued as one. Returns the handles to wait for."""
+    return _coalesced_gathers([(g, g.publish_local()) for g in groups], comm)
+
+
+def gather_replicated_groups(groups: list[FlatGroup], comm: Collectives) -> list:
+    """Stages 1-2 and persistent stage-3 groups (the offloaded step): all-gather each ``full`` from its
+    own slice, coalesced as :func:`publish_masters`."""
+    return _coalesced_gathers([(g, None if g.shard_params else g.own(g.full)) for g in groups], comm)
+
+
+def _coalesced_gathers(sources: list, comm: Collectives) -> list:
+    """All-gather each group's ``full`` from its own slice (pairs ``(group, own)``; own None: nothing to
+    gather), neighbours together up to :data:`COALESCE_STEP_ELEMENTS` per collective."""
+    handles, batch, size = [], [], 0
+
+    def issue() -> None:
+        if batch:
+            label = batch[0][0].name if len(batch) == 1 else f"{batch[0][0].name} +{len(batch) - 1} groups"
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for g, _ in batch:
+                    stack.enter_context(preserve_version(g.full))
+                handles.append(comm.all_gather_coalesced([g.full for g, _ in batch], [o for _, o in batch],
+                                                         label=label))
+            batch.clear()
+
+    for g, own in sources:
+        if own is None:
+            continue
+        if size + g.padded_numel > COALESCE_STEP_ELEMENTS:
+            issue()
+            size = 0
+        batch.append((g, own))
+        size += g.padded_numel
+    issue()
+    return handles

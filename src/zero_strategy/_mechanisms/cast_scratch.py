@@ -7,7 +7,7 @@ whole owned group. Cast with ``tensor.to(torch.float32)``, each cast allocates, 
 step freed is what the next one allocates again: glibc either keeps it (the process grows
 by the freed copies, in the step worker's arena, 40-140 MiB per group on the 748M Llama
 of benchmarks/memory_lifecycle.py) or, once it is given back to the OS, faults every page of
-it in again at the next step (See [Note: freed host memory] in host_memory.py: that round trip
+it in again at the next step (See [Note: freed host memory] in memory.py: that round trip
 made the offloaded step half as fast). So the casts write into buffers taken from here and
 given back after the step of their batch: one buffer per concurrent step (the CPU step has
 one worker, so in practice one), grown to the largest request and reused by every later step
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .host_pool import storage_use_count
+from .memory import storage_use_count
 
 
 class CastScratch:

@@ -50,7 +50,7 @@ from .aligned import aligned_empty, round_up
 from .nvme_files import NVMeError, check_room, prepare_base, resolve_nvme_path
 from .swap_file import SwapFile, wait_all
 from .swap_set import Residency, SwapSet
-from .worker_threads import WorkerThreads
+from .transfers import WorkerThreads
 
 __all__ = ["NVMeError", "NVMeStore", "Residency", "SwapFile", "SlotPool", "aligned_empty", "resolve_nvme_path"]
 
@@ -157,7 +157,7 @@ class SlotPool:
 
     def drop_idle(self) -> None:
         """Free every buffer no one holds (they are allocated again on the next use). See
-        [Note: staging between passes] in _mechanisms/host_memory.py."""
+        [Note: staging between passes] in _mechanisms/memory.py."""
         with self._cv:
             idle, self._free = [b for b in self._free if b is not None], [None] * len(self._free)
         for buf in idle:

@@ -19,7 +19,7 @@ import torch
 
 from .aligned import round_up
 from .nvme_files import JobDir, NVMeError, free_space, remove_stale_job_dirs, reserve
-from .worker_threads import WorkerThreads
+from .transfers import WorkerThreads
 
 __all__ = ["IO_TIMEOUT_S", "SwapFile", "wait_all"]
 

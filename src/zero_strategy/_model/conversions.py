@@ -27,9 +27,9 @@ placed at setup, so no conversion can move or cast them in place. ``setup`` shad
 
 ``.train()``/``.eval()`` change flags only and ``requires_grad_(False)`` behaves as on a
 plain model (a parameter that gets no gradient is not stepped: See [Note: no gradient
-on any rank] in _engine/untouched.py). ``requires_grad_(True)`` on a parameter that was frozen
+on any rank] in _engine/gradients.py). ``requires_grad_(True)`` on a parameter that was frozen
 at setup cannot train it (the engine holds no gradient buffer, master or optimizer
-state for it): ``unfrozen_error`` (_engine/untouched.py) is raised at the next step on every rank (the step agreement
+state for it): ``unfrozen_error`` (_engine/gradients.py) is raised at the next step on every rank (the step agreement
 carries whether any rank has such a gradient), naming it.
 """
 

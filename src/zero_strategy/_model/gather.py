@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._mechanisms import nvme_stream
-from .._mechanisms.host_memory import release_if_large
+from .._mechanisms.memory import release_if_large
 from .._engine.engine import refuse_while_offloaded
 from .._engine.flat import ShardState
 
@@ -243,7 +243,7 @@ def gathered(engine: "ZeroEngine", params: Iterable[nn.Parameter] | None, kind: 
     units = {id(engine.unit_of(g)): engine.unit_of(g) for g in groups}.values()
     was_sharded = {id(u): u.state is ShardState.SHARDED for u in units}
     if any(u.sharded_groups for u in units):
-        engine.comm.enter(kind)  # see [Note: bounded waits] in _comm/waits.py
+        engine.comm.enter(kind)  # see [Note: bounded waits] in _comm/collectives.py
     for u in units:
         u.gather(engine.comm)
     try:
@@ -301,6 +301,6 @@ def whole_model_pass(engine: "ZeroEngine") -> Iterator[None]:
     """Around a pass over the whole model outside training (a save, a load, a full state dict):
     freed host memory released and the engine's idle buffers dropped, before the block and after
     it (``release_host_memory=False``: neither). See [Note: releases where a phase ends] and
-    [Note: staging between passes] in _mechanisms/host_memory.py."""
+    [Note: staging between passes] in _mechanisms/memory.py."""
     with engine.host_releases.around_pass():
         yield

@@ -379,7 +379,7 @@ def _pretrained_save(engine: "ZeroEngine", module: nn.Module, original: Callable
                 kwargs["state_dict"] = full_state_dict(engine, False, dtype)  # the library's path, in dtype
             return original(save_directory, *args, **kwargs)
         refuse_while_offloaded(engine.offloaded, "save_pretrained()", ("lp_params", "hp_params"))
-        engine.comm.enter("save_pretrained")  # See [Note: bounded waits] in _comm/waits.py
+        engine.comm.enter("save_pretrained")  # See [Note: bounded waits] in _comm/collectives.py
         original(save_directory, **{**kwargs, "state_dict": {}})  # config files, clean-up of an older save
         main = kwargs.get("is_main_process", True)
         should = getattr(model, "should_save_on_this_rank", None)

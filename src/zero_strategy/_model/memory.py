@@ -8,7 +8,7 @@ memory on purpose, "offloaded" for what ``offload_states`` moved there until
 types as well (identical placements on a CPU-only machine).
 
 Beside that resting state, the *working set* (See [Note: the working set] in
-_mechanisms/working_set.py): stage-3 units gathered, full gradient buffers, staging
+_mechanisms/memory.py): stage-3 units gathered, full gradient buffers, staging
 buffers, as held now and at their peak since setup or the last ``reset_peak``. The
 staging pool's buffers, and an asynchronous checkpoint save's host copies (staged, or kept for
 the next save), are in both (they rest between steps), so add
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._mechanisms.working_set import WORKING_SET_CATEGORIES
+from .._mechanisms.memory import WORKING_SET_CATEGORIES
 
 CATEGORIES = ("params", "grads", "master", "optimizer_state", "staging")
 
@@ -41,7 +41,7 @@ class MemoryReport:
     peak_working_set_bytes: int = 0
     #: host buffers kept for the next step (the step's cast buffers, the training cycle's idle
     #: gradient buffers), freed where a phase ends; in neither ``total`` nor the working set
-    #: (See [Note: the training cycle's host buffers] in _mechanisms/host_pool.py)
+    #: (See [Note: the training cycle's host buffers] in _mechanisms/memory.py)
     kept_bytes: int = 0
 
     @property

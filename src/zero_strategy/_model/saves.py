@@ -124,6 +124,6 @@ def write_files(engine: "ZeroEngine", directory: str, file_of: dict[str, str], f
     ``file_of`` names, written unit by unit into the files it assigns them (``write``: this rank
     writes; the others only send their shards to it)."""
     refuse_while_offloaded(engine.offloaded, what, ("lp_params", "hp_params"))
-    engine.comm.enter(what)  # See [Note: bounded waits] in _comm/waits.py
+    engine.comm.enter(what)  # See [Note: bounded waits] in _comm/collectives.py
     named = engine.model.state_dict(keep_vars=True)
     write_entries(engine, {n: named[n] for n in file_of}, directory, write, file_of, files, dtype)

@@ -150,7 +150,7 @@ class ModuleStateHooks:
             if self.engine.offloaded is not None and self._sharded_unit_of:  # stage 3 would gather
                 refuse_while_offloaded(self.engine.offloaded, "model.state_dict()", ("lp_params",))
             call = self._save = _Call(module)
-            self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _comm/waits.py
+            self.engine.comm.enter("state_dict")  # see [Note: bounded waits] in _comm/collectives.py
         self._gather_for(call, module)
 
     def after_save(self, module: nn.Module, destination: dict, prefix: str) -> None:

@@ -32,7 +32,7 @@ Only where it is the user's optimizer's own computation (:func:`window_plan`): t
 or ``AdamW`` with their own ``step`` (not a subclass's), ``fused=True``, neither ``capturable``
 nor ``differentiable``, no GradScaler attributes, every master with its state already (the first
 step creates it, through the optimizer's own step), a gradient to cast, and no untouched
-parameter (See [Note: no gradient on any rank] in _engine/untouched.py: ``keep_untouched`` puts
+parameter (See [Note: no gradient on any rank] in _engine/gradients.py: ``keep_untouched`` puts
 those back around the optimizer's own call). Anything else steps as it did.
 """
 
@@ -42,7 +42,7 @@ from typing import Iterator
 
 import torch
 
-from .._engine.untouched import stepped_whole
+from .._engine.gradients import stepped_whole
 from .._mechanisms.cast_scratch import CastScratch
 
 #: the most elements one window steps (the scratch it casts into: 4 MiB of fp32)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .._engine.group_gathers import gather_replicated_groups
+from .._engine.units import gather_replicated_groups
 from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import step_batches
 from .adam_windows import step_in_windows, window_plan
@@ -62,7 +62,7 @@ class OffloadedStep:
         self._owned_views, self._optimizer = owned_views, optimizer
         self._early: dict[int, concurrent.futures.Future] = {}  # id(group) -> its CPU step during backward
         self.steps_overlapped = 0  # group steps started during backward so far (overlap_step)
-        engine.transfers.pool  # its worker starts now, at setup, not in a backward hook (_mechanisms/worker_threads.py)
+        engine.transfers.pool  # its worker starts now, at setup, not in a backward hook (_mechanisms/transfers.py)
         if engine.swap is not None:  # slots of its own for the reads backward starts
             pool = engine.swap.pool  # See [Note: NVMe state read during backward]
             pool.grow_to(pool.count + engine.swap.policy.read_ahead + 1)
@@ -198,7 +198,7 @@ class OffloadedStep:
         """On the CPU worker: one optimizer step over ``batch``'s masters (state read ahead
         for ``upcoming`` groups). Returns each group's upload event (or None). What it frees it
         keeps for the next step: See [Note: releases where a phase ends] in
-        _mechanisms/host_memory.py."""
+        _mechanisms/memory.py."""
         chunked = batch[0].masters.streams and not batch[0].owned  # casts chunk by chunk, in step_in_chunks
         # casts window by window (See [Note: the bf16 step in cache-sized windows] in adam_windows.py)
         windowed = None if chunked else self._window_plan(batch)

@@ -1,4 +1,4 @@
-"""The user's optimizer, re-homed onto fp32 master shards.
+"""The user's optimizer, re-homed onto fp32 master shards, and the fp16 loss scale its step keeps.
 
 [Note: why re-home instead of wrap]
 ``setup`` keeps the user's optimizer object and replaces the ``params`` of each of
@@ -56,6 +56,13 @@ of it silently:
 
 To drop a batch under ``overlap_step``, decide before its backward (skip the backward),
 or run a backward that may be dropped inside ``no_sync()``: nothing steps during it.
+
+**The fp16 loss scale** (:class:`LossScaler`): grows after a run of good steps, backs off after overflows.
+
+Used only with ``precision="fp16"``: the optimizer checks the unscaled gradients for
+inf/nan on every rank (one all-reduce) and skips the step on all of them when any
+overflowed (See [Note: the order inside ``step()``] above). The scale backs
+off after ``hysteresis`` overflows (DeepSpeed's meaning, see ``LossScaleConfig``).
 """
 
 from __future__ import annotations
@@ -66,15 +73,13 @@ from typing import Any
 import torch
 
 from .._engine.engine import ZeroEngine, refuse_while_offloaded
-from .._engine.group_gathers import publish_masters
-from .._engine.untouched import keep_untouched
+from .._engine.gradients import keep_untouched
+from .._engine.units import publish_masters
 from .._mechanisms.cast_scratch import carve
 from .._mechanisms.transfers import device_step_batches
-from .loss_scale import LossScaler
-from .offloaded_step import OffloadedStep
 from .layouts import layout_of
+from .offloaded_step import OffloadedStep
 from .owned_runs import owned_state, shared_tensors
-
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -395,7 +400,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The user's optimizer steps the masters of ``groups`` that have a ``.grad`` (unhooked:
         See [Note: hooks fire once per step]); ``window``: elements [a, b) of one group's shard
         (a chunk of a streamed group, _optim/chunked_step.py)."""
-        with keep_untouched(self.optimizer, groups, window):  # See [Note: no gradient on any rank] in _engine/untouched.py
+        with keep_untouched(self.optimizer, groups, window):  # See [Note: no gradient on any rank] in _engine/gradients.py
             self._internal_steps += 1
             try:
                 self._unhooked_step(self.optimizer)
@@ -506,3 +511,39 @@ def _unhooked_step_of(optimizer: torch.optim.Optimizer):
     if getattr(step, "hooked", False):  # installed by Optimizer._patch_step_function
         step = step.__wrapped__
     return step
+
+
+# ------------------------------------------------------------ the fp16 loss scale
+class LossScaler:
+    """Dynamic (or static) fp16 loss scale with DeepSpeed-style hysteresis."""
+
+    def __init__(self, cfg, enabled: bool):
+        self.enabled = enabled
+        self.cfg = cfg
+        self.scale = float(cfg.initial_scale) if enabled else 1.0
+        self._good_steps = 0
+        self._hysteresis_left = cfg.hysteresis
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled or self.cfg.static:
+            return
+        if found_inf:
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale * self.cfg.backoff_factor, self.cfg.min_scale)
+                self._hysteresis_left = self.cfg.hysteresis
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.cfg.growth_interval:
+            self.scale *= self.cfg.growth_factor
+            self._good_steps = 0
+            self._hysteresis_left = self.cfg.hysteresis
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale = float(sd["scale"])
+        self._good_steps = int(sd["good_steps"])
+        self._hysteresis_left = int(sd["hysteresis_left"])

@@ -549,7 +549,7 @@ class ZeroAccelerator(Accelerator):
         kept = [r for r in self._zero_records if keep_frozen and r.frozen and api.is_set_up(r.model)]
         for record in self._zero_records:
             if record not in kept and api.is_set_up(record.model):  # else torn down by the user already
-                sharded = api.engine_of(record.model).plan.shards_parameters
+                sharded = api.engine_of(record.model).shards_parameters
                 api.teardown(record.model, keep_weights=not sharded if keep_weights is None else keep_weights)
         self._zero_records[:] = kept
         for model in self._pending:

@@ -51,7 +51,7 @@ logger = get_logger(__name__)
 
 def streams(model: nn.Module, safe_serialization: bool) -> bool:
     """Whether ``save_model`` of a set-up ``model`` is written unit by unit. See [Note: streamed save_model]."""
-    if not safe_serialization or not api.engine_of(model).plan.shards_parameters:
+    if not safe_serialization or not api.engine_of(model).shards_parameters:
         return False
     if any(has_offloaded_params(m) for m in model.modules()):
         return False

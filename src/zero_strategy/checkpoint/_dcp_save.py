@@ -40,7 +40,7 @@ import torch
 from .._engine.engine import refuse_while_offloaded
 from .._mechanisms.background_save import join_saves_to
 from .._model.gather import whole_model_pass
-from ..api import engine_of
+from ..api import _engine_of
 from ._dcp import contiguous_start, flat_boxes
 from ._deepspeed_universal import export_universal
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, param_names, resolve_zero_optimizers
@@ -107,7 +107,7 @@ def save_dcp(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) ->
     leaves nothing at ``path``. Not written: NVMe-offloaded groups, hybrid sharding, several optimizers
     and the ownership layout (save_checkpoint, then export_checkpoint, covers the first two).
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.checkpoint.save_dcp()",
                            ("optim_states", "hp_params", "lp_params"))
     zopts = resolve_zero_optimizers(engine, optimizer)

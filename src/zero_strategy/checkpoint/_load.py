@@ -58,7 +58,7 @@ from .._mechanisms.background_save import join_saves_to
 from .._mechanisms import nvme_stream
 from .._model.gather import whole_model_pass
 from .._optim.chunked_step import stopped_part_way
-from ..api import engine_of
+from ..api import _engine_of
 from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
 from ._deepspeed_universal import UniversalCheckpoint, is_universal
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
@@ -242,7 +242,7 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
     that a refusal of it also leaves everything as it was; its result is ``PreparedLoad.extra``.
     Where it raises, that rank raises its exception, the other ranks a ``CheckpointError``.
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     engine.background_save.wait()  # an asynchronous save in flight first (See [Note: asynchronous saves])
     join_saves_to(str(Path(path).absolute()))  # another model's save to this path (a new run resuming)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))

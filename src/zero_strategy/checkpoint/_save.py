@@ -75,7 +75,7 @@ from .._engine.engine import refuse_while_offloaded
 from .._mechanisms import nvme_stream
 from .._model.gather import whole_model_pass
 from .._version import __version__
-from ..api import engine_of
+from ..api import _engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord, GroupLayout,
                       Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir, jsonable,
                       rank_file_name, resolve_zero_optimizers)
@@ -103,7 +103,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     appears at ``path`` when they are all written (See [Note: asynchronous saves]). The
     previous asynchronous save is waited for first, and its failure raised here.
     """
-    engine = engine_of(model)
+    engine = _engine_of(model)
     engine.background_save.wait()  # See [Note: asynchronous saves]: one at a time, failures raised
     refuse_while_offloaded(engine.offloaded, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     asynchronous = engine.config.async_save if async_save is None else async_save
@@ -125,7 +125,7 @@ def wait_for_save(model: torch.nn.Module, *, release_buffers: bool = False) -> N
     ``release_buffers``: also free the host buffers kept for the next asynchronous save (See
     [Note: staging buffers kept] in _mechanisms/background_save.py); the next one allocates again.
     """
-    background = engine_of(model).background_save
+    background = _engine_of(model).background_save
     try:
         background.wait()
     finally:

@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..api import engine_of
+from ..api import _engine_of
 from ._layout import CheckpointError, param_names
 from ._load import _publish
 from ._sync import agree, describe
@@ -53,7 +53,7 @@ def load_sharded_weights(model: torch.nn.Module, read: SliceReader, strict: bool
 
 def _load(model: torch.nn.Module, read: SliceReader, strict: bool, buffers: Mapping[str, torch.Tensor]) -> list[str]:
     """``load_sharded_weights`` and the buffers of a full state dict: check, agree, copy, agree, publish."""
-    engine = engine_of(model)
+    engine = _engine_of(model)
     names = param_names(model)
     error, missing = None, None
     try:

@@ -139,7 +139,7 @@ def remove(path, module=None) -> None:
     While an asynchronous save of ``module`` is writing (the checkpoint that replaces this one as
     the best), the removal waits for it on its thread and happens only if it succeeds: a failed
     save never costs the checkpoint it was to replace."""
-    if module is not None and is_set_up(module) and engine_of(module).background_save.after_success(
+    if module is not None and is_set_up(module) and engine_of(module).after_save_succeeds(
             lambda: remove_checkpoint(path)):
         return
     remove_checkpoint(path)

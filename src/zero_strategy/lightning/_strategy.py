@@ -148,7 +148,8 @@ class ZeroStrategy(DDPStrategy):
         self.meta_init = meta_init
         self.param_init_fn = param_init_fn
         self.zero_optimizers: list = []
-        self._engine = None  # the engine this strategy set up (see [Note: engine lifetime])
+        self._engine = None  # the EngineView of the engine this strategy set up (see [Note: engine lifetime])
+        self._engine_module = None  # the module it shards
         self._in_call = False  # between setup and teardown of one Trainer call
         self._keep_engine = False  # whether that call's teardown keeps the engine
         self._param_dtypes: dict = {}  # parameter dtypes before setup, restored at release under *-mixed
@@ -183,7 +184,7 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         reuse = is_set_up(module) and not fitting and zs.engine_of(module) is self._engine
-        previous = self._engine.model if self._engine is not None else None
+        previous = self._engine_module if self._engine is not None else None
         if previous is not None and previous is not module and is_set_up(previous):
             self._release(previous)  # the Trainer moved on to another module: it is done with this one
         if is_set_up(module) and not reuse:  # the previous fit's engine (or one interrupted before teardown)
@@ -208,7 +209,7 @@ class ZeroStrategy(DDPStrategy):
         self._param_dtypes = {name: p.dtype for name, p in module.named_parameters()}
         self.zero_optimizers = setup_model_and_optimizers(module, user_optimizers, config, device=self.root_device,
                                                           param_init_fn=self.param_init_fn)
-        self._engine = zs.engine_of(module)
+        self._engine, self._engine_module = zs.engine_of(module), module
         self.precision_plugin.zero_optimizer = loss_scaler_of(self.zero_optimizers, config.precision)
         if fitting:
             self.optimizers = self.zero_optimizers
@@ -298,7 +299,7 @@ class ZeroStrategy(DDPStrategy):
         elif is_set_up(module):
             zs.teardown(module)
         _toggle.uninstall(module)
-        self._engine = None
+        self._engine = self._engine_module = None
         self.zero_optimizers = []
         if self.optimizers and any(zero_optimizer_of(o) is not None for o in self.optimizers):
             self.optimizers = []

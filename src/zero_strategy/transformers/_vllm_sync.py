@@ -120,7 +120,7 @@ def _zero_generation_class(cls: type) -> type:
     if made is None:
         def _iter_named_params(self):
             model = self.model
-            if not (api.is_set_up(model) and api.engine_of(model).plan.shards_parameters):
+            if not (api.is_set_up(model) and api.engine_of(model).shards_parameters):
                 yield from cls._iter_named_params(self)  # replicated parameters: TRL's own path is right
                 return
             yield from stream_named_parameters(model, self._fix_param_name_to_vllm)
@@ -139,7 +139,7 @@ def weight_push_overrides(trainer_cls: type) -> dict:
 
     def _move_model_to_vllm_inner(self):
         model = self.model
-        if not (api.is_set_up(model) and api.engine_of(model).plan.shards_parameters):
+        if not (api.is_set_up(model) and api.engine_of(model).shards_parameters):
             return stock(self)  # replicated parameters: the trainer's own push is right
         stream = stream_named_parameters(model, self._fix_param_name_to_vllm)
         if self.vllm_mode == "server":

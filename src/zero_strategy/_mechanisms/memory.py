@@ -1,4 +1,46 @@
-"""Giving freed host memory back to the operating system where a phase ends, never inside the training cycle.
+"""Memory beyond the resting states: what a rank holds now, what it keeps for the next step, what it gives back.
+
+One concept in three parts, each the others' context: the :class:`WorkingSet` counts what the
+training cycle holds on top of its resting shards (gathered units, gradient buckets, staging);
+the :class:`HostPool` keeps the cycle's host buffers warm for the next step instead of freeing
+them; :class:`ReleasePoints` hands freed host pages back to the operating system where a
+phase ends, and empties the pool there.
+
+**The working set**: what a rank holds beyond its resting shards, now and at its peak.
+
+[Note: the working set]
+``memory_report`` counts the tensors that rest (shards, masters, optimizer state); what
+makes a process run out of memory is what it holds on top of them at its worst moment:
+stage-3 units gathered (the prefetch window), full gradient buffers of units whose
+reduce-scatter has not finished (gradient buckets), and staging buffers (NVMe slots,
+pinned upload slots, a large group brought whole into memory for a checkpoint). Each of
+those places reports its allocations and frees here, under one lock, a few calls per
+unit or group per step (never per parameter), so the high-water mark costs nothing on
+the hot path. ``reset_peak`` starts a new measurement (a phase: load, train, save).
+
+**Host buffers of the training cycle**, kept by size for the next step instead of freed.
+
+[Note: the training cycle's host buffers]
+Every backward allocates the same host buffers again: each group's gradient bucket (the full
+unreduced gradients), its reduced gradient shard (held until ``zero_grad``), and at stage 3
+each unit's gathered parameters. Allocated with ``torch.empty``, a buffer of a few MiB or more
+comes from glibc as fresh pages (its own ``mmap``, or heap that glibc's free trimmed back to
+the OS), so the first write into it faults every page in and the kernel zeroes it: on the
+48M-parameter model of benchmarks/hot_path.py at ``zero2_offload``, the copies of autograd's
+gradients into fresh buckets ran at 2 GB/s where a warm copy runs at 10, and backward took
+2.2x a plain model's. So these buffers come from this pool and go back to it: a freed one is
+kept under its exact size and dtype, and the next request of that size (the same group next
+step, or another unit of the same shape) takes it warm. Only buffers nothing else refers to
+are kept: one a view still shares (a ``param.grad`` a user holds, a gradient handed to the
+optimizer) is left to be freed as before, so a kept buffer can never change under anyone.
+
+The pool holds what the training cycle holds at its peak, no more: each kept buffer was in use
+at once with the others of its kind. ``memory_report(model).kept_bytes`` shows what it keeps
+(beside the resting states and the working set: a kept buffer stands where the gradients or
+buckets it held stood), and the pool empties where a phase ends (See [Note: releases where a phase ends]
+below). GPU memory needs none of this: the CUDA caching allocator keeps blocks itself.
+
+**Giving freed host memory back to the operating system** where a phase ends, never inside the training cycle.
 
 [Note: freed host memory]
 The engine frees what it gathers (stage-3 units, full gradients, staging, the copies a save
@@ -79,9 +121,112 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import threading
 from typing import Callable, Iterator
 
+import torch
 
+
+#: the working-set categories, in the order reports list them
+WORKING_SET_CATEGORIES = ("gathered", "grad_buckets", "staging")
+
+
+class WorkingSet:
+    """Bytes held now per category, each category's peak, and the peak of their sum."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current = {k: 0 for k in WORKING_SET_CATEGORIES}
+        self.peak = dict(self.current)
+        self.peak_total = 0
+
+    def add(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            now = self.current[category] + nbytes
+            self.current[category] = now
+            if now > self.peak[category]:
+                self.peak[category] = now
+            total = sum(self.current.values())
+            if total > self.peak_total:
+                self.peak_total = total
+
+    def remove(self, category: str, nbytes: int) -> None:
+        with self._lock:
+            self.current[category] -= nbytes
+
+    def replace(self, category: str, old: int, new: int) -> None:
+        """One buffer of ``old`` bytes became one of ``new`` (0: none) bytes."""
+        if old:
+            self.remove(category, old)
+        if new:
+            self.add(category, new)
+
+    def reset_peak(self) -> None:
+        """The peaks start again from what is held now."""
+        with self._lock:
+            self.peak = dict(self.current)
+            self.peak_total = sum(self.current.values())
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int], int]:
+        with self._lock:
+            return dict(self.current), dict(self.peak), self.peak_total
+
+
+# ------------------------------------------------ the training cycle's host buffers
+def storage_use_count(t: torch.Tensor) -> int | None:
+    """How many tensors and storage handles refer to ``t``'s storage (None: torch cannot say)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return count(t.untyped_storage()._cdata) - 1  # less the handle this call made
+
+
+class HostPool:
+    """Host tensors kept by (numel, dtype) for reuse (See [Note: the training cycle's host buffers])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.idle_bytes = 0
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialized 1-D tensor: a kept host buffer of that size when there is one."""
+        if device.type == "cpu" and numel:
+            with self._lock:
+                kept = self._idle.get((numel, dtype))
+                if kept:
+                    buf = kept.pop()
+                    self._account(-buf.numel() * buf.element_size())
+                    return buf
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.empty(numel, dtype, device).zero_()
+
+    def give_back(self, t: torch.Tensor | None) -> None:
+        """``t`` is no longer used by its owner: keep it for the next request of its size, unless
+        it is not a whole host buffer or anything else still refers to it."""
+        if t is None or t.device.type != "cpu" or t.dim() != 1 or not t.numel():
+            return
+        if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            return  # a view of a larger buffer
+        if storage_use_count(t) != 1:
+            return  # shared (or torch cannot tell): left to be freed by its last holder
+        with self._lock:
+            self._idle.setdefault((t.numel(), t.dtype), []).append(t)
+            self._account(t.numel() * t.element_size())
+
+    def release(self) -> None:
+        """Free every kept buffer (a phase ended: the next step allocates again)."""
+        with self._lock:
+            self._idle.clear()
+            self._account(-self.idle_bytes)
+
+    def _account(self, delta: int) -> None:
+        self.idle_bytes += delta
+
+
+# -------------------------------------------------------- freed host memory
 @functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none."""
