@@ -148,7 +148,6 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     engine.sequence_parallel = sp
     if undo_attention is not None:
         engine.undo_on_teardown.append(undo_attention)
-    quantized.warn_replicated(model, engine.plan.shards_parameters, comm.world_size)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]

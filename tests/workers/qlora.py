@@ -71,9 +71,28 @@ def _train(model, opt, rank: int, whole_batch: bool) -> list[float]:
     return losses
 
 
-def _packed_bytes(model, engine) -> dict:
+def _live_bytes(dtype: torch.dtype, skip: list[torch.Tensor]) -> int:
+    """Bytes of every distinct storage of ``dtype`` that a live Python tensor of this process points at,
+    found by the garbage collector, not by the engine: the packed weights' shards, their placeholders,
+    and whatever else still holds packed bytes (a whole copy left behind would show here). ``skip``:
+    the worker's own copies."""
+    import gc
+    gc.collect()
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.dtype == dtype and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in skipped and storage.nbytes():
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _packed_bytes(model, engine, skip: list[torch.Tensor]) -> dict:
     """Bytes of the packed 4-bit weights this rank holds at rest: in their flat groups' shards, counted by
-    the memory report's own walk, and in the parameters themselves (placeholders at stage 3)."""
+    the memory report's own walk, in the parameters themselves (placeholders at stage 3), and in every
+    live tensor of the storage dtype (uint8 storage: the double-quantized absmax is uint8 too, counted
+    apart as ``state_bytes``)."""
     packed = [p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"]
     ids = {id(p) for p in packed}
     groups = [g for g in engine.groups if any(id(s.param) in ids for s in g.slots)]
@@ -85,7 +104,16 @@ def _packed_bytes(model, engine) -> dict:
                 grouped_numel=in_groups,
                 base_params=sum(p.quant_state.shape.numel() for p in packed),
                 param_storage=sum(p.untyped_storage().nbytes() for p in packed),
-                report_params=zs.memory_report(model).by_category["params"])
+                report_params=zs.memory_report(model).by_category["params"],
+                live=_live_bytes(packed[0].dtype, skip),
+                state_bytes=sum(t.numel() * t.element_size() for p in packed for t in _state_tensors(p.quant_state)
+                                if t.dtype == packed[0].dtype))
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    nested = getattr(state, "state2", None)
+    out = [state.absmax, state.code] + ([nested.absmax, nested.code] if nested is not None else [])
+    return [t for t in out if t is not None]
 
 
 def _run(case: dict) -> dict:
@@ -112,7 +140,7 @@ def _run(case: dict) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, zopt = zs.setup(model, opt, config)
-    memory = _packed_bytes(model, engine_of(model)) if config.stage == 3 else None
+    memory = _packed_bytes(model, engine_of(model), list(base_before.values())) if config.stage == 3 else None
     losses = _train(model, zopt, rank, whole_batch=False)
     adapters = _adapters(model)
     base_after = _base(model)
