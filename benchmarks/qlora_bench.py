@@ -7,6 +7,10 @@ of the blocks, AdamW, 2 sequences of 128 tokens per rank:
 
 * ``qlora``: transformers loads it with ``BitsAndBytesConfig(load_in_4bit=True, NF4, double quant,
   bnb_4bit_quant_storage=torch.bfloat16, compute bf16)``, PEFT adds the adapters, ``precision="bf16"``;
+* ``qlora_uint8``: the same quantization in bitsandbytes' default uint8 storage, loaded sharded in one
+  call, ``zero_strategy.transformers.from_pretrained(..., quantization_config=...)`` (each rank
+  quantizes only its slices at ``setup``; its adapters are initialized there by the model's
+  ``_init_weights``);
 * ``lora_bf16``: the same model loaded in bf16, the same adapters, ``precision="bf16"``.
 
 Reported per system and rank: the packed 4-bit bytes its flat groups hold at rest (qlora) beside
@@ -37,7 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, "out", "qlora_bench.json")
-SYSTEMS = ("qlora", "lora_bf16")
+SYSTEMS = ("qlora", "qlora_uint8", "lora_bf16")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -81,6 +85,12 @@ def worker(args) -> None:
                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(args.dir, quantization_config=q, device_map="cpu",
                                                      dtype=torch.bfloat16)
+        config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0, precision="bf16")
+    elif args.worker == "qlora_uint8":
+        from zero_strategy.transformers import from_pretrained
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)  # bnb_4bit_quant_storage: uint8
+        model = from_pretrained(AutoModelForCausalLM, args.dir, quantization_config=q, dtype=torch.bfloat16)
         config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0, precision="bf16")
     else:
         model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16)
@@ -153,7 +163,8 @@ def main(argv=None) -> int:
         print(f"{r['system']:<11}{r['rank']:>5}{r['base_params']:>13,}{r['base_bytes_held'] / 2**20:>15.3f}"
               f"{r['formula_bytes'] / 2**20:>13.3f}{r['quant_state_bytes'] / 2**10:>17.1f}{r['step_s']:>9.3f}")
     step = {s: statistics.mean(r["step_s"] for r in results if r["system"] == s) for s in SYSTEMS}
-    print(f"step time qlora / lora_bf16: {step['qlora'] / step['lora_bf16']:.2f}x;  load average before and after "
+    print(f"step time qlora / lora_bf16: {step['qlora'] / step['lora_bf16']:.2f}x, qlora_uint8 / lora_bf16: "
+          f"{step['qlora_uint8'] / step['lora_bf16']:.2f}x;  load average before and after "
           "each system: " + ", ".join(f"{a[0]:.1f}" for a in load))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -13,6 +13,10 @@ whole batch:
   packed bytes (about 0.5/N bytes per base parameter): counted in the flat groups, by
   ``memory_report``, on the parameters (placeholders), and by the garbage collector over every live
   tensor of the storage dtype in the process (no whole copy left anywhere);
+* the one-call loader, ``zero_strategy.transformers.from_pretrained(..., quantization_config=...)`` on
+  the dense checkpoint, makes the base transformers' own quantizing load makes (codes bit for bit,
+  quant states equal) with each rank holding only its slice, and trains as that base does in one
+  process;
 * 8-bit bases and unquantized 4-bit weights are refused by name.
 """
 
@@ -36,6 +40,8 @@ CASES = [("nf4", "bfloat16", "zero1"), ("nf4", "bfloat16", "zero2"), ("nf4", "bf
          ("nf4", "bfloat16", "zero3_offload"), ("fp4", "bfloat16", "zero1"), ("fp4", "bfloat16", "zero3"),
          ("nf4", "uint8", "zero1"), ("nf4", "uint8", "zero3"), ("fp4", "uint8", "zero3"),
          ("nf4", "uint8", "zero3_offload"), ("fp4", "uint8", "zero3_offload")]
+LOADED = [("nf4", "uint8", "zero3"), ("fp4", "uint8", "zero3_offload"), ("nf4", "bfloat16", "zero3_offload"),
+          ("fp4", "bfloat16", "zero3")]  # through the one-call loader
 TOL = 1e-5  # fp32 adapters of magnitude ~0.1-1
 
 
@@ -76,6 +82,8 @@ def launched(saved):
             c.update(seams=True, saved=str(root / "adapter"))
     cases.append(dict(case="kbit-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", kbit=True))
     cases.append(dict(case="teardown-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", teardown=True))
+    cases += [dict(case=f"load-{_name(*c)}", dense=str(root / "dense"), quant=c[0], storage=c[1], preset=c[2],
+                   loader=True) for c in LOADED]
     cases += [dict(case="refuse-int8", refuse="int8"), dict(case="refuse-unquantized", refuse="unquantized")]
     return launch_cases("qlora.py", 2, cases, key=lambda r: r["case"], timeout=600)
 
@@ -140,16 +148,32 @@ def test_refusals_name_the_problem_and_the_fix(launched, case, words):
             assert w in r["error_message"], r["error_message"]
 
 
-def test_the_one_call_loader_refuses_quantizing_and_names_the_way_that_works(saved):
-    """Quantizing in slices is not done by ``zero_strategy.transformers.from_pretrained``: a
-    ``quantization_config`` and a 4-bit checkpoint are refused, each naming transformers' load + setup."""
+@pytest.mark.parametrize("quant,storage,preset", LOADED)
+def test_the_one_call_loader_quantizes_each_ranks_slices(launched, quant, storage, preset):
+    """``from_pretrained(AutoModelForCausalLM, dense, quantization_config=BitsAndBytesConfig(...))``, PEFT,
+    ``setup``: the base equals transformers' quantizing load bit for bit, each rank rests on its half of
+    the codes, and training equals single-process QLoRA on transformers' base from the same adapters."""
+    for r in launched.of(f"load-{_name(quant, storage, preset)}"):
+        assert r["base_equal"] and r["base_keys"] > 0 and r["loaded_in_4bit"], r
+        assert r["adapter_names"] and r["only_lora_trains"] and r["adapter_moved"] > 1e-3, r
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < TOL, (r["losses"], r["ref_losses"])
+        assert r["adapter_diff"] < TOL, r["adapter_diff"]
+        m = r["memory"]
+        assert m["held"] == sum(math.ceil(n / 2) for n in m["group_elems"]) * m["itemsize"], m
+        assert m["packed_numel"] * m["itemsize"] * 2 == m["base_params"], m
+        assert m["live"] <= m["held"] + m["state_bytes"] + m["param_storage"], m
+        assert r["warnings"] == [], r["warnings"]
+
+
+def test_the_one_call_loader_refuses_what_it_does_not_quantize(saved):
+    """An 8-bit config and a checkpoint saved already quantized are refused, each naming the way that works."""
     from zero_strategy.checkpoint import CheckpointError
     from zero_strategy.transformers import from_pretrained
 
     root, dirs = saved
-    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16)
-    with pytest.raises(ValueError, match="does not quantize while loading.*quantization_config=BitsAndBytesConfig"):
-        from_pretrained(transformers.AutoModelForCausalLM, root / "dense", quantization_config=q)
+    with pytest.raises(ValueError, match="only 4-bit bitsandbytes bases.*load_in_8bit.*load_in_4bit=True"):
+        from_pretrained(transformers.AutoModelForCausalLM, root / "dense",
+                        quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True))
     with pytest.raises(CheckpointError, match="bitsandbytes-quantized.*zero_strategy.setup"):
         from_pretrained(transformers.AutoModelForCausalLM, dirs[("nf4", "bfloat16")])
 

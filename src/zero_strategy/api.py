@@ -140,10 +140,10 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     kept = {**hf.kept_dtypes(model, cfg.compute_dtype), **quantized.kept_dtypes(model)}
+    opaque = frozenset(quantized.kept_dtypes(model))
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
                         owned_optimizers=owned, kept_dtypes=kept,
-                        loaded_later=deferred_weights.loaded_whole(model, pending),
-                        opaque=frozenset(quantized.kept_dtypes(model)))
+                        loaded_later=deferred_weights.loaded_whole(model, pending, opaque), opaque=opaque)
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     engine.sequence_parallel = sp
     if undo_attention is not None:

@@ -122,6 +122,8 @@ def _run(case: dict) -> dict:
         return _refuse(case)
     if case.get("teardown"):
         return _teardown(case)
+    if case.get("loader"):
+        return _one_call_loader(case)
     ref = _peft(case["dir"], case.get("kbit", False))
     base_before = _base(ref)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
@@ -157,6 +159,59 @@ def _run(case: dict) -> dict:
         base_keys=len(base_before), memory=memory,
         warnings=[str(w.message) for w in caught if "bitsandbytes" in str(w.message)],
     )
+
+
+def _quantization(quant: str, storage: str):
+    from transformers import BitsAndBytesConfig
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=torch.float32,
+                              bnb_4bit_use_double_quant=quant == "nf4", bnb_4bit_quant_storage=getattr(torch, storage))
+
+
+def _one_call_loader(case: dict) -> dict:
+    """``zero_strategy.transformers.from_pretrained(..., quantization_config=...)`` on the dense checkpoint,
+    PEFT's adapters, ``setup``: the base equals what transformers' own quantizing load makes of the same
+    directory (codes bit for bit, quant states equal), and training equals single-process QLoRA on that
+    transformers-loaded base from the same starting adapters (the loader's adapters are built on the meta
+    device and initialized at setup, so the reference takes them from the set-up model)."""
+    from zero_strategy.transformers import from_pretrained
+    q = _quantization(case["quant"], case["storage"])
+    model = from_pretrained(AutoModelForCausalLM, case["dense"], quantization_config=q, dtype=torch.float32)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    config = zs.ZeroConfig.preset(case["preset"], param_persistence_threshold=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, zopt = zs.setup(model, opt, config)
+    start_adapters = _adapters(model)
+    base = _base(model)
+    memory = _packed_bytes(model, engine_of(model), list(base.values())) if config.stage == 3 else None
+    losses = _train(model, zopt, dist.get_rank(), whole_batch=False)
+    adapters = _adapters(model)
+
+    ref = AutoModelForCausalLM.from_pretrained(case["dense"], quantization_config=q, device_map="cpu",
+                                               dtype=torch.float32)
+    ref = get_peft_model(prepare_model_for_kbit_training(ref, use_gradient_checkpointing=False),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    ref.train()
+    ref_base = _base(ref)
+    with torch.no_grad():
+        state = ref.state_dict()
+        for k, v in start_adapters.items():
+            state[k].copy_(v)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    ref_losses = _train(ref, ref_opt, dist.get_rank(), whole_batch=True)
+    ref_adapters = _adapters(ref)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    return dict(case=case["case"], losses=losses, ref_losses=ref_losses,
+                adapter_diff=max((adapters[k] - ref_adapters[k]).abs().max().item() for k in ref_adapters),
+                adapter_moved=min((adapters[k] - start_adapters[k]).abs().max().item() for k in ref_adapters),
+                adapter_names=sorted(adapters) == sorted(ref_adapters),
+                only_lora_trains=all("lora_" in n for n in trainable) and bool(trainable),
+                base_equal=sorted(base) == sorted(ref_base) and all(torch.equal(base[k], ref_base[k]) for k in base),
+                base_keys=len(base), memory=memory, loaded_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
+                warnings=[str(w.message) for w in caught if "bitsandbytes" in str(w.message)])
 
 
 def _seams(model, case: dict, ref_adapters: dict, probe, ref_merged) -> dict:
