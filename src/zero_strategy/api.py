@@ -144,6 +144,7 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
                         owned_optimizers=owned, kept_dtypes=kept,
                         loaded_later=deferred_weights.loaded_whole(model, pending, opaque), opaque=opaque)
+    quantized.place_states(model, engine.device)  # a base from the one-call loader: its states were made on the CPU
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     engine.sequence_parallel = sp
     if undo_attention is not None:

@@ -91,6 +91,16 @@ def kept_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
     return {id(p): p.dtype for _, _, p in packed_4bit(model)}
 
 
+def place_states(model: nn.Module, device: torch.device) -> None:
+    """Move every packed 4-bit weight's quant state to the device its codes are gathered on: the
+    one-call loader computes them on the CPU (See [Note: quantizing per slice] in
+    transformers/_quantized.py), while bnb's matmul reads them beside the codes. A state already
+    there (transformers loaded the base with ``device_map``) is left alone."""
+    for _, _, p in packed_4bit(model):
+        if p.quant_state.absmax.device != device:
+            p.quant_state.to(device)
+
+
 def keep_packed_layout(model: nn.Module, grouped: set[int]) -> list[Callable[[], None]]:
     """Turn off bnb's in-place CPU repack on the ``Linear4bit`` modules whose weight a flat group holds
     (``grouped``: ids of the grouped parameters); returns the callbacks that turn it back on.
