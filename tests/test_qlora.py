@@ -84,6 +84,7 @@ def launched(saved):
     cases.append(dict(case="teardown-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", teardown=True))
     cases += [dict(case=f"load-{_name(*c)}", dense=str(root / "dense"), quant=c[0], storage=c[1], preset=c[2],
                    loader=True) for c in LOADED]
+    cases[-len(LOADED)].update(resume=True, checkpoint=str(root / "checkpoint"))  # LOADED[0]: uint8 at zero3
     cases += [dict(case="refuse-int8", refuse="int8"), dict(case="refuse-unquantized", refuse="unquantized")]
     return launch_cases("qlora.py", 2, cases, key=lambda r: r["case"], timeout=600)
 
@@ -163,6 +164,16 @@ def test_the_one_call_loader_quantizes_each_ranks_slices(launched, quant, storag
         assert m["packed_numel"] * m["itemsize"] * 2 == m["base_params"], m
         assert m["live"] <= m["held"] + m["state_bytes"] + m["param_storage"], m
         assert r["warnings"] == [], r["warnings"]
+
+
+def test_checkpoint_resume_with_the_uint8_base(launched):
+    """``save_checkpoint`` of the trained run (its uint8 code shards among the frozen groups) and
+    ``load_checkpoint`` into a fresh run from the loader: adapters and packed base equal, and the next
+    step's loss equals the uninterrupted run's."""
+    for r in launched.of(f"load-{_name(*LOADED[0])}"):
+        resumed = r["resumed"]
+        assert resumed["adapters_equal"] and resumed["base_equal"], resumed
+        assert resumed["next_loss"] == resumed["again_loss"], resumed
 
 
 def test_the_one_call_loader_refuses_what_it_does_not_quantize(saved):

@@ -53,10 +53,10 @@ def _base(model) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items() if "lora_" not in k and ("proj" in k)}
 
 
-def _train(model, opt, rank: int, whole_batch: bool) -> list[float]:
+def _train(model, opt, rank: int, whole_batch: bool, steps: int = STEPS) -> list[float]:
     vocab = model.config.vocab_size
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         whole, mine = _batch(step, rank, vocab)
         ids = whole if whole_batch else mine
         loss = model(input_ids=ids, labels=ids).loss
@@ -173,17 +173,11 @@ def _one_call_loader(case: dict) -> dict:
     directory (codes bit for bit, quant states equal), and training equals single-process QLoRA on that
     transformers-loaded base from the same starting adapters (the loader's adapters are built on the meta
     device and initialized at setup, so the reference takes them from the set-up model)."""
-    from zero_strategy.transformers import from_pretrained
     q = _quantization(case["quant"], case["storage"])
-    model = from_pretrained(AutoModelForCausalLM, case["dense"], quantization_config=q, dtype=torch.float32)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     config = zs.ZeroConfig.preset(case["preset"], param_persistence_threshold=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, zopt = zs.setup(model, opt, config)
+        model, zopt = _loaded(case["dense"], q, config)
     start_adapters = _adapters(model)
     base = _base(model)
     memory = _packed_bytes(model, engine_of(model), list(base.values())) if config.stage == 3 else None
@@ -204,7 +198,8 @@ def _one_call_loader(case: dict) -> dict:
     ref_losses = _train(ref, ref_opt, dist.get_rank(), whole_batch=True)
     ref_adapters = _adapters(ref)
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    return dict(case=case["case"], losses=losses, ref_losses=ref_losses,
+    resumed = _resumed(case, model, zopt, q, config, adapters, base) if case.get("resume") else None
+    return dict(case=case["case"], losses=losses, ref_losses=ref_losses, resumed=resumed,
                 adapter_diff=max((adapters[k] - ref_adapters[k]).abs().max().item() for k in ref_adapters),
                 adapter_moved=min((adapters[k] - start_adapters[k]).abs().max().item() for k in ref_adapters),
                 adapter_names=sorted(adapters) == sorted(ref_adapters),
@@ -212,6 +207,31 @@ def _one_call_loader(case: dict) -> dict:
                 base_equal=sorted(base) == sorted(ref_base) and all(torch.equal(base[k], ref_base[k]) for k in base),
                 base_keys=len(base), memory=memory, loaded_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
                 warnings=[str(w.message) for w in caught if "bitsandbytes" in str(w.message)])
+
+
+def _loaded(dense: str, q, config):
+    """The one-call loader's QLoRA: the 4-bit base loaded sharded, PEFT's recipe, setup."""
+    from zero_strategy.transformers import from_pretrained
+    model = from_pretrained(AutoModelForCausalLM, dense, quantization_config=q, dtype=torch.float32)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return zs.setup(model, opt, config)
+
+
+def _resumed(case: dict, model, zopt, q, config, adapters: dict, base: dict) -> dict:
+    """``save_checkpoint`` of the trained run, ``load_checkpoint`` into a fresh one from the loader: the
+    adapters, the packed base and the next step's loss equal the uninterrupted run's."""
+    zs.save_checkpoint(case["checkpoint"], model, zopt)
+    again, again_opt = _loaded(case["dense"], q, config)
+    zs.load_checkpoint(case["checkpoint"], again, again_opt)
+    restored, restored_base = _adapters(again), _base(again)
+    next_loss = _train(model, zopt, dist.get_rank(), whole_batch=False, steps=1)
+    again_loss = _train(again, again_opt, dist.get_rank(), whole_batch=False, steps=1)
+    return dict(adapters_equal=all(torch.equal(restored[k], adapters[k]) for k in adapters),
+                base_equal=all(torch.equal(restored_base[k], base[k]) for k in base),
+                next_loss=next_loss, again_loss=again_loss)
 
 
 def _seams(model, case: dict, ref_adapters: dict, probe, ref_merged) -> dict:

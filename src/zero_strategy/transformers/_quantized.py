@@ -151,8 +151,7 @@ def quantize_states(model, read) -> QuantizedReader:
                              f"checkpoint, the shape in current model is {w.shape}.")
         numel = w.numel()
         whole = read([key], 0, numel).reshape(w.shape).to(w.dtype)
-        args = {k: v for k, v in w.__dict__.items()}
-        quantized = bnb.nn.Params4bit(whole, requires_grad=False, **args).to("cpu")  # as transformers quantizes
+        quantized = bnb.nn.Params4bit(whole, requires_grad=False, **w.__dict__).to("cpu")  # as transformers does
         state = quantized.quant_state
         meta = torch.empty(quantized.shape, dtype=quantized.dtype, device="meta")
         module._parameters["weight"] = bnb.nn.Params4bit(
