@@ -16,7 +16,8 @@ whole batch:
 * the one-call loader, ``zero_strategy.transformers.from_pretrained(..., quantization_config=...)`` on
   the dense checkpoint, makes the base transformers' own quantizing load makes (codes bit for bit,
   quant states equal) with each rank holding only its slice, and trains as that base does in one
-  process;
+  process, and resumes from ``save_checkpoint`` exactly (uint8 code shards in the checkpoint);
+* PEFT's ``save_pretrained`` and ``merge_and_unload``, and ``teardown``, with bf16 and uint8 storage;
 * 8-bit bases and unquantized 4-bit weights are refused by name.
 """
 
@@ -78,10 +79,11 @@ def launched(saved):
     root, dirs = saved
     cases = [dict(case=_name(*c), dir=dirs[c[:2]], preset=c[2]) for c in CASES]
     for c in cases:  # the user's PEFT calls after training, where the base is sharded
-        if c["case"] == _name("nf4", "bfloat16", "zero3"):
-            c.update(seams=True, saved=str(root / "adapter"))
+        if c["case"] in (_name("nf4", "bfloat16", "zero3"), _name("nf4", "uint8", "zero3")):
+            c.update(seams=True, saved=str(root / f"adapter-{c['case']}"))
     cases.append(dict(case="kbit-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", kbit=True))
-    cases.append(dict(case="teardown-nf4-bfloat16-zero3", dir=dirs[("nf4", "bfloat16")], preset="zero3", teardown=True))
+    cases += [dict(case=f"teardown-nf4-{storage}-zero3", dir=dirs[("nf4", storage)], preset="zero3", teardown=True)
+              for storage in ("bfloat16", "uint8")]
     cases += [dict(case=f"load-{_name(*c)}", dense=str(root / "dense"), quant=c[0], storage=c[1], preset=c[2],
                    loader=True) for c in LOADED]
     cases[-len(LOADED)].update(resume=True, checkpoint=str(root / "checkpoint"))  # LOADED[0]: uint8 at zero3
@@ -124,20 +126,22 @@ def test_stage3_shards_the_packed_base(launched, quant, storage):
             assert r["warnings"] == [], r["warnings"]
 
 
-def test_peft_save_pretrained_and_merge_on_the_sharded_base(launched):
+@pytest.mark.parametrize("storage", ["bfloat16", "uint8"])
+def test_peft_save_pretrained_and_merge_on_the_sharded_base(launched, storage):
     """``save_pretrained`` (every rank) writes the trained adapter, which reloads onto a fresh 4-bit base equal
     to the reference's; ``merge_and_unload`` gives the reference's merged logits (PEFT requantizes the merged
     weight into a new ``Params4bit``, which is whole on every rank from then on)."""
-    for r in launched.of(_name("nf4", "bfloat16", "zero3")):
+    for r in launched.of(_name("nf4", storage, "zero3")):
         seams = r["seams"]
         assert seams["reloaded_names"] and seams["reloaded_diff"] < TOL, seams
         assert seams["merged_diff"] < 1e-4, seams
         assert seams["full_state_dict_keeps_storage"], seams
 
 
-def test_teardown_gives_back_the_packed_base_bit_for_bit(launched):
-    for r in launched.of("teardown-nf4-bfloat16-zero3"):
-        assert r["equal"] and r["dtypes"] == ["torch.bfloat16"] and r["switch_restored"], r
+@pytest.mark.parametrize("storage", ["bfloat16", "uint8"])
+def test_teardown_gives_back_the_packed_base_bit_for_bit(launched, storage):
+    for r in launched.of(f"teardown-nf4-{storage}-zero3"):
+        assert r["equal"] and r["dtypes"] == [f"torch.{storage}"] and r["switch_restored"], r
 
 
 @pytest.mark.parametrize("case,words", [("refuse-int8", ["8-bit", "load_in_4bit"]),
