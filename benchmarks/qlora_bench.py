@@ -9,8 +9,7 @@ of the blocks, AdamW, 2 sequences of 128 tokens per rank:
   bnb_4bit_quant_storage=torch.bfloat16, compute bf16)``, PEFT adds the adapters, ``precision="bf16"``;
 * ``qlora_uint8``: the same quantization in bitsandbytes' default uint8 storage, loaded sharded in one
   call, ``zero_strategy.transformers.from_pretrained(..., quantization_config=...)`` (each rank
-  quantizes only its slices at ``setup``; its adapters are initialized there by the model's
-  ``_init_weights``);
+  quantizes only its slices at ``setup``);
 * ``lora_bf16``: the same model loaded in bf16, the same adapters, ``precision="bf16"``.
 
 Reported per system and rank: the packed 4-bit bytes its flat groups hold at rest (qlora) beside

@@ -160,6 +160,7 @@ def test_the_one_call_loader_quantizes_each_ranks_slices(launched, quant, storag
     the codes, and training equals single-process QLoRA on transformers' base from the same adapters."""
     for r in launched.of(f"load-{_name(quant, storage, preset)}"):
         assert r["base_equal"] and r["base_keys"] > 0 and r["loaded_in_4bit"], r
+        assert r["drawn"], "the adapters were not initialized at setup"
         assert r["adapter_names"] and r["only_lora_trains"] and r["adapter_moved"] > 1e-3, r
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < TOL, (r["losses"], r["ref_losses"])
         assert r["adapter_diff"] < TOL, r["adapter_diff"]
@@ -191,6 +192,31 @@ def test_the_one_call_loader_refuses_what_it_does_not_quantize(saved):
                         quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True))
     with pytest.raises(CheckpointError, match="bitsandbytes-quantized.*zero_strategy.setup"):
         from_pretrained(transformers.AutoModelForCausalLM, dirs[("nf4", "bfloat16")])
+
+
+def test_the_one_call_loader_initializes_adapters_as_peft_does(saved):
+    """PEFT builds its adapters on the loader's meta model and initializes nothing; setup (one process)
+    initializes them as PEFT would (``lora_B`` zero: the adapted model starts equal to the base), and
+    refuses by name DoRA's magnitude (like PiSSA or OLoRA), which is computed from the base weights."""
+    from peft import LoraConfig, get_peft_model
+
+    import zero_strategy as zs
+    from zero_strategy.transformers import from_pretrained
+
+    root, _ = saved
+    model = from_pretrained(transformers.AutoModelForCausalLM, root / "dense", dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model, _ = zs.setup(model, None, "zero3")
+    lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(lora) == 8
+    assert all(not v.any() for k, v in lora.items() if "lora_B" in k)
+    assert all(v.abs().max() > 0 and v.abs().max() <= 1 / math.sqrt(64) for k, v in lora.items() if "lora_A" in k)
+    zs.teardown(model)
+
+    model = from_pretrained(transformers.AutoModelForCausalLM, root / "dense", dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="use_dora=True, which PEFT computes from the base weights.*init_lora_weights"):
+        zs.setup(model, None, "zero3")
 
 
 @pytest.mark.slow

@@ -172,13 +172,16 @@ def _one_call_loader(case: dict) -> dict:
     PEFT's adapters, ``setup``: the base equals what transformers' own quantizing load makes of the same
     directory (codes bit for bit, quant states equal), and training equals single-process QLoRA on that
     transformers-loaded base from the same starting adapters (the loader's adapters are built on the meta
-    device and initialized at setup, so the reference takes them from the set-up model)."""
+    device and initialized at setup as PEFT initializes them, here ``init_lora_weights=False`` as in
+    ``_peft``; the reference's own are drawn from another random stream, so it takes them from the set-up
+    model)."""
     q = _quantization(case["quant"], case["storage"])
     config = zs.ZeroConfig.preset(case["preset"], param_persistence_threshold=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, zopt = _loaded(case["dense"], q, config)
     start_adapters = _adapters(model)
+    drawn = all(bool(v.isfinite().all()) and v.abs().max() > 0 for v in start_adapters.values())
     base = _base(model)
     memory = _packed_bytes(model, engine_of(model), list(base.values())) if config.stage == 3 else None
     losses = _train(model, zopt, dist.get_rank(), whole_batch=False)
@@ -199,7 +202,7 @@ def _one_call_loader(case: dict) -> dict:
     ref_adapters = _adapters(ref)
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     resumed = _resumed(case, model, zopt, q, config, adapters, base) if case.get("resume") else None
-    return dict(case=case["case"], losses=losses, ref_losses=ref_losses, resumed=resumed,
+    return dict(case=case["case"], losses=losses, ref_losses=ref_losses, resumed=resumed, drawn=drawn,
                 adapter_diff=max((adapters[k] - ref_adapters[k]).abs().max().item() for k in ref_adapters),
                 adapter_moved=min((adapters[k] - start_adapters[k]).abs().max().item() for k in ref_adapters),
                 adapter_names=sorted(adapters) == sorted(ref_adapters),
@@ -214,7 +217,8 @@ def _loaded(dense: str, q, config):
     from zero_strategy.transformers import from_pretrained
     model = from_pretrained(AutoModelForCausalLM, dense, quantization_config=q, dtype=torch.float32)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                                             init_lora_weights=False))  # as _peft: B != 0, A moves at step 1
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     return zs.setup(model, opt, config)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import weakref
 from pathlib import Path
@@ -205,8 +206,49 @@ def _fill(model, read) -> list[str]:
 
 
 def _init_module(model, module) -> None:
-    """The model's own initialization, module by module (what the checkpoint lacks keeps it)."""
-    model._init_weights(module)
+    """The model's own initialization, module by module (what the checkpoint lacks keeps it); a PEFT
+    LoRA matrix by PEFT's own (See :func:`_init_lora`)."""
+    if not _init_lora(model, module):
+        model._init_weights(module)
+
+
+def _init_lora(model, module) -> bool:
+    """PEFT's initialization of a LoRA matrix, where ``get_peft_model`` ran between this loader and
+    ``setup``: the model is on the meta device then, so PEFT built its adapters there and initialized
+    nothing, and the model's ``_init_weights`` would draw ``lora_B`` at random where PEFT makes it zero
+    (the adapted model starting equal to the base). Returns whether ``module`` was a LoRA matrix.
+    Initializations that read the base weights (PiSSA, OLoRA, LoftQ, DoRA's magnitude, ...) are refused."""
+    if not isinstance(module, torch.nn.Linear):  # LoRA's matrices are Linear layers
+        return False
+    found = None
+    for layer in model.modules():
+        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
+            found = next(((layer, name) for name in layer.lora_A
+                          if module is layer.lora_A[name] or module is layer.lora_B[name]), None)
+            if found is not None:
+                break
+    if found is None:
+        return False
+    layer, adapter = found
+    config = getattr(model, "peft_config", {}).get(adapter)
+    init = getattr(config, "init_lora_weights", True)
+    if getattr(config, "use_dora", False) or init not in (True, False, "gaussian"):
+        what = "use_dora=True" if getattr(config, "use_dora", False) else f"init_lora_weights={init!r}"
+        raise ValueError(f"zero_strategy: LoRA adapter {adapter!r} on a model from zero_strategy.transformers."
+                         f"from_pretrained uses {what}, which PEFT computes from the base weights, and those are "
+                         "not loaded until setup. Use init_lora_weights=True or 'gaussian', or load the model with "
+                         "transformers' from_pretrained before get_peft_model and setup.")
+    if init is False:  # PEFT leaves both as nn.Linear makes them
+        module.reset_parameters()
+    elif module is layer.lora_A[adapter] and init is True:  # as PEFT's reset_lora_parameters; each matrix once
+        torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+    elif module is layer.lora_A[adapter]:
+        torch.nn.init.normal_(module.weight, std=1 / layer.r[adapter])
+    else:
+        torch.nn.init.zeros_(module.weight)
+    if getattr(module, "bias", None) is not None and init is not False:
+        torch.nn.init.zeros_(module.bias)
+    return True
 
 
 def _model_directory(name_or_path, revision) -> Path:
