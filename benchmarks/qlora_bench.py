@@ -7,12 +7,17 @@ of the blocks, AdamW, 2 sequences of 128 tokens per rank:
 
 * ``qlora``: transformers loads it with ``BitsAndBytesConfig(load_in_4bit=True, NF4, double quant,
   bnb_4bit_quant_storage=torch.bfloat16, compute bf16)``, PEFT adds the adapters, ``precision="bf16"``;
+* ``qlora_uint8``: the same quantization in bitsandbytes' default uint8 storage, loaded sharded in one
+  call, ``zero_strategy.transformers.from_pretrained(..., quantization_config=...)`` (each rank
+  quantizes only its slices at ``setup``);
 * ``lora_bf16``: the same model loaded in bf16, the same adapters, ``precision="bf16"``.
 
 Reported per system and rank: the packed 4-bit bytes its flat groups hold at rest (qlora) beside
 the formula ``0.5 x base parameters / N`` (plus padding), the quant states' bytes (whole on every
-rank), the frozen base bytes it rests on (lora_bf16: ``2 x base parameters / N``), and the median
-step time of the timed steps. The machine is shared: the load average is printed with the results.
+rank), for qlora_uint8 every uint8 byte a live tensor of the process holds (the garbage collector's
+count, not the engine's: shards, placeholders and the double-quantized absmax), the frozen base
+bytes it rests on (lora_bf16: ``2 x base parameters / N``), and the median step time of the timed
+steps. The machine is shared: the load average is printed with the results.
 
 Usage (from the repository root)::
 
@@ -37,7 +42,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, "out", "qlora_bench.json")
-SYSTEMS = ("qlora", "lora_bf16")
+SYSTEMS = ("qlora", "qlora_uint8", "lora_bf16")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -82,6 +87,12 @@ def worker(args) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.dir, quantization_config=q, device_map="cpu",
                                                      dtype=torch.bfloat16)
         config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0, precision="bf16")
+    elif args.worker == "qlora_uint8":
+        from zero_strategy.transformers import from_pretrained
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)  # bnb_4bit_quant_storage: uint8
+        model = from_pretrained(AutoModelForCausalLM, args.dir, quantization_config=q, dtype=torch.bfloat16)
+        config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0, precision="bf16")
     else:
         model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.bfloat16)
         config = zs.ZeroConfig.preset("zero3", param_persistence_threshold=0, precision="bf16")
@@ -112,14 +123,30 @@ def worker(args) -> None:
         if step >= 2:
             times.append(time.perf_counter() - t0)
     bytes_per = 0.5 if packed else 2.0
+    live = _live_bytes(torch.uint8) if args.worker == "qlora_uint8" else None
     report = dict(system=args.worker, rank=rank, world_size=n, base_params=base_params, base_bytes_held=held,
                   formula_bytes=bytes_per * base_params / n, quant_state_bytes=quant_state_bytes,
-                  step_s=statistics.median(times), step_times=times, last_loss=loss.item(),
+                  live_uint8_bytes=live, step_s=statistics.median(times), step_times=times, last_loss=loss.item(),
                   memory_report_params=zs.memory_report(model).by_category["params"])
     with open(os.path.join(args.dir, f"{args.worker}-rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _live_bytes(dtype) -> int:
+    """Bytes of every distinct storage of ``dtype`` a live tensor of this process points at, found by the
+    garbage collector rather than the engine (uint8 storage: the packed shards, their placeholders and
+    the double-quantized absmax; a whole copy left anywhere would show)."""
+    import gc
+    import torch
+    gc.collect()
+    seen = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.dtype == dtype and not obj.is_meta:
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def _quant_state_tensors(state):
@@ -148,12 +175,15 @@ def main(argv=None) -> int:
                 with open(os.path.join(d, f"{system}-rank{rank}.json")) as f:
                     results.append(json.load(f))
     print(f"{'system':<11}{'rank':>5}{'base params':>13}{'base MiB held':>15}{'formula MiB':>13}"
-          f"{'quant state KiB':>17}{'step s':>9}")
+          f"{'quant state KiB':>17}{'live uint8 MiB':>16}{'step s':>9}")
     for r in results:
         print(f"{r['system']:<11}{r['rank']:>5}{r['base_params']:>13,}{r['base_bytes_held'] / 2**20:>15.3f}"
-              f"{r['formula_bytes'] / 2**20:>13.3f}{r['quant_state_bytes'] / 2**10:>17.1f}{r['step_s']:>9.3f}")
+              f"{r['formula_bytes'] / 2**20:>13.3f}{r['quant_state_bytes'] / 2**10:>17.1f}"
+              f"{'—' if r['live_uint8_bytes'] is None else format(r['live_uint8_bytes'] / 2**20, '.3f'):>16}"
+              f"{r['step_s']:>9.3f}")
     step = {s: statistics.mean(r["step_s"] for r in results if r["system"] == s) for s in SYSTEMS}
-    print(f"step time qlora / lora_bf16: {step['qlora'] / step['lora_bf16']:.2f}x;  load average before and after "
+    print(f"step time qlora / lora_bf16: {step['qlora'] / step['lora_bf16']:.2f}x, qlora_uint8 / lora_bf16: "
+          f"{step['qlora_uint8'] / step['lora_bf16']:.2f}x;  load average before and after "
           "each system: " + ", ".join(f"{a[0]:.1f}" for a in load))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

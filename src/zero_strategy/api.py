@@ -141,15 +141,15 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     _sync_module_states(model, comm)
     group_of = _optimizer_group_of(model, optimizers)
     kept = {**hf.kept_dtypes(model, cfg.compute_dtype), **quantized.kept_dtypes(model)}
+    opaque = frozenset(quantized.kept_dtypes(model))
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
                         owned_optimizers=owned, kept_dtypes=kept,
-                        loaded_later=deferred_weights.loaded_whole(model, pending),
-                        opaque=frozenset(quantized.kept_dtypes(model)))
+                        loaded_later=deferred_weights.loaded_whole(model, pending, opaque), opaque=opaque)
+    quantized.place_states(model, engine.device)  # a base from the one-call loader: its states were made on the CPU
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     engine.sequence_parallel = sp
     if undo_attention is not None:
         engine.undo_on_teardown.append(undo_attention)
-    quantized.warn_replicated(model, engine.plan.shards_parameters, comm.world_size)
     _ENGINES[id(model)] = engine
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]

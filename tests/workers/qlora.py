@@ -53,10 +53,10 @@ def _base(model) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items() if "lora_" not in k and ("proj" in k)}
 
 
-def _train(model, opt, rank: int, whole_batch: bool) -> list[float]:
+def _train(model, opt, rank: int, whole_batch: bool, steps: int = STEPS) -> list[float]:
     vocab = model.config.vocab_size
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         whole, mine = _batch(step, rank, vocab)
         ids = whole if whole_batch else mine
         loss = model(input_ids=ids, labels=ids).loss
@@ -71,9 +71,28 @@ def _train(model, opt, rank: int, whole_batch: bool) -> list[float]:
     return losses
 
 
-def _packed_bytes(model, engine) -> dict:
+def _live_bytes(dtype: torch.dtype, skip: list[torch.Tensor]) -> int:
+    """Bytes of every distinct storage of ``dtype`` that a live Python tensor of this process points at,
+    found by the garbage collector, not by the engine: the packed weights' shards, their placeholders,
+    and whatever else still holds packed bytes (a whole copy left behind would show here). ``skip``:
+    the worker's own copies."""
+    import gc
+    gc.collect()
+    skipped = {t.untyped_storage().data_ptr() for t in skip}
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.dtype == dtype and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in skipped and storage.nbytes():
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _packed_bytes(model, engine, skip: list[torch.Tensor]) -> dict:
     """Bytes of the packed 4-bit weights this rank holds at rest: in their flat groups' shards, counted by
-    the memory report's own walk, and in the parameters themselves (placeholders at stage 3)."""
+    the memory report's own walk, in the parameters themselves (placeholders at stage 3), and in every
+    live tensor of the storage dtype (uint8 storage: the double-quantized absmax is uint8 too, counted
+    apart as ``state_bytes``)."""
     packed = [p for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"]
     ids = {id(p) for p in packed}
     groups = [g for g in engine.groups if any(id(s.param) in ids for s in g.slots)]
@@ -85,7 +104,16 @@ def _packed_bytes(model, engine) -> dict:
                 grouped_numel=in_groups,
                 base_params=sum(p.quant_state.shape.numel() for p in packed),
                 param_storage=sum(p.untyped_storage().nbytes() for p in packed),
-                report_params=zs.memory_report(model).by_category["params"])
+                report_params=zs.memory_report(model).by_category["params"],
+                live=_live_bytes(packed[0].dtype, skip),
+                state_bytes=sum(t.numel() * t.element_size() for p in packed for t in _state_tensors(p.quant_state)
+                                if t.dtype == packed[0].dtype))
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    nested = getattr(state, "state2", None)
+    out = [state.absmax, state.code] + ([nested.absmax, nested.code] if nested is not None else [])
+    return [t for t in out if t is not None]
 
 
 def _run(case: dict) -> dict:
@@ -94,6 +122,8 @@ def _run(case: dict) -> dict:
         return _refuse(case)
     if case.get("teardown"):
         return _teardown(case)
+    if case.get("loader"):
+        return _one_call_loader(case)
     ref = _peft(case["dir"], case.get("kbit", False))
     base_before = _base(ref)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
@@ -112,7 +142,7 @@ def _run(case: dict) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, zopt = zs.setup(model, opt, config)
-    memory = _packed_bytes(model, engine_of(model)) if config.stage == 3 else None
+    memory = _packed_bytes(model, engine_of(model), list(base_before.values())) if config.stage == 3 else None
     losses = _train(model, zopt, rank, whole_batch=False)
     adapters = _adapters(model)
     base_after = _base(model)
@@ -129,6 +159,83 @@ def _run(case: dict) -> dict:
         base_keys=len(base_before), memory=memory,
         warnings=[str(w.message) for w in caught if "bitsandbytes" in str(w.message)],
     )
+
+
+def _quantization(quant: str, storage: str):
+    from transformers import BitsAndBytesConfig
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_compute_dtype=torch.float32,
+                              bnb_4bit_use_double_quant=quant == "nf4", bnb_4bit_quant_storage=getattr(torch, storage))
+
+
+def _one_call_loader(case: dict) -> dict:
+    """``zero_strategy.transformers.from_pretrained(..., quantization_config=...)`` on the dense checkpoint,
+    PEFT's adapters, ``setup``: the base equals what transformers' own quantizing load makes of the same
+    directory (codes bit for bit, quant states equal), and training equals single-process QLoRA on that
+    transformers-loaded base from the same starting adapters (the loader's adapters are built on the meta
+    device and initialized at setup as PEFT initializes them, here ``init_lora_weights=False`` as in
+    ``_peft``; the reference's own are drawn from another random stream, so it takes them from the set-up
+    model)."""
+    q = _quantization(case["quant"], case["storage"])
+    config = zs.ZeroConfig.preset(case["preset"], param_persistence_threshold=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, zopt = _loaded(case["dense"], q, config)
+    start_adapters = _adapters(model)
+    drawn = all(bool(v.isfinite().all()) and v.abs().max() > 0 for v in start_adapters.values())
+    base = _base(model)
+    memory = _packed_bytes(model, engine_of(model), list(base.values())) if config.stage == 3 else None
+    losses = _train(model, zopt, dist.get_rank(), whole_batch=False)
+    adapters = _adapters(model)
+
+    ref = AutoModelForCausalLM.from_pretrained(case["dense"], quantization_config=q, device_map="cpu",
+                                               dtype=torch.float32)
+    ref = get_peft_model(prepare_model_for_kbit_training(ref, use_gradient_checkpointing=False),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    ref.train()
+    ref_base = _base(ref)
+    with torch.no_grad():
+        state = ref.state_dict()
+        for k, v in start_adapters.items():
+            state[k].copy_(v)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    ref_losses = _train(ref, ref_opt, dist.get_rank(), whole_batch=True)
+    ref_adapters = _adapters(ref)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    resumed = _resumed(case, model, zopt, q, config, adapters, base) if case.get("resume") else None
+    return dict(case=case["case"], losses=losses, ref_losses=ref_losses, resumed=resumed, drawn=drawn,
+                adapter_diff=max((adapters[k] - ref_adapters[k]).abs().max().item() for k in ref_adapters),
+                adapter_moved=min((adapters[k] - start_adapters[k]).abs().max().item() for k in ref_adapters),
+                adapter_names=sorted(adapters) == sorted(ref_adapters),
+                only_lora_trains=all("lora_" in n for n in trainable) and bool(trainable),
+                base_equal=sorted(base) == sorted(ref_base) and all(torch.equal(base[k], ref_base[k]) for k in base),
+                base_keys=len(base), memory=memory, loaded_in_4bit=bool(getattr(model, "is_loaded_in_4bit", False)),
+                warnings=[str(w.message) for w in caught if "bitsandbytes" in str(w.message)])
+
+
+def _loaded(dense: str, q, config):
+    """The one-call loader's QLoRA: the 4-bit base loaded sharded, PEFT's recipe, setup."""
+    from zero_strategy.transformers import from_pretrained
+    model = from_pretrained(AutoModelForCausalLM, dense, quantization_config=q, dtype=torch.float32)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                                             init_lora_weights=False))  # as _peft: B != 0, A moves at step 1
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return zs.setup(model, opt, config)
+
+
+def _resumed(case: dict, model, zopt, q, config, adapters: dict, base: dict) -> dict:
+    """``save_checkpoint`` of the trained run, ``load_checkpoint`` into a fresh one from the loader: the
+    adapters, the packed base and the next step's loss equal the uninterrupted run's."""
+    zs.save_checkpoint(case["checkpoint"], model, zopt)
+    again, again_opt = _loaded(case["dense"], q, config)
+    zs.load_checkpoint(case["checkpoint"], again, again_opt)
+    restored, restored_base = _adapters(again), _base(again)
+    next_loss = _train(model, zopt, dist.get_rank(), whole_batch=False, steps=1)
+    again_loss = _train(again, again_opt, dist.get_rank(), whole_batch=False, steps=1)
+    return dict(adapters_equal=all(torch.equal(restored[k], adapters[k]) for k in adapters),
+                base_equal=all(torch.equal(restored_base[k], base[k]) for k in base),
+                next_loss=next_loss, again_loss=again_loss)
 
 
 def _seams(model, case: dict, ref_adapters: dict, probe, ref_merged) -> dict:

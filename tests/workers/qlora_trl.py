@@ -2,7 +2,7 @@
 
 Run under ``accelerate launch`` with 2 CPU processes. The recipe as TRL and PEFT teach it: the
 base loaded by transformers with ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.bfloat16)``,
+bnb_4bit_use_double_quant=True)`` (bitsandbytes' default uint8 storage, as TRL's docs write it),
 ``prepare_model_for_kbit_training``, and ``SFTTrainer(peft_config=LoraConfig(...))``. Both runs
 quantize the same saved bf16-free dense checkpoint (bitsandbytes' quantization is deterministic,
 so both hold the same 4-bit bytes); the stock trainer runs as DDP. For a quantized base SFTTrainer
@@ -37,7 +37,7 @@ from zero_strategy.api import _engine_of as engine_of  # noqa: E402
 
 def qlora_base(dense: Path):
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                           bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.bfloat16)
+                           bnb_4bit_compute_dtype=torch.float32)  # TRL's recipe: the default uint8 storage
     model = AutoModelForCausalLM.from_pretrained(dense, quantization_config=q, device_map="cpu", dtype=torch.float32)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 

@@ -82,10 +82,13 @@ def init_for_pending(model: torch.nn.Module, pending: list[tuple[str, DeferredWe
     return init
 
 
-def loaded_whole(model: torch.nn.Module, pending: list[tuple[str, DeferredWeights]]) -> frozenset[int]:
+def loaded_whole(model: torch.nn.Module, pending: list[tuple[str, DeferredWeights]],
+                 opaque: frozenset[int] = frozenset()) -> frozenset[int]:
     """Ids of the meta parameters of ``model`` the pending sources hold, by any of their names (their
     readers' ``shape_of``; none where a reader cannot tell): the load writes each of their elements,
-    so setup need not initialize them. A source whose shape differs is refused by the load itself."""
+    so setup need not initialize them. A source whose shape differs is refused by the load itself.
+    Floating parameters, and the ``opaque`` ones (a 4-bit base's packed codes, uint8 too), which
+    the flat groups hold and the load fills."""
     if not pending:
         return frozenset()
     reader = _PrefixedReader(sorted(((f"{n}." if n else "", w) for n, w in pending), key=lambda pw: -len(pw[0])))
@@ -98,7 +101,8 @@ def loaded_whole(model: torch.nn.Module, pending: list[tuple[str, DeferredWeight
         names.setdefault(id(p), []).append(name)
         params[id(p)] = p
     return frozenset(pid for pid, n in names.items()
-                     if params[pid].is_meta and params[pid].is_floating_point() and shape_of(n) is not None)
+                     if params[pid].is_meta and (params[pid].is_floating_point() or pid in opaque)
+                     and shape_of(n) is not None)
 
 
 def load_deferred_weights(model: torch.nn.Module) -> None:

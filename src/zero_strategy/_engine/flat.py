@@ -52,6 +52,8 @@ as they are (gathers, offload, checkpoints move bytes), but anything that conver
 leave them alone: ``full_state_dict``'s fp32 default, the streamed ``save_pretrained``'s dtype,
 teardown's return to the compute dtype. Such a group is marked ``opaque``, kept apart from other
 groups of the same dtype, and every conversion of a group's values reads its own dtype instead.
+Only an opaque group may hold a non-floating dtype (the packed codes in bitsandbytes' default
+uint8 storage): it is never stepped, summed nor cast, only moved.
 """
 
 from __future__ import annotations

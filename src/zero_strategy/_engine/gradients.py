@@ -439,10 +439,12 @@ def nan_placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device)
     """A zero-memory tensor of ``shape`` whose every element is NaN (one element, stride 0).
 
     Stands in for the values of a released stage-3 parameter (see [Note: parameter storage
-    and aliasing] in _engine/flat.py): reads give NaN, in-place writes raise.
+    and aliasing] in _engine/flat.py): reads give NaN, in-place writes raise. An integer
+    dtype has no NaN (a 4-bit base's uint8 codes, see [Note: opaque groups] in _engine/flat.py):
+    its placeholder reads the dtype's largest value.
     """
     t = torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
-    return t.fill_(float("nan"))
+    return t.fill_(float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max)
 
 
 # What a marker answers: metadata, and the calls zero_grad(set_to_none=False) makes.

@@ -9,7 +9,9 @@ release all but this rank's shard, before touching the next unit. Peak memory is
 the sharded model plus one unit, never the whole model.
 
 Parameters keep their Python identity (``torch.utils.swap_tensors``), so optimizers
-built over the meta parameters, tied weights and the user's references stay valid.
+built over the meta parameters, tied weights and the user's references stay valid, and
+their class and attributes (``swap_tensors`` swaps those too, so they are put back: a
+bitsandbytes ``Params4bit`` keeps its ``quant_state``).
 
 Initialization: ``param_init_fn(module)`` is called for every module whose own
 parameters live in the unit; by default that is ``module.reset_parameters()``.
@@ -61,6 +63,8 @@ def materialize_unit(
     for p in meta:
         real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
         torch.utils.swap_tensors(p, real)
+        if type(real) is not nn.Parameter:  # a subclass (bitsandbytes' Params4bit) keeps its class and state
+            p.__class__, p.__dict__ = type(real), real.__dict__
     modules = list(modules)
     new_buffers: set[int] = set()
     for m in modules:

@@ -448,7 +448,7 @@ def build_units(
     first_name: dict[int, str] = {}
     params: dict[int, nn.Parameter] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        if not p.is_floating_point():
+        if not p.is_floating_point() and id(p) not in opaque:  # opaque: packed codes, any dtype
             continue
         found = first_prefix(fqn, prefixes)
         unit = ROOT if found is None else found[:-1]

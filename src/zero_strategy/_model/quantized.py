@@ -14,24 +14,23 @@ same Python object (absmax per block, the code book, the original shape and dtyp
 quantization a nested state). bnb's matmul reads both: the packed bytes as they were written,
 bit for bit, and the state from the parameter object itself.
 
-* Floating storage (bf16, fp16, fp32) is frozen and floating, so it goes into a frozen flat group
-  like any other frozen weight, but in **its own storage dtype** (``kept_dtypes``: See [Note:
-  parameters kept in fp32] in _engine/units.py), never cast to the compute dtype: a cast reads
-  the packed bits as numbers (bf16 -> fp32 doubles the bytes and breaks the packed shape, and
-  some bit patterns are NaNs whose payload a cast may change). The group is *opaque* (See [Note:
-  opaque groups] in _engine/flat.py): ``full_state_dict``, the streamed saves and ``teardown`` give
-  the codes back in their storage dtype, bit for bit. At stage 3 the group is sharded
-  like every other (each rank rests on 1/N of the packed bytes: about 0.5/N bytes per base
-  parameter) and gathered per unit; gathering writes the same bytes back into the flat buffer
-  and points ``param.data`` at its view, which keeps the ``Params4bit`` object, and with it the
+* Whatever the storage dtype (uint8 by default, bf16/fp16/fp32), the packed codes are frozen, so
+  they go into a frozen flat group like any other frozen weight, but in **their own storage
+  dtype** (``kept_dtypes``: See [Note: parameters kept in fp32] in _engine/units.py), never cast to
+  the compute dtype: a cast reads the packed bits as numbers (bf16 -> fp32 doubles the bytes and
+  breaks the packed shape, some bit patterns are NaNs whose payload a cast may change, and uint8
+  codes would become the numbers 0-255). The group is *opaque* (See [Note: opaque groups] in
+  _engine/flat.py), which also admits a non-floating dtype into a flat group (uint8 codes are
+  bytes; the gathers move bytes, See [Note: coalesced gathers of several dtypes] in
+  _comm/collectives.py): ``full_state_dict``, the streamed saves and ``teardown`` give the codes
+  back in their storage dtype, bit for bit. At stage 3 the group is sharded like every other
+  (each rank rests on 1/N of the packed bytes: about 0.5/N bytes per base parameter, uint8 or
+  not) and gathered per unit; gathering writes the same bytes back into the flat buffer and
+  points ``param.data`` at its view, which keeps the ``Params4bit`` object, and with it the
   ``quant_state`` attribute, untouched: bnb's matmul finds both as it left them. The
   quant_state's own tensors (absmax: 4 bytes per 64 base parameters; 0.125 + a little with
-  double quantization) stay whole on every rank: they are attributes, not parameters.
-* uint8 storage (bitsandbytes' default) is not floating; flat groups hold floating values, so
-  such a parameter stays whole on every rank, exact, outside every group (0.5 bytes per base
-  parameter per rank at every stage). At stage 3 ``setup`` says so once, with the bytes and
-  the fix (``bnb_4bit_quant_storage=torch.bfloat16``), rather than let a user believe the base
-  is sharded.
+  double quantization) stay whole on every rank: they are attributes, not parameters. A released
+  uint8 weight reads 255 everywhere (an integer has no NaN: See nan_placeholder).
 * On a CPU with AVX512-BF16, ``Linear4bit.forward`` in eval mode without gradients repacks its
   weight into another layout *in place* (``weight.data`` and ``quant_state`` replaced, once).
   A weight that is a view into a flat buffer must not be replaced (the next gather would undo it,
@@ -49,8 +48,6 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-
-from .._user_warnings import warn_at_user
 
 
 def _is_bitsandbytes(obj) -> bool:
@@ -91,21 +88,17 @@ def refuse_unsupported(model: nn.Module) -> None:
 def kept_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
     """id(weight) -> its storage dtype, for every floating packed 4-bit weight: its flat group keeps
     the packed bytes as they are. See [Note: packed 4-bit parameters under ZeRO]."""
-    return {id(p): p.dtype for _, _, p in packed_4bit(model) if p.is_floating_point()}
+    return {id(p): p.dtype for _, _, p in packed_4bit(model)}
 
 
-def warn_replicated(model: nn.Module, shards_parameters: bool, world_size: int) -> int:
-    """At stage 3 over several ranks, say once how many packed bytes stay whole on every rank (uint8
-    storage) and how to shard them. Returns those bytes."""
-    replicated = {id(p): p.numel() * p.element_size() for _, _, p in packed_4bit(model)
-                  if not p.is_floating_point()}
-    total = sum(replicated.values())
-    if total and shards_parameters and world_size > 1:
-        warn_at_user(
-            f"zero_strategy: {len(replicated)} bitsandbytes 4-bit weight(s) ({total / 2**20:.1f} MiB) are stored "
-            "as uint8 and stay whole on every rank at stage 3 (only floating storage is sharded). To shard the "
-            "4-bit base, load it with BitsAndBytesConfig(..., bnb_4bit_quant_storage=torch.bfloat16).")
-    return total
+def place_states(model: nn.Module, device: torch.device) -> None:
+    """Move every packed 4-bit weight's quant state to the device its codes are gathered on: the
+    one-call loader computes them on the CPU (See [Note: quantizing per slice] in
+    transformers/_quantized.py), while bnb's matmul reads them beside the codes. A state already
+    there (transformers loaded the base with ``device_map``) is left alone."""
+    for _, _, p in packed_4bit(model):
+        if p.quant_state.absmax.device != device:
+            p.quant_state.to(device)
 
 
 def keep_packed_layout(model: nn.Module, grouped: set[int]) -> list[Callable[[], None]]:

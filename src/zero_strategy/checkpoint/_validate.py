@@ -44,8 +44,11 @@ from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, CheckpointE
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _STATE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-#: dtypes a stored weight shard can have (fp32 masters; frozen shards in the compute dtype)
+#: dtypes a stored weight shard can have (fp32 masters; frozen shards in the compute dtype, or a
+#: 4-bit base's packed codes in bitsandbytes' default uint8 storage: See [Note: opaque groups] in
+#: _engine/flat.py)
 _WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+_FROZEN_DTYPES = (*_WEIGHT_DTYPES, "uint8")
 _STATE_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 _ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -176,9 +179,9 @@ def _check_group(w: _Where, g: GroupLayout, i: int, ws: int) -> None:
         w.int_(f"{at}.optimizer_group", g.optimizer_group, 0, 1 << 16)
     if g.optimizer_index is not None:
         w.int_(f"{at}.optimizer_index", g.optimizer_index, 0, 1 << 16)
-    if g.dtype not in _WEIGHT_DTYPES or (g.trainable and g.dtype != "float32"):
+    if g.dtype not in _FROZEN_DTYPES or (g.trainable and g.dtype != "float32"):
         raise w.fail(f"{at}.dtype", f"{g.dtype!r} is not the dtype of a {'master' if g.trainable else 'frozen'} "
-                     f"shard ({'float32' if g.trainable else ', '.join(_WEIGHT_DTYPES)})")
+                     f"shard ({'float32' if g.trainable else ', '.join(_FROZEN_DTYPES)})")
     numel = w.int_(f"{at}.numel", g.numel)
     shard = w.int_(f"{at}.shard_numel", g.shard_numel)
     padded = w.int_(f"{at}.padded_numel", g.padded_numel, numel)

@@ -27,9 +27,14 @@ classification head) initialized by the model's ``_init_weights`` and named in a
 unused checkpoint keys named too, the generation config, eval mode; and ``save_pretrained``
 writes the checkpoint's own format back (per-expert tensors), streamed unit by unit.
 
+A ``quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)`` loads a QLoRA base the
+same way: bitsandbytes' 4-bit codes computed for each rank's slices only (See [Note: quantizing
+per slice] in transformers/_quantized.py).
+
 Not handled, and refused by name rather than loaded wrong: checkpoints that only
 ``pytorch_model.bin`` holds (safetensors only), checkpoints quantized on disk (gpt-oss's
-MXFP4: a ``quantization_config``), and a converter that computes values rather than
+MXFP4, a saved 4-bit base: a ``quantization_config`` in the checkpoint's config), 8-bit and
+non-bitsandbytes quantization configs, and a converter that computes values rather than
 rearranging them: those go through ``from_pretrained`` + ``setup``.
 """
 
@@ -37,12 +42,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import weakref
 from pathlib import Path
 
 import torch
 
+from . import _quantized
 from .._logging import RankZeroFilter
 from ..checkpoint._layout import CheckpointError
 from ..api import DeferredWeights, defer_weights
@@ -69,12 +76,11 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
     from the model's (a head saved for another number of labels) is refused here, naming
     each one and both shapes; ``ignore_mismatched_sizes=True`` leaves those parameters
     newly initialized instead and names them in a warning, as ``from_pretrained`` does.
-    ``quantization_config`` (QLoRA's 4-bit base) is refused with the way that works: see
-    :func:`_refuse_quantizing`.
+    ``quantization_config``: a ``BitsAndBytesConfig(load_in_4bit=True, ...)`` loads a QLoRA base, each
+    rank quantizing only its slices at ``setup`` (See [Note: quantizing per slice] in
+    transformers/_quantized.py); other quantization configs are refused by name.
     """
     from transformers import AutoConfig
-
-    _refuse_quantizing(quantization_config)
 
     directory = _model_directory(name_or_path, revision)
     weight_map = safetensors_weight_map(directory)
@@ -86,10 +92,16 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
     config._name_or_path = str(name_or_path)
     _refuse_quantized(config)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, directory, weight_map)
+    quantizer = _quantized.quantizer_for(quantization_config, config, dtype)
     model = _build_empty(model_class, config, dtype, trust_remote_code, attn_implementation)
+    if quantizer is not None:
+        _quantized.swap_in_4bit_layers(model, quantizer, dtype)
     read = safetensors_reader(directory)
     to_checkpoint, converted, unused = _key_map(model, weight_map, read)
     renamed = _Renamed(read, to_checkpoint, converted)
+    if quantizer is not None:  # See [Note: quantizing per slice] in transformers/_quantized.py
+        renamed = _quantized.quantize_states(model, renamed)
+        _quantized.finish(model, quantizer)
     mismatched = _mismatched_sizes(model, renamed, ignore_mismatched_sizes)
     for key in mismatched:  # left as the model's initialization made them
         to_checkpoint.pop(key, None)
@@ -112,7 +124,7 @@ def from_pretrained(model_class, name_or_path: str | Path, *, dtype=None, torch_
             log.warning("Some weights of the model checkpoint at %s were not used when initializing %s: %s",
                         name_or_path, model_name, unused)
 
-    defer_weights(model, DeferredWeights(read=renamed, init=_init_module,
+    defer_weights(model, DeferredWeights(read=_AdapterNames(renamed), init=_init_module,
                                          loaded=loaded, fill=_fill))
     _load_generation_config(model, directory)
     model.eval()  # as from_pretrained returns it
@@ -147,6 +159,25 @@ class _Renamed:
         return self.read(self._keys(names), start, end)
 
 
+class _AdapterNames:
+    """The reader asked by the names a set-up model has, which may be PEFT's: ``get_peft_model``
+    between this loader and ``setup`` moves each wrapped layer's weight to ``<layer>.base_layer.weight``
+    (the adapters themselves are not in the checkpoint, and the model's initialization makes them)."""
+
+    def __init__(self, read):
+        self.read = read
+
+    @staticmethod
+    def _names(names: list[str]) -> list[str]:
+        return [*names, *(n.replace(".base_layer.", ".") for n in names if ".base_layer." in n)]
+
+    def shape_of(self, names: list[str]):
+        return self.read.shape_of(self._names(names))
+
+    def __call__(self, names: list[str], start: int, end: int):
+        return self.read(self._names(names), start, end)
+
+
 def _mismatched_sizes(model, read: "_Renamed", ignore: bool) -> dict[str, tuple]:
     """model key -> (checkpoint shape, model shape) of every tensor whose shapes differ, from the
     headers alone; refused (every rank, before setup) unless ``ignore``. See [Note: shapes before
@@ -175,8 +206,49 @@ def _fill(model, read) -> list[str]:
 
 
 def _init_module(model, module) -> None:
-    """The model's own initialization, module by module (what the checkpoint lacks keeps it)."""
-    model._init_weights(module)
+    """The model's own initialization, module by module (what the checkpoint lacks keeps it); a PEFT
+    LoRA matrix by PEFT's own (See :func:`_init_lora`)."""
+    if not _init_lora(model, module):
+        model._init_weights(module)
+
+
+def _init_lora(model, module) -> bool:
+    """PEFT's initialization of a LoRA matrix, where ``get_peft_model`` ran between this loader and
+    ``setup``: the model is on the meta device then, so PEFT built its adapters there and initialized
+    nothing, and the model's ``_init_weights`` would draw ``lora_B`` at random where PEFT makes it zero
+    (the adapted model starting equal to the base). Returns whether ``module`` was a LoRA matrix.
+    Initializations that read the base weights (PiSSA, OLoRA, LoftQ, DoRA's magnitude, ...) are refused."""
+    if not isinstance(module, torch.nn.Linear):  # LoRA's matrices are Linear layers
+        return False
+    found = None
+    for layer in model.modules():
+        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
+            found = next(((layer, name) for name in layer.lora_A
+                          if module is layer.lora_A[name] or module is layer.lora_B[name]), None)
+            if found is not None:
+                break
+    if found is None:
+        return False
+    layer, adapter = found
+    config = getattr(model, "peft_config", {}).get(adapter)
+    init = getattr(config, "init_lora_weights", True)
+    if getattr(config, "use_dora", False) or init not in (True, False, "gaussian"):
+        what = "use_dora=True" if getattr(config, "use_dora", False) else f"init_lora_weights={init!r}"
+        raise ValueError(f"zero_strategy: LoRA adapter {adapter!r} on a model from zero_strategy.transformers."
+                         f"from_pretrained uses {what}, which PEFT computes from the base weights, and those are "
+                         "not loaded until setup. Use init_lora_weights=True or 'gaussian', or load the model with "
+                         "transformers' from_pretrained before get_peft_model and setup.")
+    if init is False:  # PEFT leaves both as nn.Linear makes them
+        module.reset_parameters()
+    elif module is layer.lora_A[adapter] and init is True:  # as PEFT's reset_lora_parameters; each matrix once
+        torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+    elif module is layer.lora_A[adapter]:
+        torch.nn.init.normal_(module.weight, std=1 / layer.r[adapter])
+    else:
+        torch.nn.init.zeros_(module.weight)
+    if getattr(module, "bias", None) is not None and init is not False:
+        torch.nn.init.zeros_(module.bias)
+    return True
 
 
 def _model_directory(name_or_path, revision) -> Path:
@@ -293,22 +365,6 @@ def _conversion(model, first: str, converter):
     return convert
 
 
-def _refuse_quantizing(quantization_config) -> None:
-    """Quantizing at load (bitsandbytes' 4-bit base for QLoRA) is not done in slices here: the packed
-    codes and their per-block scales would have to be computed from each rank's rows, block-aligned,
-    which this loader does not do yet. transformers' own ``from_pretrained`` quantizes on every rank
-    (about 0.5 bytes per base parameter, plus the unquantized embeddings) and ``setup`` then shards
-    the packed bytes (See [Note: packed 4-bit parameters under ZeRO] in _model/quantized.py)."""
-    if quantization_config is None:
-        return
-    raise ValueError(
-        "zero_strategy.transformers.from_pretrained does not quantize while loading (quantization_config="
-        f"{type(quantization_config).__name__}). For a QLoRA base, load it with transformers: "
-        "AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
-        "bnb_4bit_quant_storage=torch.bfloat16, ...)), add the adapters, then zero_strategy.setup(model, "
-        "optimizer, 'zero3'): setup shards the 4-bit weights (docs/guides/peft-and-generation.md, QLoRA).")
-
-
 def _refuse_quantized(config) -> None:
     """A checkpoint whose weights are quantized on disk (gpt-oss's MXFP4 experts, FP8, GPTQ, ...)
     holds packed blocks and scales where the model has floating-point parameters; dequantizing
@@ -325,8 +381,9 @@ def _refuse_quantized(config) -> None:
             f"zero_strategy.transformers.from_pretrained: {config._name_or_path} holds bitsandbytes-quantized "
             "weights, which this loader does not read in slices: load it with transformers' "
             "AutoModelForCausalLM.from_pretrained(path) (the quantization is read from its config), then "
-            "zero_strategy.setup(model, optimizer, 'zero3'), which shards 4-bit weights stored as bf16 "
-            "(docs/guides/peft-and-generation.md, QLoRA)")
+            "zero_strategy.setup(model, optimizer, 'zero3'), which shards the 4-bit weights; or load the "
+            "unquantized checkpoint here with quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...), "
+            "which quantizes each rank's slices (docs/guides/peft-and-generation.md, QLoRA)")
     raise CheckpointError(
         f"zero_strategy.transformers.from_pretrained: {type(config).__name__} ({config.model_type}) comes with "
         f"weights quantized on disk (quantization_config: {method}), which cannot be read in slices: load it "
