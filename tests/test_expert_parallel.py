@@ -1,0 +1,100 @@
+"""Expert parallelism (``ZeroConfig(expert_parallel_size=N)``): each rank owns whole experts.
+
+Tiny transformers 5 MoE models (Mixtral, Qwen3-MoE) built from their configs, on 2 ranks, each
+rank training on its own half of the batch, so the routing differs by rank and tokens travel
+to the other rank's experts and back by all-to-all (tests/workers/expert_parallel.py). Against
+one process training a copy of the same model on the whole batch:
+
+* the losses of every step and the final full weights (``zero_strategy.full_state_dict``,
+  experts included, keyed as the model's own state dict) are equal, at stage 3 and at stage 2
+  with gradient clipping (the experts' squares count once in the global norm), and stage 1
+  with ``teardown`` giving back the whole experts;
+* each rank holds ``num_experts / 2`` experts of each layer: its expert bytes are half of the
+  model's, and the engine holds none of them (never sharded, gathered nor reduced);
+* the routing differs by rank and each rank's tokens reach both ranks' experts.
+
+Refused by name, before the model is changed: a model without transformers' fused experts, a
+number of experts the size does not divide, a size other than the world, offload; and, on a
+set-up model, sharded checkpoints and ``optimizer.state_dict()`` (the experts' optimizer state
+is not in them yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from _launch import launch_cases  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+TOL = 1e-5  # fp32, absolute, on weights of magnitude ~1 after AdamW steps
+TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
+            dict(case="qwen3_moe-3", family="qwen3_moe", stage=3),
+            dict(case="mixtral-2-clip", family="mixtral", stage=2, clip=0.05),
+            dict(case="mixtral-1-teardown", family="mixtral", stage=1, teardown=True)]
+REFUSALS = {
+    "dense": "has no mixture-of-experts layer",
+    "indivisible": "must divide the number of experts",
+    "size": "must equal the number of processes",
+    "offload": "does not combine with offload_optimizer",
+    "checkpoint": "sharded checkpoints do not hold the rank-local experts",
+    "optimizer_state": "optimizer.state_dict() with expert_parallel_size",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _launched():
+    import tempfile
+    path = tempfile.mkdtemp(prefix="zs_ep_ckpt_")
+    cases = TRAINING + [dict(case=f"refuse-{w}", what=w, path=f"{path}/ckpt") for w in REFUSALS]
+    return launch_cases("expert_parallel.py", 2, cases, key=lambda r: r["case"], timeout=300)
+
+
+@pytest.mark.parametrize("case", [c["case"] for c in TRAINING])
+def test_equal_to_one_process(case):
+    ranks = _launched().of(case)
+    for rank, rep in enumerate(ranks):
+        for step, (mine, ref) in enumerate(rep["losses"]):
+            assert mine == pytest.approx(ref, abs=TOL), f"rank {rank} step {step}: loss {mine} vs one process {ref}"
+        assert rep["keys_equal"], "full_state_dict's keys differ from the model's own state dict"
+        assert rep["expert_weight_diff"] < TOL and rep["weight_diff"] < TOL, rep
+        if "teardown_diff" in rep:
+            assert rep["teardown_diff"] < TOL
+
+
+@pytest.mark.parametrize("case", [c["case"] for c in TRAINING])
+def test_each_rank_holds_its_experts_only(case):
+    ranks = _launched().of(case)
+    assert [r["local_experts"] for r in ranks] == [[[0, 2]], [[2, 2]]]
+    for rep in ranks:
+        assert rep["held_expert_bytes"] * 2 == rep["whole_expert_bytes"]
+        assert not rep["engine_holds_experts"]
+
+
+def test_routing_differs_by_rank_and_crosses_ranks():
+    ranks = _launched().of("mixtral-3")
+    assert ranks[0]["routed"] != ranks[1]["routed"]
+    for rep in ranks:
+        for rows in rep["routed"]:
+            assert sum(rows[:2]) > 0 and sum(rows[2:]) > 0, rows  # rows for rank 0's and rank 1's experts
+
+
+@pytest.mark.parametrize("what", sorted(REFUSALS))
+def test_refused_by_name(what):
+    for rep in _launched().of(f"refuse-{what}"):
+        assert rep["message"] is not None, f"{what} was not refused"
+        assert REFUSALS[what] in rep["message"], rep["message"]
+        assert "expert_parallel_size" in rep["message"]
+        assert rep["untouched"]
+
+
+def test_config_key():
+    import zero_strategy as zs
+    cfg = zs.ZeroConfig(expert_parallel_size=2)
+    assert zs.ZeroConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(Exception, match="expert_parallel_size"):
+        zs.ZeroConfig(expert_parallel_size=0)

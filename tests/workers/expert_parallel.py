@@ -1,0 +1,143 @@
+"""Expert parallelism on 2 ranks against one process on the whole batch (tests/test_expert_parallel.py).
+
+Each training case: a tiny transformers 5 MoE model built from its config with the same seed on
+every rank; a deep copy before setup is the reference, trained in this process on the whole
+batch (one process's training). The set-up model, with ``expert_parallel_size=2``, trains on
+this rank's half of the batch, so the routing differs by rank (what each rank's tokens choose is
+reported). Reported: both losses per step, the largest difference of the final full weights,
+the bytes of expert weights this rank holds against the whole experts, and whether the engine
+holds any expert weight. Each refusal case reports the message it raised.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch import nn
+
+from _worker import finish, run_cases, start
+
+import zero_strategy as zs
+import zero_strategy.checkpoint
+from zero_strategy._model.expert_parallel import ExpertParallelExperts
+
+
+def _config(family: str, experts: int = 4):
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**small, intermediate_size=48, num_key_value_heads=2,
+                                          num_local_experts=experts, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**small, intermediate_size=48, moe_intermediate_size=24,
+                                           num_key_value_heads=2, num_experts=experts, num_experts_per_tok=2,
+                                           head_dim=8)
+    return transformers.LlamaConfig(**small, intermediate_size=48, num_key_value_heads=2)
+
+
+def _model(family: str, experts: int = 4) -> nn.Module:
+    torch.manual_seed(5)
+    return transformers.AutoModelForCausalLM.from_config(_config(family, experts))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole batch, this rank's half): 4 sequences of 12 tokens."""
+    whole = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(31 + step))
+    return whole, whole[2 * rank:2 * rank + 2]
+
+
+def _expert_names(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+
+
+def train(case: dict) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(case["family"])
+    ref = copy.deepcopy(model)
+    whole_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                             if n in _expert_names(model))
+    config = zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0, expert_parallel_size=world,
+                           gradient_clipping=case.get("clip"))
+    model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = zs.engine_of(model)
+    local = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    held_bytes = sum(p.numel() * p.element_size() for m in local for p in m.parameters())
+    managed_names = {n for n, p in model.named_parameters() if engine.group_of(p) is not None}
+    routed: list[list[int]] = []  # per call of layer 0's experts: rows for each expert
+    hook = local[0].register_forward_pre_hook(
+        lambda m, args: routed.append(torch.bincount(args[1].reshape(-1), minlength=m.num_experts).tolist()))
+    losses = []
+    for step in range(3):
+        whole, mine = _batch(rank, step)
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(input_ids=whole, labels=whole).loss
+        ref_loss.backward()
+        if case.get("clip"):
+            nn.utils.clip_grad_norm_(ref.parameters(), case["clip"])
+        ref_opt.step()
+        ref_opt.zero_grad()
+        both = torch.tensor([loss.item()])
+        dist.all_reduce(both)
+        losses.append((both.item() / world, ref_loss.item()))
+    hook.remove()
+    full = zs.full_state_dict(model)
+    ref_state = ref.state_dict()
+    report = dict(case=case["case"], losses=losses, keys_equal=sorted(full) == sorted(ref_state),
+                  weight_diff=max((full[k].float() - v.float()).abs().max().item() for k, v in ref_state.items()),
+                  expert_weight_diff=max((full[k] - ref_state[k]).abs().max().item() for k in _expert_names(ref)),
+                  held_expert_bytes=held_bytes, whole_expert_bytes=whole_expert_bytes,
+                  engine_holds_experts=bool(managed_names & _expert_names(model)),
+                  local_experts=[[m.first, m.num_local] for m in local[:1]], routed=routed)
+    if case.get("teardown"):  # a plain module again, with the whole experts
+        zs.teardown(model)
+        state = model.state_dict()
+        report["teardown_diff"] = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+    return report
+
+
+def refusal(case: dict) -> dict:
+    """The message of what ``case["what"]`` raises."""
+    world = dist.get_world_size()
+    what = case["what"]
+    cfg = dict(stage=3, expert_parallel_size=world)
+    family, experts = "mixtral", 4
+    if what == "dense":
+        family = "llama"
+    elif what == "indivisible":
+        experts = 3
+    elif what == "size":
+        cfg["expert_parallel_size"] = 2 * world
+    elif what == "offload":
+        cfg = dict(cfg, offload_optimizer="cpu")
+    model = _model(family, experts)
+    try:
+        model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), zs.ZeroConfig(**cfg))
+        if what == "checkpoint":
+            zero_strategy.checkpoint.save_checkpoint(case["path"], model, opt)
+        elif what == "optimizer_state":
+            opt.state_dict()
+    except (ValueError, NotImplementedError) as err:
+        untouched = not any(isinstance(m, ExpertParallelExperts) for m in model.modules()) or what in (
+            "checkpoint", "optimizer_state")
+        return dict(case=case["case"], message=f"{type(err).__name__}: {err}", untouched=untouched)
+    return dict(case=case["case"], message=None)
+
+
+def run(case: dict) -> dict:
+    return refusal(case) if "what" in case else train(case)
+
+
+def main() -> None:
+    args, out = start()
+    finish(out, {"results": run_cases(args["cases"], run)})
+
+
+if __name__ == "__main__":
+    main()
