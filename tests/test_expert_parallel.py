@@ -11,7 +11,9 @@ one process training a copy of the same model on the whole batch:
   with ``teardown`` giving back the whole experts;
 * each rank holds ``num_experts / 2`` experts of each layer: its expert bytes are half of the
   model's, and the engine holds none of them (never sharded, gathered nor reduced);
-* the routing differs by rank and each rank's tokens reach both ranks' experts.
+* the routing differs by rank and each rank's tokens reach both ranks' experts;
+* ``save_pretrained`` (stage 3 streamed, stage 1 through ``state_dict()``) writes the whole experts
+  as transformers writes them, and transformers reads them back equal to one process's weights.
 
 Refused by name, before the model is changed: a model without transformers' fused experts, a
 number of experts the size does not divide, a size other than the world, offload; and, on a
@@ -20,8 +22,6 @@ is not in them yet).
 """
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 
@@ -46,17 +46,18 @@ REFUSALS = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _launched():
-    import tempfile
-    path = tempfile.mkdtemp(prefix="zs_ep_ckpt_")
-    cases = TRAINING + [dict(case=f"refuse-{w}", what=w, path=f"{path}/ckpt") for w in REFUSALS]
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One launch of every case; each test asserts its own (a failing case fails its own test)."""
+    path = tmp_path_factory.mktemp("ep")
+    cases = [dict(c, saved=str(path / f"saved-{c['case']}")) if c["stage"] != 2 else c for c in TRAINING]
+    cases += [dict(case=f"refuse-{w}", what=w, path=str(path / "ckpt")) for w in REFUSALS]
     return launch_cases("expert_parallel.py", 2, cases, key=lambda r: r["case"], timeout=300)
 
 
 @pytest.mark.parametrize("case", [c["case"] for c in TRAINING])
-def test_equal_to_one_process(case):
-    ranks = _launched().of(case)
+def test_equal_to_one_process(launched, case):
+    ranks = launched.of(case)
     for rank, rep in enumerate(ranks):
         for step, (mine, ref) in enumerate(rep["losses"]):
             assert mine == pytest.approx(ref, abs=TOL), f"rank {rank} step {step}: loss {mine} vs one process {ref}"
@@ -66,17 +67,22 @@ def test_equal_to_one_process(case):
             assert rep["teardown_diff"] < TOL
 
 
+@pytest.mark.parametrize("case", [c["case"] for c in TRAINING if c["stage"] != 2])
+def test_save_pretrained_reads_back_in_transformers(launched, case):
+    assert launched.of(case)[0]["read_back_diff"] < TOL
+
+
 @pytest.mark.parametrize("case", [c["case"] for c in TRAINING])
-def test_each_rank_holds_its_experts_only(case):
-    ranks = _launched().of(case)
+def test_each_rank_holds_its_experts_only(launched, case):
+    ranks = launched.of(case)
     assert [r["local_experts"] for r in ranks] == [[[0, 2]], [[2, 2]]]
     for rep in ranks:
         assert rep["held_expert_bytes"] * 2 == rep["whole_expert_bytes"]
         assert not rep["engine_holds_experts"]
 
 
-def test_routing_differs_by_rank_and_crosses_ranks():
-    ranks = _launched().of("mixtral-3")
+def test_routing_differs_by_rank_and_crosses_ranks(launched):
+    ranks = launched.of("mixtral-3")
     assert ranks[0]["routed"] != ranks[1]["routed"]
     for rep in ranks:
         for rows in rep["routed"]:
@@ -84,8 +90,8 @@ def test_routing_differs_by_rank_and_crosses_ranks():
 
 
 @pytest.mark.parametrize("what", sorted(REFUSALS))
-def test_refused_by_name(what):
-    for rep in _launched().of(f"refuse-{what}"):
+def test_refused_by_name(launched, what):
+    for rep in launched.of(f"refuse-{what}"):
         assert rep["message"] is not None, f"{what} was not refused"
         assert REFUSALS[what] in rep["message"], rep["message"]
         assert "expert_parallel_size" in rep["message"]

@@ -95,6 +95,12 @@ def train(case: dict) -> dict:
                   held_expert_bytes=held_bytes, whole_expert_bytes=whole_expert_bytes,
                   engine_holds_experts=bool(managed_names & _expert_names(model)),
                   local_experts=[[m.first, m.num_local] for m in local[:1]], routed=routed)
+    if case.get("saved"):  # transformers' own directory, one tensor per expert, read back by transformers
+        model.save_pretrained(case["saved"])
+        if rank == 0:
+            back = transformers.AutoModelForCausalLM.from_pretrained(case["saved"]).state_dict()
+            report["read_back_diff"] = max((back[k] - v).abs().max().item() for k, v in ref_state.items())
+        dist.barrier()
     if case.get("teardown"):  # a plain module again, with the whole experts
         zs.teardown(model)
         state = model.state_dict()
