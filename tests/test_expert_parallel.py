@@ -7,8 +7,9 @@ one process training a copy of the same model on the whole batch:
 
 * the losses of every step and the final full weights (``zero_strategy.full_state_dict``,
   experts included, keyed as the model's own state dict) are equal, at stage 3 and at stage 2
-  with gradient clipping (the experts' squares count once in the global norm), and stage 1
-  with ``teardown`` giving back the whole experts;
+  with gradient clipping (the experts' squares count once in the global norm), at stage 1
+  with ``teardown`` giving back the whole experts, and at stage 3 with two micro-batches, the
+  first inside ``no_sync``;
 * each rank holds ``num_experts / 2`` experts of each layer: its expert bytes are half of the
   model's, and the engine holds none of them (never sharded, gathered nor reduced);
 * the routing differs by rank and each rank's tokens reach both ranks' experts;
@@ -35,7 +36,8 @@ TOL = 1e-5  # fp32, absolute, on weights of magnitude ~1 after AdamW steps
 TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
             dict(case="qwen3_moe-3", family="qwen3_moe", stage=3),
             dict(case="mixtral-2-clip", family="mixtral", stage=2, clip=0.05),
-            dict(case="mixtral-1-teardown", family="mixtral", stage=1, teardown=True)]
+            dict(case="mixtral-1-teardown", family="mixtral", stage=1, teardown=True),
+            dict(case="mixtral-3-accumulate", family="mixtral", stage=3, accumulate=True)]
 REFUSALS = {
     "dense": "has no mixture-of-experts layer",
     "indivisible": "must divide the number of experts",

@@ -73,8 +73,16 @@ def train(case: dict) -> dict:
     losses = []
     for step in range(3):
         whole, mine = _batch(rank, step)
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
+        if case.get("accumulate"):  # two micro-batches of one sequence, the first inside no_sync
+            with zs.no_sync(model):
+                first = model(input_ids=mine[:1], labels=mine[:1]).loss / 2
+                first.backward()
+            loss = model(input_ids=mine[1:], labels=mine[1:]).loss / 2
+            loss.backward()
+            loss = loss + first.detach()
+        else:
+            loss = model(input_ids=mine, labels=mine).loss
+            loss.backward()
         opt.step()
         opt.zero_grad()
         ref_loss = ref(input_ids=whole, labels=whole).loss
