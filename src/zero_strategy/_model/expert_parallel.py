@@ -136,7 +136,7 @@ class ExpertParallelExperts(nn.Module):
                 enumerate(torch.split(rows[by_expert], got.sum(0).tolist()))]
         out = torch.cat(outs)[torch.argsort(by_expert)]
         back = _AllToAll.apply(out, recv, send, group)                       # [T*K, H], in ``order``
-        weight = weights.reshape(-1)[order].to(back.dtype)
+        weight = weights.reshape(-1)[order]  # [T*K], the router's dtype: the product in it, as transformers'
         final = torch.zeros_like(x)
         return final.index_add(0, token, (back * weight[:, None]).to(x.dtype))
 
