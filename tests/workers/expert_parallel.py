@@ -53,9 +53,18 @@ def _expert_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
 
 
+def _first_owner_only(model: nn.Module) -> None:
+    """Every token routed to experts 0-1 (rank 0's): rank 1's experts get no row from any rank."""
+    for name, m in model.named_modules():
+        if name.endswith("mlp.gate"):
+            m.register_forward_hook(lambda m, args, out: (out[0], out[1], out[2] % 2))
+
+
 def train(case: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(case["family"])
+    if case.get("first_owner_only"):
+        _first_owner_only(model)
     ref = copy.deepcopy(model)
     whole_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                              if n in _expert_names(model))
@@ -116,6 +125,35 @@ def train(case: dict) -> dict:
     return report
 
 
+def bf16_beside_gather(case: dict) -> dict:
+    """bf16 compute: expert parallelism beside the stage-3 gather path on the same data (one process has no
+    bf16 ZeRO reference: both keep fp32 masters and compute in bf16)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = {}
+    for name, extra in (("gather", {}), ("ep", {"expert_parallel_size": world})):
+        model = _model("mixtral")
+        config = zs.ZeroConfig(stage=3, precision="bf16", param_persistence_threshold=0, **extra)
+        # SGD: a weight's difference follows its gradient's (Adam's normalisation would blow bf16 rounding
+        # of near-zero gradients up to a whole step)
+        model, opt = zs.setup(model, torch.optim.SGD(model.parameters(), lr=0.5), config)
+        losses = []
+        for step in range(3):
+            _, mine = _batch(rank, step)
+            loss = model(input_ids=mine, labels=mine).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            both = torch.tensor([loss.item()])
+            dist.all_reduce(both)
+            losses.append(both.item() / world)
+        runs[name] = (losses, zs.full_state_dict(model))
+        zs.teardown(model, keep_weights=False)
+    (gather_losses, gather_w), (ep_losses, ep_w) = runs["gather"], runs["ep"]
+    return dict(case=case["case"], losses=list(zip(ep_losses, gather_losses)),
+                weight_diff=max((ep_w[k] - v).abs().max().item() for k, v in gather_w.items()),
+                weight_scale=max(v.abs().max().item() for v in gather_w.values()))
+
+
 def refusal(case: dict) -> dict:
     """The message of what ``case["what"]`` raises."""
     world = dist.get_world_size()
@@ -145,7 +183,9 @@ def refusal(case: dict) -> dict:
 
 
 def run(case: dict) -> dict:
-    return refusal(case) if "what" in case else train(case)
+    if "what" in case:
+        return refusal(case)
+    return bf16_beside_gather(case) if case.get("bf16") else train(case)
 
 
 def main() -> None:
