@@ -57,7 +57,7 @@ def launched(tmp_path_factory):
     path = tmp_path_factory.mktemp("ep")
     cases = [dict(c, saved=str(path / f"saved-{c['case']}")) if c["stage"] != 2 else c for c in TRAINING]
     cases += [dict(case="bf16", bf16=True)]
-    cases += [dict(case=f"refuse-{w}", what=w, path=str(path / "ckpt")) for w in REFUSALS]
+    cases += [dict(case=f"refuse-{w}", what=w, path=str(path / "ckpt")) for w in (*REFUSALS, "rollback")]
     return launch_cases("expert_parallel.py", 2, cases, key=lambda r: r["case"], timeout=300)
 
 
@@ -109,6 +109,15 @@ def test_refused_by_name(launched, what):
         assert REFUSALS[what] in rep["message"], rep["message"]
         assert "expert_parallel_size" in rep["message"]
         assert rep["untouched"]
+
+
+def test_a_setup_that_fails_later_puts_the_experts_back(launched):
+    """A setup refused after the experts were replaced (an optimizer holding a parameter not in the model):
+    the model's own experts modules, whole, and the optimizer's own parameters are back."""
+    for rep in launched.of("refuse-rollback"):
+        assert "not in the model" in rep["message"]
+        assert rep["untouched"] and rep["whole_experts"]
+        assert rep["optimizer_holds_model_params"] == rep["model_params"]
 
 
 def test_bf16_beside_the_gather_path(launched):

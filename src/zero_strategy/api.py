@@ -142,6 +142,20 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     _sync_module_states(model, comm)
     ep = (expert_parallel.apply_expert_parallel(model, optimizers, cfg.expert_parallel_size, process_group)
           if cfg.expert_parallel_size > 1 else None)
+    try:
+        result = _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_init_fn, pending, sp,
+                               undo_attention, ep)
+    except BaseException:
+        if ep is not None:  # the model's own experts modules and the optimizers' parameters back
+            ep.roll_back(optimizers)
+        raise
+    if ep is not None:
+        ep.drop_whole()  # each rank keeps only its experts from here on
+    return result
+
+
+def _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_init_fn, pending, sp, undo_attention,
+                  ep):
     group_of = _optimizer_group_of(model, optimizers)
     kept = {**hf.kept_dtypes(model, cfg.compute_dtype), **quantized.kept_dtypes(model)}
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,

@@ -169,8 +169,12 @@ def refusal(case: dict) -> dict:
     elif what == "offload":
         cfg = dict(cfg, offload_optimizer="cpu")
     model = _model(family, experts)
+    params = list(model.parameters())
+    if what == "rollback":  # fails after the experts were replaced: everything is put back
+        params.append(nn.Parameter(torch.zeros(3)))
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
     try:
-        model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), zs.ZeroConfig(**cfg))
+        model, opt = zs.setup(model, optimizer, zs.ZeroConfig(**cfg))
         if what == "checkpoint":
             zero_strategy.checkpoint.save_checkpoint(case["path"], model, opt)
         elif what == "optimizer_state":
@@ -178,7 +182,11 @@ def refusal(case: dict) -> dict:
     except (ValueError, NotImplementedError) as err:
         untouched = not any(isinstance(m, ExpertParallelExperts) for m in model.modules()) or what in (
             "checkpoint", "optimizer_state")
-        return dict(case=case["case"], message=f"{type(err).__name__}: {err}", untouched=untouched)
+        in_model = {id(p) for p in model.parameters()}
+        return dict(case=case["case"], message=f"{type(err).__name__}: {err}", untouched=untouched,
+                    optimizer_holds_model_params=sum(id(p) in in_model for p in optimizer.param_groups[0]["params"]),
+                    model_params=len(in_model), whole_experts=all(
+                        p.shape[0] == experts for n, p in model.named_parameters() if n in _expert_names(model)))
     return dict(case=case["case"], message=None)
 
 

@@ -265,6 +265,22 @@ class ExpertParallel:
         for parent, attr, original, _ in self.replaced:
             setattr(parent, attr, original)
 
+    def drop_whole(self) -> None:
+        """Free the whole expert tensors this rank no longer needs: once setup has succeeded."""
+        for _, _, original, _ in self.replaced:
+            for name in ("gate_up_proj", "down_proj"):
+                getattr(original, name).data = torch.empty(0, dtype=getattr(original, name).dtype)
+
+    def roll_back(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """A setup that failed after :func:`apply_expert_parallel`: the model and ``optimizers`` as they were."""
+        self.undo()
+        whole_of = {id(new): original for original_id, new in self.local_of.items()
+                    for _, _, m, _ in self.replaced for original in (getattr(m, "gate_up_proj"), getattr(m, "down_proj"))
+                    if id(original) == original_id}
+        for opt in optimizers:
+            for pg in opt.param_groups:
+                pg["params"] = [whole_of.get(id(p), p) for p in pg["params"]]
+
 
 def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """(name, parent, attribute, module) of every fused experts module (3-D ``gate_up_proj`` and ``down_proj``)."""
@@ -343,7 +359,4 @@ def apply_expert_parallel(model: nn.Module, optimizers: list[torch.optim.Optimiz
     for opt in optimizers:
         for pg in opt.param_groups:
             pg["params"] = [ep.local_of.get(id(p), p) for p in pg["params"]]
-    for *_, m, _new in ep.replaced:  # the full tensors are no longer needed on this rank
-        for name in ("gate_up_proj", "down_proj"):
-            getattr(m, name).data = torch.empty(0, dtype=getattr(m, name).dtype)
     return ep
