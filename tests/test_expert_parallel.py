@@ -14,6 +14,7 @@ one process training a copy of the same model on the whole batch:
   model's, and the engine holds none of them (never sharded, gathered nor reduced);
 * the routing differs by rank and each rank's tokens reach both ranks' experts; with every token
   routed to rank 0's experts, rank 1 receives no row and still equals one process;
+* greedy ``generate()`` with ranks asking for different lengths gives one process's tokens (no hang);
 * in bf16, expert parallelism equals the stage-3 gather path on the same data within bf16 rounding;
 * ``save_pretrained`` (stage 3 streamed, stage 1 through ``state_dict()``) writes the whole experts
   as transformers writes them, and transformers reads them back equal to one process's weights.
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.multiprocess
 TOL = 1e-5  # fp32, absolute, on weights of magnitude ~1 after AdamW steps
 TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
             dict(case="qwen3_moe-3", family="qwen3_moe", stage=3),
-            dict(case="mixtral-2-clip", family="mixtral", stage=2, clip=0.05),
+            dict(case="mixtral-2-clip", family="mixtral", stage=2, clip=0.05, generate=True),
             dict(case="mixtral-1-teardown", family="mixtral", stage=1, teardown=True),
             dict(case="mixtral-3-accumulate", family="mixtral", stage=3, accumulate=True),
             dict(case="mixtral-3-one-owner", family="mixtral", stage=3, first_owner_only=True)]
@@ -93,6 +94,14 @@ def test_routing_differs_by_rank_and_crosses_ranks(launched):
     for rep in ranks:
         for rows in rep["routed"]:
             assert sum(rows[:2]) > 0 and sum(rows[2:]) > 0, rows  # rows for rank 0's and rank 1's experts
+
+
+def test_generate_with_ranks_asking_for_different_lengths(launched):
+    """Greedy ``generate()`` at stage 2, rank r asking for 3 + 2r new tokens: every forward is an all-to-all,
+    so ``synced_gpus`` keeps the rank that is done in step (no hang), and the tokens equal one process's."""
+    ranks = launched.of("mixtral-2-clip")
+    assert [r["generated"] for r in ranks] == [3, 5]
+    assert all(r["generated_equal"] for r in ranks)
 
 
 def test_no_rows_for_a_rank(launched):

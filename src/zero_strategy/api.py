@@ -163,9 +163,9 @@ def _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_in
                         loaded_later=deferred_weights.loaded_whole(model, pending),
                         opaque=frozenset(quantized.kept_dtypes(model)),
                         rank_local=ep.local_ids if ep is not None else frozenset())
+    engine.expert_parallel = ep  # before install: generate() is shadowed for its all-to-alls
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     engine.sequence_parallel = sp
-    engine.expert_parallel = ep
     if ep is not None:
         engine.undo_on_teardown.append(ep.undo)
     if undo_attention is not None:

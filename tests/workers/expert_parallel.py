@@ -112,6 +112,16 @@ def train(case: dict) -> dict:
                   held_expert_bytes=held_bytes, whole_expert_bytes=whole_expert_bytes,
                   engine_holds_experts=bool(managed_names & _expert_names(model)),
                   local_experts=[[m.first, m.num_local] for m in local[:1]], routed=routed)
+    if case.get("generate"):  # greedy, rank r asks for 3 + 2r tokens: a rank that is done keeps the all-to-alls going
+        model.eval()
+        ref.eval()
+        prompt = _batch(rank, 9)[1][:, :5]
+        new = 3 + 2 * rank
+        with torch.no_grad():
+            got = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            want = ref.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        report["generated_equal"] = torch.equal(got, want)
+        report["generated"] = got.shape[1] - prompt.shape[1]
     if case.get("saved"):  # transformers' own directory, one tensor per expert, read back by transformers
         model.save_pretrained(case["saved"])
         if rank == 0:
