@@ -9,7 +9,7 @@ one process training a copy of the same model on the whole batch:
   experts included, keyed as the model's own state dict) are equal, at stage 3 and at stage 2
   with gradient clipping (the experts' squares count once in the global norm), at stage 1
   with ``teardown`` giving back the whole experts, and at stage 3 with two micro-batches, the
-  first inside ``no_sync``;
+  first inside ``no_sync``, and with gradient checkpointing (the all-to-alls run again in backward);
 * each rank holds ``num_experts / 2`` experts of each layer: its expert bytes are half of the
   model's, and the engine holds none of them (never sharded, gathered nor reduced);
 * the routing differs by rank and each rank's tokens reach both ranks' experts; with every token
@@ -41,7 +41,8 @@ TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
             dict(case="mixtral-2-clip", family="mixtral", stage=2, clip=0.05, generate=True),
             dict(case="mixtral-1-teardown", family="mixtral", stage=1, teardown=True),
             dict(case="mixtral-3-accumulate", family="mixtral", stage=3, accumulate=True),
-            dict(case="mixtral-3-one-owner", family="mixtral", stage=3, first_owner_only=True)]
+            dict(case="mixtral-3-one-owner", family="mixtral", stage=3, first_owner_only=True),
+            dict(case="mixtral-3-checkpointing", family="mixtral", stage=3, checkpointing=True)]
 REFUSALS = {
     "dense": "has no mixture-of-experts layer",
     "indivisible": "must divide the number of experts",

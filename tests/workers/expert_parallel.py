@@ -65,6 +65,8 @@ def train(case: dict) -> dict:
     model = _model(case["family"])
     if case.get("first_owner_only"):
         _first_owner_only(model)
+    if case.get("checkpointing"):  # each layer's forward, all-to-alls included, runs again in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(model)
     whole_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                              if n in _expert_names(model))
