@@ -19,10 +19,12 @@ one process training a copy of the same model on the whole batch:
 * ``save_pretrained`` (stage 3 streamed, stage 1 through ``state_dict()``) writes the whole experts
   as transformers writes them, and transformers reads them back equal to one process's weights.
 
-Refused by name, before the model is changed: a model without transformers' fused experts, a
-number of experts the size does not divide, a size other than the world, offload; and, on a
-set-up model, sharded checkpoints and ``optimizer.state_dict()`` (the experts' optimizer state
-is not in them yet).
+Refused by name, before the model is changed: a model without transformers' fused experts, an
+experts layout not served (gpt-oss: biases, transposed), experts on the meta device, a number of
+experts the size does not divide, a size other than the world, offload, fp16, sequence
+parallelism; and, on a set-up model, sharded checkpoints and ``optimizer.state_dict()`` (the
+experts' optimizer state is not in them yet). A setup that fails after the experts were
+replaced puts the model's own experts and the optimizer's parameters back.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ REFUSALS = {
     "indivisible": "must divide the number of experts",
     "size": "must equal the number of processes",
     "offload": "does not combine with offload_optimizer",
+    "fp16": "does not combine with precision='fp16'",
+    "sequence_parallel": "does not combine with sequence_parallel_size",
+    "layout": "does not support the experts of model.layers.0.mlp.experts (GptOssExperts",
+    "meta": "are on the meta device",
     "checkpoint": "sharded checkpoints do not hold the rank-local experts",
     "optimizer_state": "optimizer.state_dict() with expert_parallel_size",
 }

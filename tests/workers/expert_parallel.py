@@ -35,6 +35,9 @@ def _config(family: str, experts: int = 4):
         return transformers.Qwen3MoeConfig(**small, intermediate_size=48, moe_intermediate_size=24,
                                            num_key_value_heads=2, num_experts=experts, num_experts_per_tok=2,
                                            head_dim=8)
+    if family == "gpt_oss":  # experts with biases, transposed and interleaved: a layout not served yet
+        return transformers.GptOssConfig(**small, intermediate_size=48, num_key_value_heads=2, head_dim=8,
+                                         num_local_experts=experts, num_experts_per_tok=2)
     return transformers.LlamaConfig(**small, intermediate_size=48, num_key_value_heads=2)
 
 
@@ -180,7 +183,17 @@ def refusal(case: dict) -> dict:
         cfg["expert_parallel_size"] = 2 * world
     elif what == "offload":
         cfg = dict(cfg, offload_optimizer="cpu")
-    model = _model(family, experts)
+    elif what == "fp16":
+        cfg = dict(cfg, precision="fp16")
+    elif what == "sequence_parallel":
+        cfg = dict(cfg, sequence_parallel_size=world)
+    elif what == "layout":
+        family = "gpt_oss"
+    if what == "meta":  # built on the meta device: nothing to slice yet
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(_config(family, experts))
+    else:
+        model = _model(family, experts)
     params = list(model.parameters())
     if what == "rollback":  # fails after the experts were replaced: everything is put back
         params.append(nn.Parameter(torch.zeros(3)))
