@@ -37,12 +37,22 @@ masters step, with the same unscale and clip factor.
 
 Weights. ``model.state_dict()`` of a set-up model holds the full ``[E, ...]`` tensors (a
 state-dict hook all-gathers the experts: every rank must call it, as at stage 3), so
-``zero_strategy.full_state_dict``, ``save_pretrained`` and ``teardown`` see the model as one
-process would, and ``load_state_dict`` with full tensors keeps each rank's rows. What is not
-done yet is refused by name: sharded checkpoints (``save_checkpoint``/``load_checkpoint``,
-``optimizer.state_dict()``), offload, fp16, hybrid sharding, sequence parallelism, an
-expert-parallel group smaller than the world, and expert layouts other than the fused,
-concatenated, bias-free one (gpt-oss's transposed experts with biases).
+``zero_strategy.full_state_dict`` (which gathers them itself, so that ``rank0_only`` works),
+``save_pretrained`` and ``teardown`` see the model as one process would, and ``load_state_dict``
+with full tensors keeps each rank's rows. The whole tensors are freed once setup succeeded; a
+setup that fails after the replacement puts the original modules and the optimizers'
+parameters back (:meth:`ExpertParallel.roll_back`).
+
+Lock-step. Every forward is a collective at every stage, so ``generate()`` runs with
+``synced_gpus`` (_model/hf.py), and gradient checkpointing's recomputation repeats the
+all-to-alls in the same order on every rank.
+
+What is not done yet is refused by name: sharded checkpoints (``save_checkpoint``/
+``load_checkpoint``, ``optimizer.state_dict()``), offload, fp16, hybrid sharding, sequence
+parallelism, an expert-parallel group smaller than the world (experts replicated over
+data-parallel groups would need their gradients all-reduced over the replicas and counted once
+per replica in the norm), experts still on the meta device, and expert layouts other than the
+fused, concatenated, bias-free one (gpt-oss's transposed experts with biases).
 """
 
 from __future__ import annotations
