@@ -6,7 +6,8 @@ to the other rank's experts and back by all-to-all (tests/workers/expert_paralle
 one process training a copy of the same model on the whole batch:
 
 * the losses of every step and the final full weights (``zero_strategy.full_state_dict``,
-  experts included, keyed as the model's own state dict) are equal, at stage 3 and at stage 2
+  experts included, keyed as the model's own state dict; ``rank0_only=True`` the same on rank 0
+  and nothing on the others) are equal, at stage 3 and at stage 2
   with gradient clipping (the experts' squares count once in the global norm), at stage 1
   with ``teardown`` giving back the whole experts, and at stage 3 with two micro-batches, the
   first inside ``no_sync``, and with gradient checkpointing (the all-to-alls run again in backward);
@@ -76,6 +77,7 @@ def test_equal_to_one_process(launched, case):
         for step, (mine, ref) in enumerate(rep["losses"]):
             assert mine == pytest.approx(ref, abs=TOL), f"rank {rank} step {step}: loss {mine} vs one process {ref}"
         assert rep["keys_equal"], "full_state_dict's keys differ from the model's own state dict"
+        assert rep["rank0_only"], "full_state_dict(rank0_only=True) differs from full_state_dict on rank 0"
         assert rep["expert_weight_diff"] < TOL and rep["weight_diff"] < TOL, rep
         if "teardown_diff" in rep:
             assert rep["teardown_diff"] < TOL

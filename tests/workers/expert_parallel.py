@@ -110,8 +110,11 @@ def train(case: dict) -> dict:
         losses.append((both.item() / world, ref_loss.item()))
     hook.remove()
     full = zs.full_state_dict(model)
+    only = zs.full_state_dict(model, rank0_only=True)  # the other ranks send, keep nothing
+    rank0_only = (sorted(only) == sorted(full) and all(torch.equal(only[k], full[k]) for k in full)) if rank == 0 \
+        else only == {}
     ref_state = ref.state_dict()
-    report = dict(case=case["case"], losses=losses, keys_equal=sorted(full) == sorted(ref_state),
+    report = dict(case=case["case"], losses=losses, keys_equal=sorted(full) == sorted(ref_state), rank0_only=rank0_only,
                   weight_diff=max((full[k].float() - v.float()).abs().max().item() for k, v in ref_state.items()),
                   expert_weight_diff=max((full[k] - ref_state[k]).abs().max().item() for k in _expert_names(ref)),
                   held_expert_bytes=held_bytes, whole_expert_bytes=whole_expert_bytes,
