@@ -158,11 +158,16 @@ class ExpertParallelExperts(nn.Module):
         return nn.functional.linear(self.act_fn(gate) * up, self.down_proj[j].to(x.dtype))
 
     # ---------------------------------------------------------------- full tensors in state dicts
-    def full(self, name: str) -> torch.Tensor:
-        """The whole ``[E, ...]`` tensor of ``name`` (an all-gather over the expert-parallel group)."""
-        local = getattr(self, name).detach()
+    def full(self, name: str, to: int | None = None) -> torch.Tensor | None:
+        """The whole ``[E, ...]`` tensor of ``name``: an all-gather over the expert-parallel group, or with
+        ``to`` a gather to that rank alone (the others send and get None)."""
+        local = getattr(self, name).detach().contiguous()
+        if to is not None:
+            parts = [torch.empty_like(local) for _ in range(self.size)] if dist.get_rank() == to else None
+            dist.gather(local, parts, dst=to, group=self.group)
+            return None if parts is None else torch.cat(parts)
         parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
+        dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts)
 
     def _state_dict_hook(self, state_dict, prefix) -> None:
@@ -251,13 +256,15 @@ class ExpertParallel:
             for *_, new in self.replaced:
                 new.gather_state = True
 
-    def full_values(self, dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-        """id(local parameter) -> a host copy of its whole ``[E, ...]`` tensor (every rank must call)."""
+    def full_values(self, dtype: torch.dtype | None, to: int | None = None) -> dict[int, torch.Tensor]:
+        """id(local parameter) -> a host copy of its whole ``[E, ...]`` tensor (every rank must call); with
+        ``to``, only that rank receives them (the others send theirs and return ``{}``)."""
         out = {}
         for *_, new in self.replaced:
             for name in ("gate_up_proj", "down_proj"):
-                full = new.full(name)
-                out[id(getattr(new, name))] = full.to("cpu", dtype or full.dtype, copy=True)
+                full = new.full(name, to)
+                if full is not None:
+                    out[id(getattr(new, name))] = full.to("cpu", dtype or full.dtype, copy=True)
         return out
 
     def stepper(self, optimizer: torch.optim.Optimizer) -> LocalExpertStep | None:

@@ -48,7 +48,7 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
         values.update(group_values(engine, g, keep, dtype, to=0 if rank0_only else None))
     ep = engine.expert_parallel  # every rank gathers the experts: See [Note: expert parallelism] in _model/expert_parallel.py
     if ep is not None:
-        values.update(ep.full_values(dtype))
+        values.update(ep.full_values(dtype, to=0 if rank0_only else None))
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
