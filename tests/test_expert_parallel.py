@@ -20,9 +20,12 @@ one process training a copy of the same model on the whole batch:
 * ``save_pretrained`` (stage 3 streamed, stage 1 through ``state_dict()``) writes the whole experts
   as transformers writes them, and transformers reads them back equal to one process's weights.
 
+On 4 ranks with ``expert_parallel_size=2`` (two groups of 2 ranks, replicas of each other), at
+stage 3 and at stage 2 with clipping: losses, clipped norms and final weights equal one process.
+
 Refused by name, before the model is changed: a model without transformers' fused experts, an
 experts layout not served (gpt-oss: biases, transposed), experts on the meta device, a number of
-experts the size does not divide, a size other than the world, offload, fp16, sequence
+experts the size does not divide, a size that does not divide the world, offload, fp16, sequence
 parallelism; and, on a set-up model, sharded checkpoints and ``optimizer.state_dict()`` (the
 experts' optimizer state is not in them yet). A setup that fails after the experts were
 replaced puts the model's own experts and the optimizer's parameters back.
@@ -39,6 +42,9 @@ from _launch import launch_cases  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 TOL = 1e-5  # fp32, absolute, on weights of magnitude ~1 after AdamW steps
+#: with clipping at 4 ranks: the clip coefficient's rounding, through AdamW, moves every weight by up to
+#: ~1.3e-5 (the non-expert weights as much as the experts); the norms themselves are compared at 1e-5
+CLIP_TOL = 3e-5
 TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
             dict(case="qwen3_moe-3", family="qwen3_moe", stage=3),
             dict(case="mixtral-2-clip", family="mixtral", stage=2, clip=0.05, generate=True),
@@ -49,7 +55,7 @@ TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
 REFUSALS = {
     "dense": "has no mixture-of-experts layer",
     "indivisible": "must divide the number of experts",
-    "size": "must equal the number of processes",
+    "size": "must divide the number of processes",
     "offload": "does not combine with offload_optimizer",
     "fp16": "does not combine with precision='fp16'",
     "sequence_parallel": "does not combine with sequence_parallel_size",
@@ -70,10 +76,17 @@ def launched(tmp_path_factory):
     return launch_cases("expert_parallel.py", 2, cases, key=lambda r: r["case"], timeout=300)
 
 
+def _same_norms(rep: dict) -> None:
+    """The clipped global norm of every step equals one process's (each expert counted once)."""
+    for step, (mine, ref) in enumerate(rep["norms"]):
+        assert mine == pytest.approx(ref, rel=1e-5), f"step {step}: gradient norm {mine} vs one process {ref}"
+
+
 @pytest.mark.parametrize("case", [c["case"] for c in TRAINING])
 def test_equal_to_one_process(launched, case):
     ranks = launched.of(case)
     for rank, rep in enumerate(ranks):
+        _same_norms(rep)
         for step, (mine, ref) in enumerate(rep["losses"]):
             assert mine == pytest.approx(ref, abs=TOL), f"rank {rank} step {step}: loss {mine} vs one process {ref}"
         assert rep["keys_equal"], "full_state_dict's keys differ from the model's own state dict"
@@ -95,6 +108,34 @@ def test_each_rank_holds_its_experts_only(launched, case):
     for rep in ranks:
         assert rep["held_expert_bytes"] * 2 == rep["whole_expert_bytes"]
         assert not rep["engine_holds_experts"]
+
+
+#: 4 ranks, expert_parallel_size=2: two groups of 2 ranks, each holding every expert, replicas of each other
+REPLICATED = [dict(case="mixtral-3-replicas", family="mixtral", stage=3, ep=2),
+              dict(case="mixtral-2-clip-replicas", family="mixtral", stage=2, ep=2, clip=0.05)]
+
+
+@pytest.fixture(scope="module")
+def launched_4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ep4")
+    cases = [dict(c, saved=str(path / f"saved-{c['case']}")) if c["stage"] == 3 else c for c in REPLICATED]
+    return launch_cases("expert_parallel.py", 4, cases, key=lambda r: r["case"], timeout=300)
+
+
+@pytest.mark.parametrize("case", [c["case"] for c in REPLICATED])
+def test_groups_smaller_than_the_world_equal_one_process(launched_4, case):
+    """Experts replicated over 2 data-parallel groups: the replicas' gradients are summed, each expert
+    counts once in the clipped norm, and the whole experts in full_state_dict and save_pretrained."""
+    ranks = launched_4.of(case)
+    assert [r["local_experts"] for r in ranks] == [[[0, 2]], [[2, 2]], [[0, 2]], [[2, 2]]]
+    for rank, rep in enumerate(ranks):
+        _same_norms(rep)
+        for step, (mine, ref) in enumerate(rep["losses"]):
+            assert mine == pytest.approx(ref, abs=TOL), f"rank {rank} step {step}: loss {mine} vs one process {ref}"
+        assert rep["expert_weight_diff"] < CLIP_TOL and rep["weight_diff"] < CLIP_TOL, rep
+        assert rep["rank0_only"] and rep["held_expert_bytes"] * 2 == rep["whole_expert_bytes"]
+    if "read_back_diff" in ranks[0]:
+        assert ranks[0]["read_back_diff"] < TOL
 
 
 def test_routing_differs_by_rank_and_crosses_ranks(launched):

@@ -170,8 +170,9 @@ class ZeroConfig:
         expert_parallel_size: expert parallelism for the mixture-of-experts layers of a
             transformers 5 model (fused ``experts.gate_up_proj`` / ``down_proj``): each rank
             holds whole experts, ``num_experts / N`` of each layer, never gathered, and tokens
-            travel to their experts and back by all-to-all (DeepSpeed MoE's ``ep_size``). For
-            now N must be the number of ranks. 1: off. See [Note: expert parallelism] in
+            travel to their experts and back by all-to-all (DeepSpeed MoE's ``ep_size``). N must
+            divide the number of ranks: groups of N consecutive ranks each hold every expert and
+            are data-parallel replicas of each other. 1: off. See [Note: expert parallelism] in
             _model/expert_parallel.py and docs/guides/mixture-of-experts.md.
     """
 

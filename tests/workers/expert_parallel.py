@@ -47,9 +47,10 @@ def _model(family: str, experts: int = 4) -> nn.Module:
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the whole batch, this rank's half): 4 sequences of 12 tokens."""
+    """(the whole batch, this rank's share): 4 sequences of 12 tokens."""
     whole = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(31 + step))
-    return whole, whole[2 * rank:2 * rank + 2]
+    per = 4 // dist.get_world_size()
+    return whole, whole[per * rank:per * (rank + 1)]
 
 
 def _expert_names(model: nn.Module) -> set[str]:
@@ -73,7 +74,8 @@ def train(case: dict) -> dict:
     ref = copy.deepcopy(model)
     whole_expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                              if n in _expert_names(model))
-    config = zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0, expert_parallel_size=world,
+    config = zs.ZeroConfig(stage=case["stage"], param_persistence_threshold=0,
+                           expert_parallel_size=case.get("ep", world),
                            gradient_clipping=case.get("clip"))
     model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -84,7 +86,7 @@ def train(case: dict) -> dict:
     routed: list[list[int]] = []  # per call of layer 0's experts: rows for each expert
     hook = local[0].register_forward_pre_hook(
         lambda m, args: routed.append(torch.bincount(args[1].reshape(-1), minlength=m.num_experts).tolist()))
-    losses = []
+    losses, norms = [], []
     for step in range(3):
         whole, mine = _batch(rank, step)
         if case.get("accumulate"):  # two micro-batches of one sequence, the first inside no_sync
@@ -101,8 +103,8 @@ def train(case: dict) -> dict:
         opt.zero_grad()
         ref_loss = ref(input_ids=whole, labels=whole).loss
         ref_loss.backward()
-        if case.get("clip"):
-            nn.utils.clip_grad_norm_(ref.parameters(), case["clip"])
+        if case.get("clip"):  # the global norms themselves compared: Adam hides a wrong clip coefficient
+            norms.append((float(opt.last_grad_norm), float(nn.utils.clip_grad_norm_(ref.parameters(), case["clip"]))))
         ref_opt.step()
         ref_opt.zero_grad()
         both = torch.tensor([loss.item()])
@@ -114,7 +116,7 @@ def train(case: dict) -> dict:
     rank0_only = (sorted(only) == sorted(full) and all(torch.equal(only[k], full[k]) for k in full)) if rank == 0 \
         else only == {}
     ref_state = ref.state_dict()
-    report = dict(case=case["case"], losses=losses, keys_equal=sorted(full) == sorted(ref_state), rank0_only=rank0_only,
+    report = dict(case=case["case"], losses=losses, norms=norms, keys_equal=sorted(full) == sorted(ref_state), rank0_only=rank0_only,
                   weight_diff=max((full[k].float() - v.float()).abs().max().item() for k, v in ref_state.items()),
                   expert_weight_diff=max((full[k] - ref_state[k]).abs().max().item() for k in _expert_names(ref)),
                   held_expert_bytes=held_bytes, whole_expert_bytes=whole_expert_bytes,

@@ -21,13 +21,18 @@ Both all-to-alls are autograd functions whose backward is the reverse exchange, 
 group of their own (so they never interleave with the engine's collectives), in the same
 order on every rank (every rank runs every layer).
 
+Groups. ``N`` divides the world ``W``: ranks ``[g*N, (g+1)*N)`` form expert-parallel group ``g``,
+which holds every expert; the ``W/N`` groups are data-parallel replicas of each other, and the
+ranks at the same place in each group (``i, i+N, ...``) hold the same experts.
+
 Gradients. Each rank's loss is the mean over its own batch, and the engine averages the other
-parameters' gradients over the ``N`` ranks, which equals one process on the whole batch (the
-mean of the ranks' losses). An expert's rows come from every rank, so autograd already gives
-its owner ``sum over ranks s of d loss_s / d expert``: dividing that by ``N`` (a hook on the
-parameter, before it accumulates) is the same mean, with no reduction at all. Clipping counts
-each expert once: every rank adds its own experts' squares to the norm's all-reduce
-(_optim/optimizer.py, ``rank_local``).
+parameters' gradients over the ``W`` ranks, which equals one process on the whole batch (the
+mean of the ranks' losses). An expert's rows come from every rank of its group, so autograd
+already gives its owner ``sum over the group's ranks s of d loss_s / d expert``: dividing that by
+``W`` (a hook on the parameter, before it accumulates) and summing over the replicas (one
+all-reduce per expert tensor at the step; none when ``N = W``) is the same mean. Clipping counts
+each expert once: the ranks of group 0 add their experts' squares to the norm's all-reduce, the
+replicas add nothing (_optim/optimizer.py, ``rank_local``).
 
 Optimizer. The user's optimizer is re-homed onto master shards (See [Note: why re-home instead
 of wrap] in _optim/optimizer.py); the rank-local experts are stepped by a second instance of the
@@ -49,9 +54,7 @@ all-to-alls in the same order on every rank.
 
 What is not done yet is refused by name: sharded checkpoints (``save_checkpoint``/
 ``load_checkpoint``, ``optimizer.state_dict()``), offload, fp16, hybrid sharding, sequence
-parallelism, an expert-parallel group smaller than the world (experts replicated over
-data-parallel groups would need their gradients all-reduced over the replicas and counted once
-per replica in the norm), experts still on the meta device, and expert layouts other than the
+parallelism, experts still on the meta device, and expert layouts other than the
 fused, concatenated, bias-free one (gpt-oss's transposed experts with biases).
 """
 
@@ -100,13 +103,15 @@ class ExpertParallelExperts(nn.Module):
 
     ``gate_up_proj`` [E/N, 2I, H] and ``down_proj`` [E/N, H, I]: experts ``first .. first + E/N - 1``."""
 
-    def __init__(self, original: nn.Module, group, rank: int, size: int):
+    def __init__(self, original: nn.Module, group, ranks: list[int], world_size: int):
+        """``group``: the expert-parallel group, whose global ``ranks`` hold the experts in rank order."""
         super().__init__()
+        size = len(ranks)
         self.num_experts = original.gate_up_proj.shape[0]
         self.num_local = self.num_experts // size
-        self.first = rank * self.num_local
+        self.first = ranks.index(dist.get_rank()) * self.num_local
         self.size = size
-        self.group = group
+        self.group, self.ranks = group, ranks
         self.act_fn = original.act_fn
         rows = slice(self.first, self.first + self.num_local)
         for name in ("gate_up_proj", "down_proj"):
@@ -114,7 +119,7 @@ class ExpertParallelExperts(nn.Module):
             local = nn.Parameter(full.detach()[rows].clone(), requires_grad=full.requires_grad)
             setattr(self, name, local)
             if local.requires_grad:
-                local.register_hook(lambda g, n=size: g / n)  # the data-parallel mean: See [Note: expert parallelism]
+                local.register_hook(lambda g, n=world_size: g / n)  # the data-parallel mean: See [Note: expert parallelism]
         #: while False, ``state_dict()`` keeps the local tensors (zero_strategy.full_state_dict gathers itself)
         self.gather_state = True
 
@@ -162,6 +167,8 @@ class ExpertParallelExperts(nn.Module):
         """The whole ``[E, ...]`` tensor of ``name``: an all-gather over the expert-parallel group, or with
         ``to`` a gather to that rank alone (the others send and get None)."""
         local = getattr(self, name).detach().contiguous()
+        if to is not None and to not in self.ranks:
+            return None  # a replica of experts the group of rank ``to`` holds too
         if to is not None:
             parts = [torch.empty_like(local) for _ in range(self.size)] if dist.get_rank() == to else None
             dist.gather(local, parts, dst=to, group=self.group)
@@ -193,8 +200,13 @@ def _whole_experts_in_state_dict(module: ExpertParallelExperts, state_dict, pref
 class LocalExpertStep:
     """A second instance of the user's optimizer class over this rank's experts; See [Note: expert parallelism]."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params_of_group: dict[int, list[nn.Parameter]]):
+    def __init__(self, optimizer: torch.optim.Optimizer, params_of_group: dict[int, list[nn.Parameter]],
+                 replicas=None, counts_in_norm: bool = True):
+        """``replicas``: the group of the ranks holding the same experts (None: this rank alone);
+        ``counts_in_norm``: whether this rank's copy is the one the global norm counts."""
         self.user = optimizer
+        self.replicas, self.counts_in_norm = replicas, counts_in_norm
+        self._reduced = False
         self.group_index = sorted(params_of_group)
         groups = [{**self._hyper(i), "params": params_of_group[i]} for i in self.group_index]
         try:
@@ -206,22 +218,39 @@ class LocalExpertStep:
     def _hyper(self, i: int) -> dict:
         return {k: v for k, v in self.user.param_groups[i].items() if k != "params"}
 
-    def grads(self) -> list[torch.Tensor]:
+    def _local_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
+
+    @torch.no_grad()
+    def _reduce(self) -> None:
+        """Sum the replicas' gradients (each already divided by the world size), once per step."""
+        if self.replicas is not None and not self._reduced:
+            for p in self.params:  # every replica ran the same layers: a gradient on each, or on none
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.replicas)
+        self._reduced = True
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients this rank adds to the global norm: each expert once over the world."""
+        self._reduce()
+        return self._local_grads() if self.counts_in_norm else []
 
     @torch.no_grad()
     def step(self, factor: float | torch.Tensor = 1.0) -> None:
         """Step the experts with the user's current hyperparameters; ``factor``: the unscale and clip factor."""
+        self._reduce()
         for pg, i in zip(self.inner.param_groups, self.group_index):
             pg.update(self._hyper(i))  # an LR scheduler changed the user's groups
         if not (isinstance(factor, float) and factor == 1.0):
-            for g in self.grads():
+            for g in self._local_grads():
                 g.mul_(factor)
         self.inner.step()
+        self._reduced = False
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        self._reduced = False
 
 
 # --------------------------------------------------------------------------- setup
@@ -232,6 +261,10 @@ class ExpertParallel:
 
     size: int
     group: object
+    #: the ranks holding the same experts as this one (None: the group is the world)
+    replicas: object = None
+    #: whether this rank is in the first expert-parallel group (its experts count in the global norm)
+    first_group: bool = True
     #: (parent module, attribute name, the original experts module, its replacement)
     replaced: list[tuple[nn.Module, str, nn.Module, ExpertParallelExperts]] = field(default_factory=list)
     #: id(original full parameter) -> its local replacement
@@ -274,7 +307,7 @@ class ExpertParallel:
             for p in pg["params"]:
                 if id(p) in self.local_ids:
                     by_group.setdefault(i, []).append(p)
-        return LocalExpertStep(optimizer, by_group) if by_group else None
+        return LocalExpertStep(optimizer, by_group, self.replicas, self.first_group) if by_group else None
 
     def undo(self) -> None:
         """Teardown: the original experts modules back in place (teardown then fills their parameters
@@ -314,12 +347,12 @@ def refuse_expert_parallel(cfg, world_size: int) -> None:
     """Refuse, before anything is changed, the combinations expert parallelism does not support yet."""
     size = cfg.expert_parallel_size
     fix = "drop expert_parallel_size (stage 3 then gathers every expert, as any parameter)"
-    if world_size == 1 or size != world_size:
+    if world_size == 1 or world_size % size:
         raise ValueError(
-            f"zero_strategy: expert_parallel_size={size} must equal the number of processes ({world_size}): each "
-            f"rank owns num_experts/{size} experts of every layer, and expert groups smaller than the world "
-            f"(experts replicated over data-parallel groups) are not supported yet; use "
-            f"expert_parallel_size={world_size}, or {fix}")
+            f"zero_strategy: expert_parallel_size={size} must divide the number of processes ({world_size}), "
+            f"which must be more than one: each group of {size} consecutive ranks holds every expert, "
+            f"num_experts/{size} per rank, and the groups are data-parallel replicas; use a divisor of "
+            f"{world_size} (torchrun --nproc-per-node a multiple of {size}), or {fix}")
     refused = [(cfg.offload_optimizer is not None or cfg.offload_params is not None, "offload_optimizer/offload_params"),
                (cfg.precision == "fp16", "precision='fp16' (its loss scale does not see the experts)"),
                (cfg.overlap_step, "overlap_step"),
@@ -362,11 +395,16 @@ def apply_expert_parallel(model: nn.Module, optimizers: list[torch.optim.Optimiz
             raise ValueError(
                 f"zero_strategy: expert_parallel_size={size} must divide the number of experts of {name} "
                 f"({experts}); use a divisor of {experts}, or drop expert_parallel_size")
-    group = dist.new_group(list(range(dist.get_world_size())))
-    ep = ExpertParallel(size, group)
-    rank = dist.get_rank()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # every rank creates every group, in the same order (dist.new_group's rule)
+    layouts = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
+    groups = [dist.new_group(ranks) for ranks in layouts]
+    replicas = [dist.new_group(list(range(i, world, size))) for i in range(size)] if world > size else None
+    ranks = layouts[rank // size]
+    ep = ExpertParallel(size, groups[rank // size], None if replicas is None else replicas[rank % size],
+                        first_group=rank < size)
     for _, parent, attr, m in found:
-        new = ExpertParallelExperts(m, group, rank, size)
+        new = ExpertParallelExperts(m, ep.group, ranks, world)
         new.register_state_dict_post_hook(_whole_experts_in_state_dict)
         new._register_load_state_dict_pre_hook(new._load_hook)
         for name in ("gate_up_proj", "down_proj"):
