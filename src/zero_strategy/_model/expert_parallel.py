@@ -269,14 +269,12 @@ class ExpertParallel:
     replaced: list[tuple[nn.Module, str, nn.Module, ExpertParallelExperts]] = field(default_factory=list)
     #: id(original full parameter) -> its local replacement
     local_of: dict[int, nn.Parameter] = field(default_factory=dict)
+    #: id(local parameter) -> the original full parameter it replaces (a failed setup puts it back)
+    whole_of: dict[int, nn.Parameter] = field(default_factory=dict)
 
     @property
     def local_ids(self) -> frozenset[int]:
         return frozenset(id(p) for p in self.local_of.values())
-
-    def expert_bytes(self) -> int:
-        """Bytes of the expert weights this rank holds."""
-        return sum(p.numel() * p.element_size() for p in self.local_of.values())
 
     @contextlib.contextmanager
     def local_state(self):
@@ -303,9 +301,10 @@ class ExpertParallel:
     def stepper(self, optimizer: torch.optim.Optimizer) -> LocalExpertStep | None:
         """The step of the local experts ``optimizer`` held before setup (None: it held none)."""
         by_group: dict[int, list[nn.Parameter]] = {}
+        local = self.local_ids
         for i, pg in enumerate(optimizer.param_groups):
             for p in pg["params"]:
-                if id(p) in self.local_ids:
+                if id(p) in local:
                     by_group.setdefault(i, []).append(p)
         return LocalExpertStep(optimizer, by_group, self.replicas, self.first_group) if by_group else None
 
@@ -324,12 +323,9 @@ class ExpertParallel:
     def roll_back(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """A setup that failed after :func:`apply_expert_parallel`: the model and ``optimizers`` as they were."""
         self.undo()
-        whole_of = {id(new): original for original_id, new in self.local_of.items()
-                    for _, _, m, _ in self.replaced for original in (getattr(m, "gate_up_proj"), getattr(m, "down_proj"))
-                    if id(original) == original_id}
         for opt in optimizers:
             for pg in opt.param_groups:
-                pg["params"] = [whole_of.get(id(p), p) for p in pg["params"]]
+                pg["params"] = [self.whole_of.get(id(p), p) for p in pg["params"]]
 
 
 def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
@@ -409,6 +405,7 @@ def apply_expert_parallel(model: nn.Module, optimizers: list[torch.optim.Optimiz
         new._register_load_state_dict_pre_hook(new._load_hook)
         for name in ("gate_up_proj", "down_proj"):
             ep.local_of[id(getattr(m, name))] = getattr(new, name)
+            ep.whole_of[id(getattr(new, name))] = getattr(m, name)
         setattr(parent, attr, new)
         ep.replaced.append((parent, attr, m, new))
     for opt in optimizers:
