@@ -34,7 +34,7 @@ from ._engine import deferred_weights
 from ._engine.deferred_weights import DeferredWeights, defer_weights
 from ._engine.engine import ZeroEngine
 from ._engine.placement import single_device
-from ._model import activation_offload, gather, generation, hf, quantized, saves, tiled_mlp
+from ._model import activation_offload, expert_parallel, gather, generation, hf, quantized, saves, tiled_mlp
 from ._model.activation_offload import offloaded_checkpoint
 from ._model import offload_states as offload_states_impl
 from ._model.gather import whole_model_pass
@@ -138,20 +138,45 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     activation_offload.refuse_without_checkpointing_layers(model, cfg.activation_offload)
     tiled_mlp.tiled_mlp_targets(model, cfg.tiled_mlp)
     quantized.refuse_unsupported(model)  # See [Note: packed 4-bit parameters under ZeRO] in _model/quantized.py
+    if cfg.expert_parallel_size > 1:  # See [Note: expert parallelism] in _model/expert_parallel.py
+        expert_parallel.refuse_expert_parallel(cfg, comm.world_size)
     _sync_module_states(model, comm)
+    ep = (expert_parallel.apply_expert_parallel(model, optimizers, cfg.expert_parallel_size, process_group)
+          if cfg.expert_parallel_size > 1 else None)
+    try:
+        result = _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_init_fn, pending, sp,
+                               undo_attention, ep)
+    except BaseException:
+        if ep is not None:  # the model's own experts modules and the optimizers' parameters back
+            ep.roll_back(optimizers)
+        raise
+    if ep is not None:
+        ep.drop_whole()  # each rank keeps only its experts from here on
+    return result
+
+
+def _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_init_fn, pending, sp, undo_attention,
+                  ep):
     group_of = _optimizer_group_of(model, optimizers)
     kept = {**hf.kept_dtypes(model, cfg.compute_dtype), **quantized.kept_dtypes(model)}
     opaque = frozenset(quantized.kept_dtypes(model))
     engine = ZeroEngine(model, cfg, comm, group_of, device=device, param_init_fn=param_init_fn,
                         owned_optimizers=owned, kept_dtypes=kept,
-                        loaded_later=deferred_weights.loaded_whole(model, pending, opaque), opaque=opaque)
+                        loaded_later=deferred_weights.loaded_whole(model, pending, opaque), opaque=opaque,
+                        rank_local=ep.local_ids if ep is not None else frozenset())
     quantized.place_states(model, engine.device)  # a base from the one-call loader: its states were made on the CPU
+    engine.expert_parallel = ep  # before install: generate() is shadowed for its all-to-alls
     engine.undo_on_teardown = install(model, engine, end=lambda: teardown(model))  # the one undo list of teardown
     engine.sequence_parallel = sp
+    if ep is not None:
+        engine.undo_on_teardown.append(ep.undo)
     if undo_attention is not None:
         engine.undo_on_teardown.append(undo_attention)
     _ENGINES[id(model)] = engine
+    steppers = [ep.stepper(opt) if ep is not None else None for opt in optimizers]  # before the re-homing
     zero_opts = [ZeroOptimizer(opt, engine, index=k) for k, opt in enumerate(optimizers)]
+    for zopt, stepper in zip(zero_opts, steppers):
+        zopt.rank_local = stepper
     engine.optimizer_refs = [weakref.ref(z) for z in zero_opts]
     deferred_weights.load_deferred_weights(model)
     if cfg.release_host_memory:  # what materializing and reading the weights freed: See [Note: releases where a phase ends]

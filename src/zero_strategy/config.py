@@ -167,6 +167,13 @@ class ZeroConfig:
             name). It must divide the number of ranks; the other factor is data parallel, and
             ZeRO still shards over every rank. 1: off. See [Note: sequence parallelism] in
             _model/sequence_parallel.py and docs/guides/long-sequences.md.
+        expert_parallel_size: expert parallelism for the mixture-of-experts layers of a
+            transformers 5 model (fused ``experts.gate_up_proj`` / ``down_proj``): each rank
+            holds whole experts, ``num_experts / N`` of each layer, never gathered, and tokens
+            travel to their experts and back by all-to-all (DeepSpeed MoE's ``ep_size``). N must
+            divide the number of ranks: groups of N consecutive ranks each hold every expert and
+            are data-parallel replicas of each other. 1: off. See [Note: expert parallelism] in
+            _model/expert_parallel.py and docs/guides/mixture-of-experts.md.
     """
 
     stage: int = 3
@@ -193,6 +200,7 @@ class ZeroConfig:
     tiled_mlp: bool | int = False
     activation_offload: bool = False
     sequence_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -248,6 +256,7 @@ class ZeroConfig:
             size = _as_int("shard_group_size", self.shard_group_size, 1)
             set_("shard_group_size", size)
         set_("sequence_parallel_size", _as_int("sequence_parallel_size", self.sequence_parallel_size, 1))
+        set_("expert_parallel_size", _as_int("expert_parallel_size", self.expert_parallel_size, 1))
         set_("offload_states_during_generation",
              _as_generation_offload(self.offload_states_during_generation))
         if self.optimizer_layout not in OPTIMIZER_LAYOUTS:
@@ -311,6 +320,7 @@ class ZeroConfig:
             **({"tiled_mlp": self.tiled_mlp} if self.tiled_mlp is not False else {}),
             **({"activation_offload": True} if self.activation_offload else {}),
             **({"sequence_parallel_size": self.sequence_parallel_size} if self.sequence_parallel_size > 1 else {}),
+            **({"expert_parallel_size": self.expert_parallel_size} if self.expert_parallel_size > 1 else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }

@@ -232,14 +232,15 @@ class ZeroEngine:
                  optimizer_group_of: dict[int, tuple[int, int]], device: torch.device | None = None,
                  param_init_fn=None, owned_optimizers: frozenset[int] = frozenset(),
                  kept_dtypes: dict[int, torch.dtype] | None = None, loaded_later: frozenset[int] = frozenset(),
-                 opaque: frozenset[int] = frozenset()):
+                 opaque: frozenset[int] = frozenset(), rank_local: frozenset[int] = frozenset()):
         """``optimizer_group_of``: id(param) -> (which optimizer, which of its param groups).
         ``owned_optimizers``: which optimizers step whole parameters (See [Note: the ownership
         layout] in _engine/flat.py). ``kept_dtypes``: id(param) -> the dtype it computes in where
         the model keeps it out of the precision's (See [Note: parameters kept in fp32] in _engine/units.py).
         ``loaded_later``: ids of meta parameters a pending load fills whole (not initialized).
         ``opaque``: ids of parameters whose values are bit patterns, never cast (See
-        [Note: opaque groups] in _engine/flat.py).
+        [Note: opaque groups] in _engine/flat.py). ``rank_local``: ids of parameters the engine leaves
+        alone, each rank holding its own (See [Note: expert parallelism] in _model/expert_parallel.py).
 
         ``device``/``param_init_fn``: where and how meta-device parameters are materialized.
         """
@@ -264,7 +265,7 @@ class ZeroEngine:
             offload_optimizer=config.offload_optimizer, offload_params=config.offload_params,
             transfers=self.transfers, param_init_fn=param_init_fn, swap=self.swap,
             owned_optimizers=owned_optimizers, release_host_memory=config.release_host_memory,
-            kept_dtypes=kept_dtypes, loaded_later=loaded_later, opaque=opaque,
+            kept_dtypes=kept_dtypes, loaded_later=loaded_later, opaque=opaque, rank_local=rank_local,
         )
         self.root = self.units[0]
         #: stage 3 with parameter shards on NVMe: backward's gathers read the swap file
@@ -303,6 +304,9 @@ class ZeroEngine:
         #: the model's sequence-parallel group (_comm/sequence_parallel.py), set by setup; the
         #: step never reads it: See [Note: sequence parallelism] in _model/sequence_parallel.py
         self.sequence_parallel = None
+        #: the model's expert-parallel experts (_model/expert_parallel.py), set by setup: parameters
+        #: no unit holds, which full_state_dict gathers and the optimizers step (None: none)
+        self.expert_parallel = None
         #: generate() policy and the gathered_for_generation block (_model/generation.py)
         self.generation = GenerationGathers()
         #: why the model is no longer set up (teardown, a conversion): its optimizers refuse to step

@@ -424,6 +424,7 @@ def build_units(
     kept_dtypes: dict[int, torch.dtype] | None = None,
     loaded_later: frozenset[int] = frozenset(),
     opaque: frozenset[int] = frozenset(),
+    rank_local: frozenset[int] = frozenset(),
 ) -> list[Unit]:
     """Partition the model's parameters into units and flat groups (root unit first).
 
@@ -436,7 +437,8 @@ def build_units(
     [Note: parameters kept in fp32]). ``loaded_later``: ids of meta parameters a pending load
     fills whole, materialized without initialization (_engine/materialize.py). ``opaque``: ids of
     frozen parameters whose values are bit patterns, in groups of their own (See [Note: opaque groups]
-    in _engine/flat.py).
+    in _engine/flat.py). ``rank_local``: ids of parameters each rank holds whole and alone, which
+    no unit takes (See [Note: expert parallelism] in _model/expert_parallel.py).
     """
     owner_load = [0] * comm.world_size
     unit_modules = find_unit_modules(model, unit_classes)
@@ -448,7 +450,7 @@ def build_units(
     first_name: dict[int, str] = {}
     params: dict[int, nn.Parameter] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        if not p.is_floating_point() and id(p) not in opaque:  # opaque: packed codes, any dtype
+        if (not p.is_floating_point() and id(p) not in opaque) or id(p) in rank_local:  # opaque: packed codes
             continue
         found = first_prefix(fqn, prefixes)
         unit = ROOT if found is None else found[:-1]

@@ -46,10 +46,15 @@ def full_state_dict(engine: "ZeroEngine", rank0_only: bool = False,
     values: dict[int, torch.Tensor] = {}
     for g in engine.groups:
         values.update(group_values(engine, g, keep, dtype, to=0 if rank0_only else None))
+    ep = engine.expert_parallel  # every rank gathers the experts: See [Note: expert parallelism] in _model/expert_parallel.py
+    if ep is not None:
+        values.update(ep.full_values(dtype, to=0 if rank0_only else None))
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
-    for name, t in engine.model.state_dict(keep_vars=True).items():
+    with ep.local_state() if ep is not None else contextlib.nullcontext():
+        named = engine.model.state_dict(keep_vars=True)
+    for name, t in named.items():
         if id(t) in values:
             out[name] = values[id(t)]
         else:

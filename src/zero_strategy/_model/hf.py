@@ -21,7 +21,9 @@ same wrapper runs ``generate()`` inside ``gathered_for_generation`` when
 ``gather_once_in_generate(model)`` asked for it (the TRL front end does). Inside that
 block (also one the user opened) every unit stays gathered and a forward issues no
 collective, so ranks may stop at different steps: ``synced_gpus`` is left off there,
-which saves one all-reduce and one wait for the slowest rank per token.
+which saves one all-reduce and one wait for the slowest rank per token. With expert parallelism
+every forward is an all-to-all at every stage, so ``synced_gpus`` is on for every ``generate()``
+(See [Note: expert parallelism] in _model/expert_parallel.py).
 
 [Note: PEFT merges under stage 3]
 ``merge_and_unload()``, ``merge_adapter()`` and ``unmerge_adapter()`` rewrite base
@@ -126,7 +128,8 @@ def library_shadows(model: nn.Module, engine: "ZeroEngine") -> list[tuple[nn.Mod
     # of a model with many (a mixture of 2,500 experts: 8.6M Python calls instead of 2.3M)
     streams_saves = engine.plan.shards_parameters and any(u.sharded_groups for u in engine.units)
     for module in model.modules():
-        wraps_generate = engine.plan.shards_parameters or engine.config.offload_states_during_generation
+        wraps_generate = (engine.plan.shards_parameters or engine.expert_parallel is not None
+                          or engine.config.offload_states_during_generation)
         if wraps_generate and generation_mixin is not None and isinstance(module, generation_mixin):
             shadows.append((module, "generate", functools.partial(_engine_generate, engine)))
         if pretrained is not None and isinstance(module, pretrained):
@@ -319,8 +322,10 @@ def _engine_generate(engine: "ZeroEngine", original: Callable) -> Callable:
         if engine is None or engine.ended:
             return original(*args, **kwargs)
         with around_generate(engine):
-            if kwargs.get("synced_gpus") is None and engine.plan.shards_parameters:  # held gathered: no collective
-                kwargs["synced_gpus"] = engine.comm.world_size > 1 and not engine.generation.active
+            # held gathered: no collective, except expert parallelism's all-to-alls in every forward
+            collective_forwards = engine.expert_parallel is not None or not engine.generation.active
+            if kwargs.get("synced_gpus") is None and (engine.plan.shards_parameters or engine.expert_parallel is not None):
+                kwargs["synced_gpus"] = engine.comm.world_size > 1 and collective_forwards
             return original(*args, **kwargs)
     return generate
 

@@ -144,6 +144,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._factor: float | torch.Tensor = 1.0
         self.last_grad_norm: torch.Tensor | None = None
         self.skipped_steps = 0
+        #: parameters each rank holds whole and alone, with their own step (``.grads()``, ``.step(factor)``,
+        #: ``.zero_grad()``): expert parallelism's experts, set by setup (See [Note: expert parallelism]
+        #: in _model/expert_parallel.py); None: none
+        self.rank_local = None
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.engine.plan.stage}, {self.optimizer!r})"
@@ -204,7 +208,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._found_inf:
             self.last_grad_norm = torch.tensor(float("inf"), device=device)
             return self.last_grad_norm
-        shards = self._shards()
+        shards = self._shards() + (self.rank_local.grads() if self.rank_local is not None else [])
         norm_type = float(norm_type)
         if norm_type == float("inf"):
             local = torch.zeros(1, dtype=torch.float32, device=device)
@@ -320,6 +324,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.offloaded.step(float(self._factor))
             else:
                 self._device_step()
+            if self.rank_local is not None:
+                self.rank_local.step(self._factor)
         finally:
             self._end_step()
 
@@ -446,6 +452,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _drop_gradients(self) -> None:
         self.offloaded.collect_early()  # never drop gradients a worker is still stepping on
         self.engine.zero_grad(self.groups)  # what it frees, the next backward takes again: nothing released
+        if self.rank_local is not None:
+            self.rank_local.zero_grad()
         self._prepared = False
         self._found_inf = False
 
@@ -457,6 +465,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------- state dict
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state (resharding checkpoints: zero_strategy checkpoint API)."""
+        self._refuse_rank_local("optimizer.state_dict()")
         inner = self.optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(p for pg in self.optimizer.param_groups for p in pg["params"])}
         for g in self.groups:  # state swapped out to NVMe is evicted here: copy it while resident
@@ -476,7 +485,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "loss_scaler": self.scaler.state_dict(),
         }
 
+    def _refuse_rank_local(self, what: str) -> None:
+        if self.rank_local is not None:
+            raise NotImplementedError(
+                f"zero_strategy: {what} with expert_parallel_size: the experts' optimizer state is not in "
+                "checkpoints yet; save the weights with zero_strategy.full_state_dict(model) or "
+                "save_pretrained, or drop expert_parallel_size")
+
     def load_state_dict(self, state_dict: dict) -> None:
+        self._refuse_rank_local("optimizer.load_state_dict()")
         if state_dict.get("format") != "zero_strategy.local_shard":
             raise ValueError("ZeroOptimizer.load_state_dict expects a dict from ZeroOptimizer.state_dict()")
         if (state_dict["rank"], state_dict["world_size"]) != (self.engine.comm.rank, self.engine.comm.world_size):

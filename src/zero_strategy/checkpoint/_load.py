@@ -244,6 +244,11 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
     """
     engine = _engine_of(model)
     engine.background_save.wait()  # an asynchronous save in flight first (See [Note: asynchronous saves])
+    if engine.expert_parallel is not None:  # See [Note: expert parallelism] in _model/expert_parallel.py
+        raise NotImplementedError(
+            "zero_strategy.load_checkpoint() with expert_parallel_size: sharded checkpoints do not hold the "
+            "rank-local experts yet; save the weights with zero_strategy.full_state_dict(model) or "
+            "save_pretrained, or drop expert_parallel_size")
     join_saves_to(str(Path(path).absolute()))  # another model's save to this path (a new run resuming)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     zopts = resolve_zero_optimizers(engine, optimizer)

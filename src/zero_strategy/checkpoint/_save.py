@@ -105,6 +105,11 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = _engine_of(model)
     engine.background_save.wait()  # See [Note: asynchronous saves]: one at a time, failures raised
+    if engine.expert_parallel is not None:  # See [Note: expert parallelism] in _model/expert_parallel.py
+        raise NotImplementedError(
+            "zero_strategy.save_checkpoint() with expert_parallel_size: sharded checkpoints do not hold the "
+            "rank-local experts yet; save the weights with zero_strategy.full_state_dict(model) or "
+            "save_pretrained, or drop expert_parallel_size")
     refuse_while_offloaded(engine.offloaded, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     asynchronous = engine.config.async_save if async_save is None else async_save
     if not isinstance(asynchronous, bool):
