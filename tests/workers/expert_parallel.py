@@ -79,7 +79,7 @@ def train(case: dict) -> dict:
                            gradient_clipping=case.get("clip"))
     model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    engine = zs.engine_of(model)
+    engine = zs.api._engine_of(model)
     local = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     held_bytes = sum(p.numel() * p.element_size() for m in local for p in m.parameters())
     managed_names = {n for n, p in model.named_parameters() if engine.group_of(p) is not None}
