@@ -103,9 +103,19 @@ class QuantizedReader:
         return _codes(self.read, *found, start, end)
 
 
+def _bitsandbytes():
+    """bitsandbytes, imported only where a 4-bit base is loaded (the ``qlora`` extra installs it)."""
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional  # noqa: F401  (the submodule _codes quantizes with)
+    except ImportError as e:  # transformers refuses a BitsAndBytesConfig without it first; say the fix here too
+        raise ImportError("loading a 4-bit base needs bitsandbytes: pip install 'zero-strategy[qlora]'") from e
+    return bitsandbytes
+
+
 def _codes(read, name: str, w: _Packed, start: int, end: int) -> torch.Tensor:
     """Packed elements [start, end) of weight ``name`` (in its storage dtype), from the blocks they cover."""
-    import bitsandbytes.functional as F
+    F = _bitsandbytes().functional
 
     size = w.storage.itemsize
     b0, b1 = start * size, end * size                      # bytes
@@ -127,8 +137,7 @@ def quantize_states(model, read) -> QuantizedReader:
     """Every ``Linear4bit`` weight of the (meta) model becomes a quantized meta ``Params4bit`` with its
     quant state, computed from the checkpoint one weight at a time; returns the reader that gives
     each rank its codes at ``setup``. See [Note: quantizing per slice]."""
-    import bitsandbytes as bnb
-
+    bnb = _bitsandbytes()
     packed: dict[str, _Packed] = {}
     for name, module in model.named_modules():
         w = module._parameters.get("weight")
