@@ -3,7 +3,9 @@ private temporary directory for everything the session and its subprocesses crea
 (``TMPDIR``), removed at the end, so a suite leaves nothing in /tmp."""
 
 import contextlib
+import functools
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -49,13 +51,69 @@ def _full(config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _full(config):
-        return
-    slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if slow:
-        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
-        config.hook.pytest_deselected(items=slow)
-        config._zs_slow_deselected = len(slow)
+    if not _full(config):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+            config.hook.pytest_deselected(items=slow)
+            config._zs_slow_deselected = len(slow)
+    if hasattr(config, "workerinput"):  # an xdist worker: see [Note: a shared launch runs on one worker]
+        items.sort(key=lambda item: item.get_closest_marker("multiprocess") is None)  # stable
+
+
+# ------------------------------------------------------------------ workers (-n N): one launch per shared launch
+# [Note: a shared launch runs on one worker]
+# Many test modules start their ranks once for all their cases (a ``functools.lru_cache`` launch, or
+# a module-scoped fixture) and each test asserts its own case. xdist's default scheduling ("load")
+# deals tests to the workers round-robin, so each of the three workers that took one of a module's
+# tests ran that module's launch again: the DeepSpeed checkpoint runs, the setup-cost counts, the
+# DCP and compile matrices, each up to three times. So under ``-n`` (unless the command line names
+# ``--dist``) the scheduling is xdist's "loadscope" with one scope per test, except that the tests
+# of a module that shares a launch are one scope, and so are those of all the modules that import
+# one helper that caches launches (tests/_accounting.py): they run on one worker, which launches once.
+# (xdist's own ``loadgroup`` would do it from markers, but under pytest 9.2 its renaming of the
+# test ids no longer takes effect.) The shared modules go out first, those with the most tests
+# first (xdist's order of scopes), then the single tests, with those that start interpreters ahead
+# of those that do not (each worker sorts its collection so), so the in-process tests, a fraction of
+# a second each, fill the end and the workers finish together.
+_SHARED_LAUNCH = re.compile(r"^\s*@(functools\.)?(lru_)?cache\b|scope=[\"'](module|package|session)[\"']", re.MULTILINE)
+_HELPER_IMPORT = re.compile(r"^(?:from (_\w+) import|import (_\w+))", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_launch_scope(path: Path) -> str | None:
+    """The scope of a test module's tests under ``-n``: the module's own path where it caches something
+    across its tests (an ``lru_cache`` function, or a fixture whose scope is wider than one test), the
+    path of a tests/_*.py helper that caches launches for several modules (tests/_accounting.py), or
+    None: one scope per test. Read from the source: xdist's controller imports no test."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for helper in sorted({a or b for a, b in _HELPER_IMPORT.findall(text)}):
+        helper_path = path.parent / f"{helper}.py"
+        if helper_path.is_file() and _SHARED_LAUNCH.search(helper_path.read_text()):
+            return str(helper_path)
+    return str(path) if _SHARED_LAUNCH.search(text) else None
+
+
+def _explicit_dist(config) -> bool:
+    return any(str(a) == "--dist" or str(a).startswith(("--dist=", "-d")) for a in config.invocation_params.args)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", "no") != "load" or _explicit_dist(config):
+        return None  # xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedLaunchScheduling(LoadScopeScheduling):
+        """One scope per test, one per module (or helper's modules) that shares a launch."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return shared_launch_scope(config.rootpath / nodeid.split("::", 1)[0]) or nodeid
+
+    return SharedLaunchScheduling(config, log)
 
 
 # ------------------------------------------------------------------ the multiprocess marker, enforced

@@ -10,6 +10,7 @@ package is uninstalled or moved.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -111,6 +112,14 @@ except ValueError as err:
 """
 
 
+def _skip_without_pytorch_lightning() -> None:
+    """Skip where the standalone package is not installed, without importing it into pytest's process:
+    there it would stay in ``sys.modules``, and every later test on this worker that makes a strategy
+    would get the standalone-package warning (test_lightning_deepspeed_kwargs.py makes it an error)."""
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        pytest.skip("pytorch_lightning is not installed")
+
+
 @pytest.mark.parametrize("imports,call", [
     ("import pytorch_lightning as pl", "pl.Trainer(accelerator='cpu', devices=1, strategy='zero3')"),
     ("from lightning_fabric import Fabric", "Fabric(accelerator='cpu', devices=1, strategy='zero3_offload')"),
@@ -118,7 +127,7 @@ except ValueError as err:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call):
-    pytest.importorskip("pytorch_lightning")
+    _skip_without_pytorch_lightning()
     code = STANDALONE.format(imports=imports, call=call)
     out = _procs.run([sys.executable, "-c", code], 180)
     assert "REFUSED:" in out.stdout, out.stdout + out.stderr[-3000:]
@@ -128,7 +137,7 @@ def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call)
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
-    pytest.importorskip("pytorch_lightning")
+    _skip_without_pytorch_lightning()
     code = ("import warnings, zero_strategy, pytorch_lightning as pl\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"

@@ -21,9 +21,27 @@ loss is the mean over it, so the averaged gradient is the same at any world size
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import os
+import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# [Note: DeepSpeed's compiled ops in the tests]
+# DeepSpeed compiles its C++ ops on first use into torch's extension cache (~/.cache/torch_extensions/
+# py311_cpu by default), one directory per op whatever Python environment built it; ninja rebuilds an
+# op whose compile command changed, and the command names the environment's torch headers. So two
+# environments on one machine (.ci/venv and .ci/venv-latest, or several checkouts) rebuilt
+# DeepSpeedCPUAdam's op in turn: 1-6 minutes of both cores each time, at the head of this file's
+# first test. Each environment keeps its own directory instead, so an op is built once per environment.
+# And DeepSpeed's CPU communication backend builds a shared-memory op at initialize
+# (deepspeed.comm.torch.build_shm_op) that only inference_all_reduce uses (tensor-parallel
+# inference, deepspeed/module_inject): ZeRO training never calls it, so these runs skip its build.
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    from torch.utils.cpp_extension import get_default_build_root
+    env_tag = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(), f"zero_strategy_tests-{env_tag}")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -68,6 +86,10 @@ def deepspeed_engine(case: dict, load_universal: bool = False):
     """DeepSpeed's engine over the run's model (its frozen parameter changed) for ``case``, and that
     frozen parameter's value (read before DeepSpeed partitions it at stage 3)."""
     import deepspeed
+
+    # See [Note: DeepSpeed's compiled ops in the tests]. The module itself: the attribute
+    # ``deepspeed.comm.torch`` is torch, which deepspeed.comm imports under that name
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     model, opt = build()
     with torch.no_grad():  # the frozen parameter differs from a fresh model's: the resume must load it
