@@ -1,4 +1,5 @@
-"""Resuming an expert-parallel run from a sharded checkpoint (tests/workers/expert_parallel_checkpoint.py).
+"""Resuming an expert-parallel run from a sharded checkpoint (tests/workers/expert_parallel_checkpoint.py,
+and tests/workers/accelerate_expert_parallel.py for ZeroAccelerator.save_state/load_state).
 
 A tiny transformers 5 Mixtral (4 experts) at stage 3 with ``expert_parallel_size=2`` on 2 ranks,
 each rank on its own half of the batch (routing differs by rank), trains 2 steps and saves with
@@ -129,3 +130,16 @@ def test_optimizer_state_dict_holds_the_experts(runs):
         assert rep["losses"] == ref["losses"][2:]
         assert rep["weights"] == ref["weights"]
         assert "expert_parallel_size=None" in rep["wrong_size_message"]
+
+
+def test_accelerate_save_state_and_load_state(tmp_path):
+    """The front end's own resume: ``ZeroAccelerator.save_state``/``load_state`` under ``accelerate launch``
+    on 2 processes with ``expert_parallel_size=2`` goes through save_checkpoint/load_checkpoint, experts
+    included: the resumed run equals the uninterrupted one bit for bit."""
+    pytest.importorskip("accelerate")
+    from _accelerate_launch import accelerate_launch
+
+    reports, _ = accelerate_launch("accelerate_expert_parallel.py", {}, timeout=240, out=tmp_path)
+    for rep in reports:
+        assert rep["resumed"] == rep["reference"]
+        assert rep["weights_equal"]
