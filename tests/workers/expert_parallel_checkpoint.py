@@ -9,7 +9,7 @@ save and the resume in different launches (a fresh process group, fresh processe
   model on the whole batch (its losses and weights);
 * ``save``: 2 steps, then ``save_checkpoint`` (``async_save`` as the case says);
 * ``resume``: a model built from another seed (so nothing matches unless the load sets it), set up with
-  ``ep`` on this launch's world, ``load_checkpoint``, 2 more steps: losses and full weights;
+  ``ep`` on this launch's world (at ``stage``, 3 unless given), ``load_checkpoint``, 2 more steps: losses and full weights;
 * ``tamper``/``missing``/``into_dense``/``dense_into_ep``/``dcp``: what a load or a save of that kind
   raises, and whether the model kept its weights;
 * ``state_dict``: ``optimizer.state_dict()`` after 2 steps, the experts' state cleared, restored by
@@ -92,7 +92,7 @@ def save(case: dict) -> dict:
 
 
 def resume(case: dict) -> dict:
-    model, opt = _setup(case["ep"], seed=11)
+    model, opt = _setup(case["ep"], seed=11, stage=case.get("stage", 3))
     extra = zc.load_checkpoint(case["path"], model, opt)
     losses = _steps(model, opt, range(2, 4))
     return dict(case=case["case"], extra=extra, losses=losses, weights=_weights(model))
