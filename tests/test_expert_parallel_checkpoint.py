@@ -12,9 +12,10 @@ checkpoint resumes on 4 ranks with ``expert_parallel_size=2`` (two replica group
 index, from whichever file holds them; so does a resume at stage 1 on 2 ranks. An asynchronous
 save writes the same checkpoint.
 
-Refused, with the model left as it was on every rank: a tampered or a missing experts file (only
-rank 1 reads it; the ranks agree), the checkpoint loaded into a model without expert parallelism,
-a checkpoint saved without it loaded into an expert-parallel model, and ``save_dcp`` of an
+Into a model set up without expert parallelism (the experts sharded as any parameter) the weights
+load, equal to the saving run's. Refused, with the model left as it was on every rank: a tampered
+or a missing experts file (only rank 1 reads it; the ranks agree), the optimizer state of the
+checkpoint into a model without expert parallelism, a checkpoint saved without it loaded into an expert-parallel model, and ``save_dcp`` of an
 expert-parallel model.
 
 ``optimizer.state_dict()`` holds the experts' optimizer state too (``"expert_parallel"``): cleared
@@ -36,7 +37,7 @@ TOL = 1e-5
 REFUSED = {
     "tamper": "sha256",
     "missing": "experts00001-of-00002.safetensors",
-    "into_dense": "was saved with expert_parallel_size=2",
+    "into_dense": "only its weights load yet: pass optimizer=None",
     "dense_into_ep": "was saved without expert parallelism",
     "dcp": "save_dcp does not write the rank-local experts",
 }
@@ -58,7 +59,8 @@ def runs(tmp_path_factory):
     first.of("save")  # the resumes need the checkpoint: a failed save shows its own traceback
     second = _launch(2, [dict(case="resume", kind="resume", ep=2, path=ckpt),
                          dict(case="resume-async", kind="resume", ep=2, path=async_ckpt),
-                         dict(case="resume-stage1", kind="resume", ep=2, path=ckpt, stage=1)]
+                         dict(case="resume-stage1", kind="resume", ep=2, path=ckpt, stage=1),
+                         dict(case="weights-without-ep", kind="weights_without_ep", path=ckpt)]
                      + [dict(case=f"refused-{w}", kind="refused", what=w, ep=2, path=ckpt) for w in REFUSED])
     four = _launch(4, [dict(case="resume-4-ep2", kind="resume", ep=2, path=ckpt),
                        dict(case="resume-4-ep4", kind="resume", ep=4, path=ckpt)])
@@ -123,6 +125,16 @@ def test_refused_by_name_and_nothing_changed(runs, what):
         assert rep["message"] is not None, f"{what} was not refused"
         assert REFUSED[what] in rep["message"], rep["message"]
         assert rep["untouched"]
+
+
+def test_weights_load_into_a_model_without_expert_parallelism(runs):
+    """Without expert parallelism the experts are ordinary stage-3 shards (the [E, ...] tensor split across
+    the ranks, through an expert's rows): each rank takes its elements from the per-expert tensors, and
+    the full weights equal the saving run's at the save, bit for bit."""
+    first, second, _ = runs
+    saved = first.of("save")[0]["weights"]
+    for rep in second.of("weights-without-ep"):
+        assert rep["weights"] == saved, _max_diff(rep["weights"], saved)
 
 
 def test_optimizer_state_dict_holds_the_experts(runs):

@@ -10,6 +10,8 @@ save and the resume in different launches (a fresh process group, fresh processe
 * ``save``: 2 steps, then ``save_checkpoint`` (``async_save`` as the case says);
 * ``resume``: a model built from another seed (so nothing matches unless the load sets it), set up with
   ``ep`` on this launch's world (at ``stage``, 3 unless given), ``load_checkpoint``, 2 more steps: losses and full weights;
+* ``weights_without_ep``: ``load_checkpoint(..., optimizer=None)`` into a model without expert
+  parallelism (the experts sharded as any parameter): its full weights;
 * ``tamper``/``missing``/``into_dense``/``dense_into_ep``/``dcp``: what a load or a save of that kind
   raises, and whether the model kept its weights;
 * ``state_dict``: ``optimizer.state_dict()`` after 2 steps, the experts' state cleared, restored by
@@ -88,7 +90,7 @@ def save(case: dict) -> dict:
     zc.save_checkpoint(case["path"], model, opt, extra_state={"step": 2}, async_save=case.get("async_save", False))
     zc.wait_for_save(model)
     files = sorted(p.name for p in Path(case["path"]).iterdir())
-    return dict(case=case["case"], losses=losses, files=files)
+    return dict(case=case["case"], losses=losses, files=files, weights=_weights(model))
 
 
 def resume(case: dict) -> dict:
@@ -96,6 +98,13 @@ def resume(case: dict) -> dict:
     extra = zc.load_checkpoint(case["path"], model, opt)
     losses = _steps(model, opt, range(2, 4))
     return dict(case=case["case"], extra=extra, losses=losses, weights=_weights(model))
+
+
+def weights_without_ep(case: dict) -> dict:
+    """The checkpoint's weights into a model set up without expert parallelism (optimizer=None)."""
+    model, _ = _setup(1, seed=11)
+    zc.load_checkpoint(case["path"], model, None)
+    return dict(case=case["case"], weights=_weights(model))
 
 
 def _copy(src: str, dst: str) -> None:
@@ -161,7 +170,7 @@ def state_dict_round_trip(case: dict) -> dict:
 def run(case: dict) -> dict:
     kind = case["kind"]
     return {"reference": reference, "save": save, "resume": resume, "refused": refused,
-            "state_dict": state_dict_round_trip}[kind](case)
+            "state_dict": state_dict_round_trip, "weights_without_ep": weights_without_ep}[kind](case)
 
 
 def main() -> None:

@@ -58,8 +58,8 @@ at any world size and ``expert_parallel_size`` (See [Note: experts in a checkpoi
 checkpoint/_experts.py); ``optimizer.state_dict()`` holds the experts' state under
 ``"expert_parallel"``.
 
-What is not done yet is refused by name: a checkpoint moving between expert parallelism and
-none, offload, fp16, hybrid sharding, sequence parallelism, experts still on the meta device,
+What is not done yet is refused by name: a checkpoint's optimizer state moving between expert
+parallelism and none (the weights move), offload, fp16, hybrid sharding, sequence parallelism, experts still on the meta device,
 and expert layouts other than the fused, concatenated, bias-free one (gpt-oss's transposed
 experts with biases).
 """

@@ -18,13 +18,15 @@ a byte, like every other file.
 Because every expert is stored whole under its global index, a load at another world size or
 another ``expert_parallel_size`` takes, on each rank, the rows of the experts it holds now from
 whichever files hold them. A model set up without expert parallelism (the experts in the engine's
-flat groups) cannot take such a checkpoint yet, nor can an expert-parallel model take a
-checkpoint saved without it: both are refused by name.
+flat groups) takes the weights of such a checkpoint, each rank the rows of its shards (the
+optimizer state is refused by name: pass ``optimizer=None``); an expert-parallel model cannot take
+a checkpoint saved without it yet (refused by name).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -161,12 +163,7 @@ def experts_to_read(meta, model, engine, zopts, ckpt_dir: Path) -> set[str]:
     if saved is None and ep is None:
         return set()
     if ep is None:
-        raise CheckpointError(
-            f"{ckpt_dir} was saved with expert_parallel_size={saved['size']} (each expert stored apart), but this "
-            "model is set up without expert parallelism, whose experts are ordinary sharded parameters; a load "
-            "into them is not supported yet: set up with expert_parallel_size (any divisor of the number of "
-            "experts and of the world size), or consolidate the weights from a run that has it "
-            "(zero_strategy.full_state_dict, save_pretrained)")
+        return _experts_into_flat_groups(meta, model, engine, zopts, ckpt_dir)
     if saved is None:
         raise CheckpointError(
             f"{ckpt_dir} was saved without expert parallelism, and loading it into a model set up with "
@@ -195,6 +192,75 @@ def experts_to_read(meta, model, engine, zopts, ckpt_dir: Path) -> set[str]:
         files.update(experts_file_name(e // per, saved["size"])
                      for e in range(module.first, module.first + module.num_local))
     return files
+
+
+def _saved_expert_slots(meta, model, engine):
+    """(group, slot, lo, hi, where, checkpoint fqn) of each range of this rank's shards that a saved expert
+    parameter fills, in a model without expert parallelism (its experts: ordinary sharded parameters)."""
+    names = param_names(model)
+    for g in engine.groups:
+        for s, lo, hi, where in g.slot_ranges_in_shard():
+            fqn = next((n for n in names.get(id(s.param), [s.fqn]) if n in meta.experts["params"]), None)
+            if fqn is not None:
+                yield g, s, lo, hi, where, fqn
+
+
+def _experts_into_flat_groups(meta, model, engine, zopts, ckpt_dir: Path) -> set[str]:
+    """An expert-parallel checkpoint into a model without expert parallelism: the weights only, each rank
+    its shards' rows of each expert (See [Note: experts in a checkpoint])."""
+    saved = meta.experts
+    fix = ("set up with expert_parallel_size (any divisor of the number of experts and of the world size) to "
+           "resume the optimizer too")
+    if zopts:
+        raise CheckpointError(
+            f"{ckpt_dir} was saved with expert_parallel_size={saved['size']}; into a model set up without expert "
+            "parallelism only its weights load yet: pass optimizer=None (the optimizer then starts fresh), or "
+            + fix)
+    found = {}
+    names = param_names(model)
+    for g in engine.groups:
+        for s in g.slots:
+            fqn = next((n for n in names.get(id(s.param), [s.fqn]) if n in saved["params"]), None)
+            if fqn is not None:
+                found[fqn] = (g, s)
+    missing = sorted(set(saved["params"]) - set(found))
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: the checkpoint's experts {missing} are not sharded parameters of "
+                              "this model")
+    for fqn, (g, s) in found.items():
+        desc = saved["params"][fqn]
+        if list(s.shape) != [desc["num_experts"], *desc["shape"]]:
+            raise CheckpointError(f"{ckpt_dir}: {fqn}: the checkpoint holds {desc['num_experts']} experts of shape "
+                                  f"{tuple(desc['shape'])}, the model a parameter of shape {tuple(s.shape)}")
+        if g.master_streams:
+            raise CheckpointError(f"{ckpt_dir}: {fqn} is in {g.name}, streamed from NVMe, which an expert-parallel "
+                                  f"checkpoint does not load into yet; {fix}")
+    files = set()
+    for *_, lo, hi, _, fqn in _saved_expert_slots(meta, model, engine):
+        desc = saved["params"][fqn]
+        rows, per = math.prod(desc["shape"]), desc["num_experts"] // saved["size"]
+        files.update(experts_file_name(e // per, saved["size"]) for e in range(lo // rows, (hi - 1) // rows + 1))
+    return files
+
+
+@torch.no_grad()
+def fill_flat_from_experts(handle, meta, model, engine) -> None:
+    """The saved experts' elements into this rank's master (or frozen) shards of a model without expert
+    parallelism (checked by :func:`_experts_into_flat_groups`)."""
+    saved = meta.experts
+    by_group: dict[int, list] = {}
+    for item in _saved_expert_slots(meta, model, engine):
+        by_group.setdefault(id(item[0]), []).append(item)
+    for items in by_group.values():
+        with items[0][0].resident(write_back=True):  # NVMe-swapped masters come in, and go back loaded
+            for g, _, lo, hi, where, fqn in items:
+                desc = saved["params"][fqn]
+                rows, per = math.prod(desc["shape"]), desc["num_experts"] // saved["size"]
+                dst = g.weight_shard[where]
+                for e in range(lo // rows, (hi - 1) // rows + 1):
+                    a, b = max(lo, e * rows), min(hi, (e + 1) * rows)
+                    t = handle(experts_file_name(e // per, saved["size"])).get_tensor(f"{fqn}.{e}").reshape(-1)
+                    dst[a - lo:b - lo].copy_(t[a - e * rows:b - e * rows])
 
 
 def _scalar(sc: dict, p: torch.Tensor):

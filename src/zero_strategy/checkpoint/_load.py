@@ -65,7 +65,7 @@ from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dty
 from ._metadata_io import read_metadata
 from ._safetensors_stream import verify_file
 from ._sync import agree, describe
-from ._experts import expert_files, experts_to_read, load_experts, local_state_dict
+from ._experts import expert_files, experts_to_read, fill_flat_from_experts, load_experts, local_state_dict
 from ._validate import check_buffers_file, check_experts_file, check_rank_file
 
 
@@ -219,6 +219,8 @@ class PreparedLoad:
     def _copy(self) -> None:
         """The copy itself, every check passed: shards, optimizer state, buffers."""
         _load_shards(self.reader, self.names, self.engine, self.zopts)
+        if self.engine.expert_parallel is None and self.reader.meta.experts is not None:
+            fill_flat_from_experts(self.reader.handle, self.reader.meta, self.model, self.engine)
         load_experts(self.reader.handle, self.reader.meta, self.model, self.engine, self.zopts)
         _load_buffers(self.reader, self.model, self.buffers)
 
@@ -365,6 +367,8 @@ def _check_compatible(meta: Metadata, names, buffers, engine, zopts, strict: boo
     alias = meta.alias_map()
     model_keys = {n for ns in names.values() for n in ns} | set(buffers)
     ckpt_keys = set(alias) | set(meta.buffer_keys())
+    if engine.expert_parallel is None:  # their weights go into the flat groups: See [Note: experts in a checkpoint]
+        ckpt_keys |= {k for k, kind, _ in meta.state_dict_keys if kind == "expert"}
     missing, unexpected = sorted(model_keys - ckpt_keys), sorted(ckpt_keys - model_keys)
     mismatched = []
     for g in engine.groups:
