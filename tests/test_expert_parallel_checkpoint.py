@@ -20,7 +20,8 @@ expert-parallel model.
 
 ``optimizer.state_dict()`` holds the experts' optimizer state too (``"expert_parallel"``): cleared
 and restored by ``load_state_dict``, training goes on exactly as the uninterrupted run; a state
-dict of another ``expert_parallel_size`` is refused.
+dict of another ``expert_parallel_size`` is refused. A forged ``experts`` entry of the metadata (its
+checksum recomputed) is refused by the metadata's checks or the experts file's header.
 """
 
 from __future__ import annotations
@@ -48,9 +49,14 @@ def _launch(world: int, cases: list[dict]):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def base(tmp_path_factory):
+    return tmp_path_factory.mktemp("epckpt")
+
+
+@pytest.fixture(scope="module")
+def runs(base):
     """Launch 1 saves (sync and async); launch 2 resumes on 2 ranks; launch 3 on 4 ranks."""
-    path = tmp_path_factory.mktemp("epckpt")
+    path = base
     ckpt, async_ckpt = str(path / "ckpt"), str(path / "ckpt-async")
     first = _launch(2, [dict(case="reference", kind="reference", ep=2),
                         dict(case="save", kind="save", ep=2, path=ckpt),
@@ -158,3 +164,35 @@ def test_accelerate_save_state_and_load_state(tmp_path):
     for rep in reports:
         assert rep["resumed"] == rep["reference"]
         assert rep["weights_equal"]
+
+
+@pytest.mark.parametrize("edit", ["num_experts", "shape", "state_key"])
+def test_a_forged_experts_entry_is_refused(runs, base, tmp_path, edit):
+    """The metadata's ``experts`` entry edited and its checksum recomputed (a forger, not damage): the
+    self-consistency checks or the experts file's header refuse it before a tensor byte is read."""
+    import json
+    import shutil
+
+    from zero_strategy.checkpoint._layout import CheckpointError
+    from zero_strategy.checkpoint._metadata_io import read_metadata
+    from zero_strategy.checkpoint._validate import check_experts_file, digest
+
+    runs[0].of("save")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base / "ckpt", ckpt)
+    d = json.loads((ckpt / "metadata.json").read_text())
+    fqn = next(iter(d["experts"]["params"]))
+    if edit == "num_experts":
+        d["experts"]["params"][fqn]["num_experts"] = 3
+    elif edit == "shape":
+        d["experts"]["params"][fqn]["shape"][0] += 1
+    else:
+        d["experts"]["state"][fqn]["tensors"]["../x"] = "float32"
+    d["checksum"] = digest(d)
+    (ckpt / "metadata.json").write_text(json.dumps(d))
+    with pytest.raises(CheckpointError) as err:
+        meta = read_metadata(ckpt)
+        check_experts_file(ckpt / "experts00000-of-00002.safetensors", meta)
+    want = {"num_experts": "is not a multiple of experts.size", "shape": "but metadata.json says",
+            "state_key": "is not a state key"}[edit]
+    assert want in str(err.value), err.value
