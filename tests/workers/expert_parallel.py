@@ -21,7 +21,6 @@ from torch import nn
 from _worker import finish, run_cases, start
 
 import zero_strategy as zs
-import zero_strategy.checkpoint
 from zero_strategy._model.expert_parallel import ExpertParallelExperts
 
 
@@ -205,13 +204,8 @@ def refusal(case: dict) -> dict:
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     try:
         model, opt = zs.setup(model, optimizer, zs.ZeroConfig(**cfg))
-        if what == "checkpoint":
-            zero_strategy.checkpoint.save_checkpoint(case["path"], model, opt)
-        elif what == "optimizer_state":
-            opt.state_dict()
     except (ValueError, NotImplementedError) as err:
-        untouched = not any(isinstance(m, ExpertParallelExperts) for m in model.modules()) or what in (
-            "checkpoint", "optimizer_state")
+        untouched = not any(isinstance(m, ExpertParallelExperts) for m in model.modules())
         in_model = {id(p) for p in model.parameters()}
         return dict(case=case["case"], message=f"{type(err).__name__}: {err}", untouched=untouched,
                     optimizer_holds_model_params=sum(id(p) in in_model for p in optimizer.param_groups[0]["params"]),

@@ -52,10 +52,16 @@ Lock-step. Every forward is a collective at every stage, so ``generate()`` runs 
 ``synced_gpus`` (_model/hf.py), and gradient checkpointing's recomputation repeats the
 all-to-alls in the same order on every rank.
 
-What is not done yet is refused by name: sharded checkpoints (``save_checkpoint``/
-``load_checkpoint``, ``optimizer.state_dict()``), offload, fp16, hybrid sharding, sequence
-parallelism, experts still on the meta device, and expert layouts other than the
-fused, concatenated, bias-free one (gpt-oss's transposed experts with biases).
+Checkpoints. ``save_checkpoint`` writes the experts one tensor per expert, by global index, with
+their optimizer state, and ``load_checkpoint`` reads back the rows of the experts each rank holds,
+at any world size and ``expert_parallel_size`` (See [Note: experts in a checkpoint] in
+checkpoint/_experts.py); ``optimizer.state_dict()`` holds the experts' state under
+``"expert_parallel"``.
+
+What is not done yet is refused by name: a checkpoint's optimizer state moving between expert
+parallelism and none (the weights move), offload, fp16, hybrid sharding, sequence parallelism, experts still on the meta device,
+and expert layouts other than the fused, concatenated, bias-free one (gpt-oss's transposed
+experts with biases).
 """
 
 from __future__ import annotations

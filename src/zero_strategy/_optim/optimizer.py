@@ -464,8 +464,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # -------------------------------------------------------------- state dict
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (resharding checkpoints: zero_strategy checkpoint API)."""
-        self._refuse_rank_local("optimizer.state_dict()")
+        """This rank's shard of the optimizer state (resharding checkpoints: zero_strategy checkpoint API).
+
+        With expert parallelism, also this rank's experts' state (``"expert_parallel"``: the state dict of
+        the second optimizer that steps them, See [Note: expert parallelism] in _model/expert_parallel.py),
+        so it is still the whole of what this rank steps."""
         inner = self.optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(p for pg in self.optimizer.param_groups for p in pg["params"])}
         for g in self.groups:  # state swapped out to NVMe is evicted here: copy it while resident
@@ -477,23 +480,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         inner["state"][index[id(key)]] = {
                             k: v.clone() if isinstance(v, torch.Tensor) else v
                             for k, v in self.optimizer.state[key].items()}
-        return {
+        out = {
             "format": "zero_strategy.local_shard",
             "rank": self.engine.comm.rank,
             "world_size": self.engine.comm.world_size,
             "optimizer": inner,
             "loss_scaler": self.scaler.state_dict(),
         }
-
-    def _refuse_rank_local(self, what: str) -> None:
         if self.rank_local is not None:
-            raise NotImplementedError(
-                f"zero_strategy: {what} with expert_parallel_size: the experts' optimizer state is not in "
-                "checkpoints yet; save the weights with zero_strategy.full_state_dict(model) or "
-                "save_pretrained, or drop expert_parallel_size")
+            out["expert_parallel_size"] = self._expert_parallel_size()
+            out["expert_parallel"] = self.rank_local.inner.state_dict()
+        return out
+
+    def _expert_parallel_size(self) -> int | None:
+        ep = self.engine.expert_parallel
+        return None if ep is None or self.rank_local is None else ep.size
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._refuse_rank_local("optimizer.load_state_dict()")
         if state_dict.get("format") != "zero_strategy.local_shard":
             raise ValueError("ZeroOptimizer.load_state_dict expects a dict from ZeroOptimizer.state_dict()")
         if (state_dict["rank"], state_dict["world_size"]) != (self.engine.comm.rank, self.engine.comm.world_size):
@@ -501,8 +504,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"this optimizer shard was saved by rank {state_dict['rank']} of {state_dict['world_size']}, "
                 f"but this is rank {self.engine.comm.rank} of {self.engine.comm.world_size}; use the "
                 "zero_strategy checkpoint API to resume on another world size")
+        saved_ep, ep = state_dict.get("expert_parallel_size"), self._expert_parallel_size()
+        if saved_ep != ep:
+            raise ValueError(
+                f"this optimizer shard was saved with expert_parallel_size={saved_ep}, but this optimizer steps "
+                f"experts with expert_parallel_size={ep}: each rank's experts differ; use the zero_strategy "
+                "checkpoint API (save_checkpoint/load_checkpoint) to resume at another expert_parallel_size")
         if self.engine.offloaded is not None:
             refuse_while_offloaded(self.engine.offloaded, "optimizer.load_state_dict()", ("optim_states", "hp_params"))
+        if self.rank_local is not None:
+            self.rank_local.inner.load_state_dict(state_dict["expert_parallel"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         for g in self.groups:  # the loaded state tensors rest where the master does (NVMe: swap file)
             g.masters.track_optimizer_state(self.swappable_state(g), replace=True)

@@ -44,6 +44,7 @@ import torch
 
 from ._dcp import DCPCheckpoint, is_dcp_checkpoint
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name
+from ._experts import refuse_experts
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
 from ._owned import OwnedDir, remove_leftovers
@@ -148,6 +149,7 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
                                   "include_optimizer/--optimizer (resume it with load_checkpoint to carry it over)")
         return _write(out, _dcp_sources(ckpt), dtype, format, limit, hf_files, None, None)
     meta = read_metadata(ckpt)
+    refuse_experts(meta, ckpt, "consolidation")  # See [Note: experts in a checkpoint] in _experts.py
     for rec in meta.files:  # every file, before any output is written
         verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
         if rec.rank is not None:

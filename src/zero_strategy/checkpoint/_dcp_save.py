@@ -44,6 +44,7 @@ from ..api import _engine_of
 from ._dcp import contiguous_start, flat_boxes
 from ._deepspeed_universal import export_universal
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, param_names, resolve_zero_optimizers
+from ._experts import refuse_experts
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
 from ._owned import OwnedDir, remove_leftovers
@@ -72,6 +73,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out: str | os.PathLike, forma
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"output path {out} exists; refusing to overwrite it (choose a new path)")
     meta = read_metadata(ckpt)
+    refuse_experts(meta, ckpt, "this export")  # See [Note: experts in a checkpoint] in _experts.py
     for rec in meta.files:  # every file, before any output is written
         verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
         if rec.rank is not None:
@@ -157,6 +159,9 @@ def _check_live(path: Path, engine, zopts) -> None:
     if engine.comm.replicas > 1:
         raise CheckpointError("save_dcp does not write hybrid-sharded runs yet: save_checkpoint, then "
                               "export_checkpoint(..., format='dcp')")
+    if engine.expert_parallel is not None:  # See [Note: experts in a checkpoint] in _experts.py
+        raise CheckpointError(f"expert_parallel_size={engine.expert_parallel.size}: save_dcp does not write the "
+                              "rank-local experts; use save_checkpoint")
     if len(zopts) > 1:
         raise CheckpointError(f"{len(zopts)} optimizers: a DCP checkpoint of get_state_dict holds one")
     for g in engine.groups:

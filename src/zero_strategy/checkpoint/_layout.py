@@ -8,6 +8,8 @@ A checkpoint is a directory::
     rank00001-of-00002.safetensors
     buffers.safetensors                 module buffers (rank 0)
     extra_state.pt                      user state that is not JSON (rank 0; optional)
+    experts00000-of-00002.safetensors   expert parallelism's experts, one tensor per expert
+                                        (See [Note: experts in a checkpoint] in _experts.py)
 
 A rank file holds, for flat group ``i`` of the saving run, 1-D tensors of
 ``shard_numel`` elements: ``g{i}.master`` (fp32 master shard, trainable groups) or
@@ -141,7 +143,7 @@ class Metadata:
     precision: str
     groups: list[GroupLayout]
     params: dict[str, ParamLayout]
-    #: model.state_dict() keys in order: [key, "param", fqn] or [key, "buffer", key]
+    #: model.state_dict() keys in order: [key, "param", fqn], [key, "buffer", key] or [key, "expert", fqn]
     state_dict_keys: list[list[str]]
     files: list[FileRecord]
     optimizer: dict | None = None      # {"class", "module", "param_groups"} of the first optimizer
@@ -150,6 +152,9 @@ class Metadata:
     optimizers: list | None = None
     loss_scalers: list | None = None
     extra_state: dict | None = None    # {"kind": "json", "value": ...} | {"kind": "torch", "file": ...}
+    #: expert parallelism's rank-local experts: {"size", "params", "state"}; See [Note: experts in a
+    #: checkpoint] in _experts.py (None: saved without expert parallelism)
+    experts: dict | None = None
     format: str = FORMAT_NAME
     version: int = FORMAT_VERSION
     zero_strategy_version: str = ""

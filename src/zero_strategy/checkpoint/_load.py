@@ -65,7 +65,8 @@ from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dty
 from ._metadata_io import read_metadata
 from ._safetensors_stream import verify_file
 from ._sync import agree, describe
-from ._validate import check_buffers_file, check_rank_file
+from ._experts import expert_files, experts_to_read, fill_flat_from_experts, load_experts, local_state_dict
+from ._validate import check_buffers_file, check_experts_file, check_rank_file
 
 
 def resolve_checkpoint_dir(path: str | Path) -> Path:
@@ -113,6 +114,8 @@ class _Reader:
             verify_file(self.dir / name, rec.sha256, rec.bytes)
             if name == BUFFERS_FILE:
                 self.buffer_header = check_buffers_file(self.dir / name, self.meta)
+            elif self.meta.experts is not None and name in expert_files(self.meta.experts):
+                check_experts_file(self.dir / name, self.meta)
             else:
                 check_rank_file(self.dir / name, self.meta)
             try:
@@ -216,6 +219,9 @@ class PreparedLoad:
     def _copy(self) -> None:
         """The copy itself, every check passed: shards, optimizer state, buffers."""
         _load_shards(self.reader, self.names, self.engine, self.zopts)
+        if self.engine.expert_parallel is None and self.reader.meta.experts is not None:
+            fill_flat_from_experts(self.reader.handle, self.reader.meta, self.model, self.engine)
+        load_experts(self.reader.handle, self.reader.meta, self.model, self.engine, self.zopts)
         _load_buffers(self.reader, self.model, self.buffers)
 
 
@@ -244,11 +250,6 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
     """
     engine = _engine_of(model)
     engine.background_save.wait()  # an asynchronous save in flight first (See [Note: asynchronous saves])
-    if engine.expert_parallel is not None:  # See [Note: expert parallelism] in _model/expert_parallel.py
-        raise NotImplementedError(
-            "zero_strategy.load_checkpoint() with expert_parallel_size: sharded checkpoints do not hold the "
-            "rank-local experts yet; save the weights with zero_strategy.full_state_dict(model) or "
-            "save_pretrained, or drop expert_parallel_size")
     join_saves_to(str(Path(path).absolute()))  # another model's save to this path (a new run resuming)
     refuse_while_offloaded(engine.offloaded, "zero_strategy.load_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     zopts = resolve_zero_optimizers(engine, optimizer)
@@ -260,10 +261,16 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
         other = None if ours else next((prepare for recognizes, prepare in _OTHER_FORMATS if recognizes(ckpt_dir)),
                                        None)
         tag_dir = None if ours or other else find_deepspeed_checkpoint(ckpt_dir)
+        if engine.expert_parallel is not None and not ours:  # See [Note: experts in a checkpoint] in _experts.py
+            raise CheckpointError(
+                f"{ckpt_dir} is not a zero_strategy checkpoint (a DeepSpeed or torch.distributed.checkpoint "
+                f"directory): loading one into a model set up with expert_parallel_size={engine.expert_parallel.size} "
+                "is not supported; resume it without expert_parallel_size")
         if other is not None:  # See [Note: other systems' formats]
             reader, buffers, hyper, extra, kind = other(ckpt_dir, names, buffers, model, engine, zopts, strict)
         elif tag_dir is None:
             meta = read_metadata(ckpt_dir)
+            experts = experts_to_read(meta, model, engine, zopts, ckpt_dir)  # See [Note: experts in a checkpoint]
             _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
             saved_all = zip(zopts, _saved_optimizers(meta), _saved_scalers(meta))
             hyper = [(_hyperparameter_updates(saved, zopt, ckpt_dir / METADATA_FILE, i), scaler)
@@ -271,7 +278,7 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
             saved_buffers = set(meta.buffer_keys())
             buffers = [k for k in buffers if k in saved_buffers]
             reader = _Reader(ckpt_dir, meta)
-            reader.verify(_files_to_read(meta, names, engine, zopts) | ({BUFFERS_FILE} if buffers else set()))
+            reader.verify(_files_to_read(meta, names, engine, zopts) | experts | ({BUFFERS_FILE} if buffers else set()))
             _check_buffer_shapes(reader, model, buffers)
             extra, kind = _extra_state(reader, meta), PreparedLoad
         else:  # See [Note: DeepSpeed's layout] in _deepspeed.py
@@ -338,7 +345,9 @@ def _model_names(model, engine) -> tuple[dict[int, list[str]], list[str]]:
 
     names = param_names(model)
     managed = engine.managed
-    buffers = [k for k, t in model.state_dict(keep_vars=True).items() if id(t) not in managed]
+    ep = engine.expert_parallel
+    experts = ep.local_ids if ep is not None else frozenset()  # their own file: See [Note: experts in a checkpoint]
+    buffers = [k for k, t in local_state_dict(model, engine).items() if id(t) not in managed and id(t) not in experts]
     return {pid: n for pid, n in names.items() if pid in managed}, buffers
 
 
@@ -358,6 +367,8 @@ def _check_compatible(meta: Metadata, names, buffers, engine, zopts, strict: boo
     alias = meta.alias_map()
     model_keys = {n for ns in names.values() for n in ns} | set(buffers)
     ckpt_keys = set(alias) | set(meta.buffer_keys())
+    if engine.expert_parallel is None:  # their weights go into the flat groups: See [Note: experts in a checkpoint]
+        ckpt_keys |= {k for k, kind, _ in meta.state_dict_keys if kind == "expert"}
     missing, unexpected = sorted(model_keys - ckpt_keys), sorted(ckpt_keys - model_keys)
     mismatched = []
     for g in engine.groups:
@@ -607,7 +618,7 @@ def _load_param_state(reader: _Reader, g, zopt, names, alias) -> None:
 
 def _check_buffer_shapes(reader: _Reader, model, buffers: list[str]) -> None:
     """Each buffer to load has the model's shape (from the verified header: nothing read yet)."""
-    sd = model.state_dict(keep_vars=True)
+    sd = local_state_dict(model, _engine_of(model))
     for key in buffers:
         saved = tuple(reader.buffer_header[key][1])
         if saved != tuple(sd[key].shape):
@@ -618,7 +629,7 @@ def _load_buffers(reader: _Reader, model, buffers: list[str]) -> None:
     """The buffers of ``buffers`` (the model's that the checkpoint has; shapes checked before)."""
     if not buffers:
         return
-    sd = model.state_dict(keep_vars=True)
+    sd = local_state_dict(model, _engine_of(model))
     f = reader.handle(BUFFERS_FILE)
     for key in buffers:
         sd[key].data.copy_(f.get_tensor(key))

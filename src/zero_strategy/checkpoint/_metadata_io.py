@@ -21,6 +21,8 @@ from ._validate import check_checksum, check_metadata, check_raw, digest
 def metadata_json(meta: Metadata) -> str:
     """``meta`` as the JSON text of the metadata file, its checksum filled in."""
     d = asdict(meta)
+    if d["experts"] is None:  # a checkpoint without expert parallelism stays readable by earlier versions
+        del d["experts"]
     d["checksum"] = digest(d)
     return json.dumps(d, indent=1, sort_keys=False)
 

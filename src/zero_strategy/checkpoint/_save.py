@@ -79,6 +79,7 @@ from ..api import _engine_of
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, CheckpointError, FileRecord, GroupLayout,
                       Metadata, describe_groups, describe_params, dtype_name, is_checkpoint_dir, jsonable,
                       rank_file_name, resolve_zero_optimizers)
+from ._experts import describe_experts, experts_file_entries, local_state_dict
 from ._metadata_io import metadata_json
 from ._owned import SAVE_PREFIX, OwnedDir, leftover_prefixes, remove_leftovers, save_dir
 from ._safetensors_stream import StreamWriter, sha256_file
@@ -105,11 +106,6 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer=N
     """
     engine = _engine_of(model)
     engine.background_save.wait()  # See [Note: asynchronous saves]: one at a time, failures raised
-    if engine.expert_parallel is not None:  # See [Note: expert parallelism] in _model/expert_parallel.py
-        raise NotImplementedError(
-            "zero_strategy.save_checkpoint() with expert_parallel_size: sharded checkpoints do not hold the "
-            "rank-local experts yet; save the weights with zero_strategy.full_state_dict(model) or "
-            "save_pretrained, or drop expert_parallel_size")
     refuse_while_offloaded(engine.offloaded, "zero_strategy.save_checkpoint()", ("optim_states", "hp_params", "lp_params"))
     asynchronous = engine.config.async_save if async_save is None else async_save
     if not isinstance(asynchronous, bool):
@@ -203,6 +199,9 @@ def _save(path: Path, model, engine, zopts, extra_state, decision, owned: OwnedD
                 "save_checkpoint needs one filesystem shared by every rank (NFS, Lustre, a mounted bucket) "
                 "and the same path on each; on nodes without one, give every rank a path on a shared mount")
         records.append(_write_rank_file(tmp, engine, zopts, groups))
+        experts = experts_file_entries(model, engine, zopts)  # See [Note: experts in a checkpoint] in _experts.py
+        if experts is not None:
+            records.append(_write_experts_file(tmp, engine, *experts))
         if comm.rank == 0:
             records.append(_write_buffers(tmp, model, engine))
             extra_meta, extra_record = _write_extra_state(tmp, extra_state)
@@ -399,15 +398,28 @@ def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> Fil
     return FileRecord(name=name, sha256=digest, bytes=size, rank=engine.comm.rank)
 
 
+def _write_experts_file(tmp: Path, engine, name: str, specs: list, entries: list) -> FileRecord:
+    """This rank's experts, one tensor per expert (See [Note: experts in a checkpoint] in _experts.py)."""
+    with StreamWriter(tmp / name, specs, {"format": "pt"}) as w:
+        for n, t in entries:
+            w.write(n, t)
+        digest, size = w.close()
+    return FileRecord(name=name, sha256=digest, bytes=size, rank=engine.comm.rank)
+
+
 def _managed_ids(engine) -> set[int]:
     return set(engine.managed)
 
 
+def _expert_ids(engine) -> frozenset[int]:
+    return frozenset() if engine.expert_parallel is None else engine.expert_parallel.local_ids
+
+
 def _buffers(model: torch.nn.Module, engine) -> list[tuple[str, torch.Tensor]]:
     """state_dict entries that are not sharded parameters (buffers, non-float parameters)."""
-    managed = _managed_ids(engine)
+    managed = _managed_ids(engine) | _expert_ids(engine)
     out = []
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in local_state_dict(model, engine).items():
         if id(t) in managed:
             continue
         if not isinstance(t, torch.Tensor):
@@ -458,8 +470,11 @@ def _write_bytes(target: Path, data: bytes) -> FileRecord:
 
 def _metadata(model, engine, zopts, groups, files, extra_meta) -> Metadata:
     managed = {id(s.param): s.fqn for g in engine.groups for s in g.slots}
-    keys = [[k, "param", managed[id(t)]] if id(t) in managed else [k, "buffer", k]
-            for k, t in model.state_dict(keep_vars=True).items()]
+    experts = describe_experts(model, engine, zopts)
+    expert_fqn = {id(p): n for n, p in model.named_parameters()} if experts is not None else {}
+    keys = [[k, "param", managed[id(t)]] if id(t) in managed else
+            [k, "expert", expert_fqn[id(t)]] if id(t) in _expert_ids(engine) else [k, "buffer", k]
+            for k, t in local_state_dict(model, engine).items()]
     optimizers, scalers = [], []
     for zopt in zopts:
         opt = zopt.optimizer
@@ -474,7 +489,7 @@ def _metadata(model, engine, zopts, groups, files, extra_meta) -> Metadata:
         groups=groups, params=describe_params(engine, model), state_dict_keys=keys, files=files,
         optimizer=optimizers[0] if optimizers else None, loss_scaler=scalers[0] if scalers else None,
         optimizers=optimizers or None, loss_scalers=scalers or None,
-        extra_state=extra_meta, zero_strategy_version=__version__)
+        extra_state=extra_meta, experts=experts, zero_strategy_version=__version__)
 
 
 
@@ -551,6 +566,10 @@ def _stage(queue: Queue, bg, tmp: Path, model, engine, zopts, extra_state) -> Me
         name, specs, streamed = _rank_file_plan(engine, zopts, groups)
         queue.put(("open", name, specs, engine.comm.rank))
         _stage_pieces(queue, bg, limit, _rank_file_pieces(engine, zopts, groups, streamed))
+        experts = experts_file_entries(model, engine, zopts)  # See [Note: experts in a checkpoint] in _experts.py
+        if experts is not None:
+            queue.put(("open", experts[0], experts[1], engine.comm.rank))
+            _stage_pieces(queue, bg, limit, experts[2])
         if comm.rank == 0:
             entries = _buffers(model, engine)
             queue.put(("open", BUFFERS_FILE, [(k, t.dtype, list(t.shape)) for k, t in entries], None))

@@ -39,6 +39,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ._experts import expert_files, wanted_header
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, CheckpointError, GroupLayout, Metadata,
                       rank_file_name)
 
@@ -59,7 +60,7 @@ _MAX_HYPER_STR = 256
 _MAX_HYPER_LIST = 16
 
 _TOP_KEYS = {"world_size", "stage", "precision", "groups", "params", "state_dict_keys", "files", "optimizer",
-             "loss_scaler", "optimizers", "loss_scalers", "extra_state", "format", "version",
+             "loss_scaler", "optimizers", "loss_scalers", "extra_state", "experts", "format", "version",
              "zero_strategy_version", "checksum"}
 _TOP_REQUIRED = {"world_size", "stage", "precision", "groups", "params", "state_dict_keys", "files", "format",
                  "version", "checksum"}
@@ -163,6 +164,7 @@ def check_metadata(meta: Metadata, path: Path) -> None:
     for i, g in enumerate(meta.groups):
         _check_group(w, g, i, ws)
     _check_params(w, meta)
+    _check_experts(w, meta)
     _check_files(w, meta)
     _check_state_dict_keys(w, meta)
     _check_optimizers(w, meta)
@@ -305,12 +307,55 @@ def _check_params(w: _Where, meta: Metadata) -> None:
                 raise w.fail(f"params[{fb!r}]", f"elements from {b0} overlap {fa!r} [{a0}, {a1}) in group {gi}")
 
 
+def _check_experts(w: _Where, meta: Metadata) -> None:
+    """The ``experts`` entry: sizes that divide, shapes, dtypes and state keys this format writes."""
+    ex = meta.experts
+    if ex is None:
+        return
+    w.keys("experts", ex, {"size", "params", "state"}, {"size", "params", "state"})
+    size = w.int_("experts.size", ex["size"], 1, _MAX_WORLD)
+    for part in ("params", "state"):
+        if not isinstance(ex[part], dict):
+            raise w.fail(f"experts.{part}", f"expected a mapping, got {type(ex[part]).__name__}")
+    for fqn, desc in ex["params"].items():
+        at = f"experts.params[{fqn!r}]"
+        w.type_(at, fqn, (str,), "a parameter name")
+        w.keys(at, desc, {"num_experts", "shape", "dtype"}, {"num_experts", "shape", "dtype"})
+        n = w.int_(f"{at}.num_experts", desc["num_experts"], 1, 1 << 20)
+        if n % size:
+            raise w.fail(f"{at}.num_experts", f"{n} is not a multiple of experts.size {size}")
+        shape = desc["shape"]
+        if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+            raise w.fail(f"{at}.shape", f"expected a list of dimensions, got {shape!r}")
+        for d in shape:
+            w.int_(f"{at}.shape", d, 0, _MAX_NUMEL)
+        if math.prod(shape) * n > _MAX_NUMEL:
+            raise w.fail(f"{at}.shape", "too many elements")
+        if desc["dtype"] not in _WEIGHT_DTYPES:
+            raise w.fail(f"{at}.dtype", f"{desc['dtype']!r} is not one of {', '.join(_WEIGHT_DTYPES)}")
+    for fqn, entry in ex["state"].items():
+        at = f"experts.state[{fqn!r}]"
+        if fqn not in ex["params"]:
+            raise w.fail(at, "has no entry in experts.params")
+        w.keys(at, entry, {"optimizer_index", "tensors", "scalars"}, {"optimizer_index", "tensors", "scalars"})
+        w.int_(f"{at}.optimizer_index", entry["optimizer_index"], 0, 1 << 10)
+        if not isinstance(entry["tensors"], dict) or not isinstance(entry["scalars"], dict):
+            raise w.fail(at, "tensors and scalars must be mappings")
+        for key, dt in entry["tensors"].items():
+            if not _STATE_KEY.fullmatch(str(key)) or dt not in _STATE_DTYPES:
+                raise w.fail(f"{at}.tensors", f"{key!r}: {dt!r} is not a state key and a dtype")
+        for key, sc in entry["scalars"].items():
+            _check_scalar(w, f"{at}.scalars[{key!r}]", key, sc)
+
+
 def expected_files(meta: Metadata) -> dict[str, int | None]:
     """Every file name this format writes for ``meta``, with its rank (None: rank 0's extra files)."""
     names: dict[str, int | None] = {rank_file_name(r, meta.world_size): r for r in range(meta.world_size)}
     names[BUFFERS_FILE] = None
     if isinstance(meta.extra_state, dict) and meta.extra_state.get("kind") == "torch":
         names[EXTRA_STATE_FILE] = None
+    if meta.experts is not None:
+        names.update(expert_files(meta.experts))
     return names
 
 
@@ -360,8 +405,12 @@ def _check_state_dict_keys(w: _Where, meta: Metadata) -> None:
         if kind == "param":
             if name not in meta.params:
                 raise w.fail(at, f"parameter {name!r} has no layout in params")
+        elif kind == "expert":
+            if meta.experts is None or name not in meta.experts["params"]:
+                raise w.fail(at, f"experts {name!r} have no entry in experts.params")
         elif kind != "buffer" or name != key:
-            raise w.fail(at, f"expected [key, 'param', fqn] or [key, 'buffer', key], got {entry!r}")
+            raise w.fail(at, f"expected [key, 'param', fqn], [key, 'buffer', key] or [key, 'expert', fqn], "
+                         f"got {entry!r}")
 
 
 def _check_optimizers(w: _Where, meta: Metadata) -> None:
@@ -449,6 +498,14 @@ def check_rank_file(path: Path, meta: Metadata) -> None:
     if rank is not None:
         want.update(param_state_tensors(meta, rank))
     _compare(path, header(path), want)
+
+
+def check_experts_file(path: Path, meta: Metadata) -> None:
+    """An experts file holds exactly the per-expert tensors ``experts`` describes (See [Note: experts in a
+    checkpoint] in _experts.py)."""
+    if meta.experts is None or path.name not in expert_files(meta.experts):
+        raise CheckpointError(f"checkpoint file {path} is not an experts file {METADATA_FILE} describes")
+    _compare(path, header(path), wanted_header(meta.experts, expert_files(meta.experts)[path.name]))
 
 
 def check_buffers_file(path: Path, meta: Metadata) -> dict[str, tuple[str, list[int]]]:
