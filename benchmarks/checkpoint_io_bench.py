@@ -1,7 +1,7 @@
 """CPU benchmark: checkpoint save and load throughput against the disk's raw O_DIRECT write and read,
 2 ranks, gloo (issue 42 item 5, issue 44 item 1: at least 80% of the raw write and read).
 
-The model is a Llama (``--layers`` x ``--hidden``, default 12 x 1024, vocab 32000: 218M parameters)
+The model is a Llama (``--layers`` x ``--hidden``, default 12 x 1024, vocab 32000: 219.7M parameters)
 at stage 3 with AdamW after one step, so each rank's file holds its fp32 master shard and both
 moments (12 bytes a parameter, 2.6 GB over the 2 ranks). Each round measures, in turns (the order
 rotated each round, so a neighbour's load falls on every system alike):
@@ -25,7 +25,7 @@ rank 0 under ``cProfile``, to split its time into hashing, writing or reading, f
 
 Usage (from the repository root)::
 
-    python benchmarks/checkpoint_io_bench.py                         # 3 rounds, 218M parameters
+    python benchmarks/checkpoint_io_bench.py                         # 3 rounds, 219.7M parameters
     python benchmarks/checkpoint_io_bench.py --layers 2 --hidden 256 --rounds 1   # quick check
 
 It re-launches itself under ``torch.distributed.run --nproc-per-node 2``; rank 0 prints the table
