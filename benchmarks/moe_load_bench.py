@@ -16,7 +16,7 @@ shared: the load average is printed with the results.
 
 Usage (from the repository root)::
 
-    python benchmarks/moe_load_bench.py                     # hidden 512, 8 layers: about 110M parameters
+    python benchmarks/moe_load_bench.py                     # hidden 512, 8 layers: about 140M parameters
     python benchmarks/moe_load_bench.py --layers 2          # quick check
     python benchmarks/moe_load_bench.py --hidden 1024 --intermediate 2048 --layers 18   # about 1.03B
 
