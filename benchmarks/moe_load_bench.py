@@ -9,14 +9,20 @@ A Mixtral (8 experts per layer, its per-expert tensors on disk as transformers s
 written once in fp32; each system then runs in fresh processes. Each rank samples its
 anonymous resident memory (``RssAnon``) in a thread from just before loading to just after
 ``setup`` (with AdamW, ``zero3``) and reports the peak and the end above its baseline (after
-imports), in multiples of W (the fp32 weights), with the bytes it read through the loader's
-safetensors reads (ours only) beside its share of the checkpoint. The machine is shared: the
-load average is printed with the results.
+imports), in multiples of W (the fp32 weights), split into the load (``from_pretrained``) and
+``setup`` phases, with the bytes it read through the loader's safetensors reads (ours only)
+checked against its share of the checkpoint's files plus its largest tensor. The machine is
+shared: the load average is printed with the results.
 
 Usage (from the repository root)::
 
-    python benchmarks/moe_load_bench.py                     # hidden 512, 8 layers: about 110M parameters
+    python benchmarks/moe_load_bench.py                     # hidden 512, 8 layers: about 140M parameters
     python benchmarks/moe_load_bench.py --layers 2          # quick check
+    python benchmarks/moe_load_bench.py --hidden 1024 --intermediate 2048 --layers 18   # about 1.03B
+
+Before transformers' comparator (every rank holds the whole model) it checks ``MemAvailable``
+against an estimate of its peak (1.5 W per rank) and skips it, saying so, where that does not fit;
+``--systems`` picks the systems to run.
 
 It re-launches itself with ``python -m torch.distributed.run --nproc-per-node 2`` per system;
 the table is printed and ``benchmarks/out/moe_load_bench.json`` written.
@@ -46,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -58,23 +65,49 @@ def anon_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def checkpoint_tensors(directory: str) -> list[int]:
+    """The byte size of every tensor in the checkpoint's safetensors files, read from their headers."""
+    import glob
+    import struct
+
+    sizes = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        sizes += [hi - lo for name, t in header.items() if name != "__metadata__" for lo, hi in [t["data_offsets"]]]
+    return sizes
+
+
 class Sampler:
     """The process's anonymous RSS every ``interval`` seconds; ``peak`` since it started."""
 
     def __init__(self, interval: float = 0.005):
         self.interval, self.peak, self._stop = interval, anon_rss(), threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, anon_rss())
+            with self._lock:
+                self.peak = max(self.peak, anon_rss())
             time.sleep(self.interval)
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
         return max(self.peak, anon_rss())
+
+    def restart(self) -> int:
+        """The peak so far; the next phase's peak starts from now."""
+        with self._lock:
+            peak, self.peak = max(self.peak, anon_rss()), anon_rss()
+        return peak
 
 
 def write_checkpoint(args, directory: str) -> int:
@@ -128,12 +161,13 @@ def worker(args) -> None:
     sampler = Sampler()
     start = time.perf_counter()
     if args.worker == "fsdp2":
-        share = fsdp2_load(args.dir, rank)
+        share, load_peak = fsdp2_load(args.dir, rank, sampler)
     else:
         if args.worker == "ours":
             model = from_pretrained(AutoModelForCausalLM, args.dir)
         else:
             model = AutoModelForCausalLM.from_pretrained(args.dir)
+        load_peak = sampler.restart()
         model, _ = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), "zero3")
         engine = zs.api._engine_of(model)
         share = sum((hi - lo) * 4 for g in engine.groups for _, lo, hi, _ in g.slot_ranges_in_shard())
@@ -141,7 +175,9 @@ def worker(args) -> None:
     peak = sampler.stop() - baseline
     after = anon_rss() - baseline
     rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, dict(rank=rank, peak_anon=peak, after_anon=after, seconds=seconds,
+    dist.all_gather_object(rows, dict(rank=rank, peak_anon=max(peak, load_peak - baseline),
+                                      load_peak_anon=load_peak - baseline, setup_peak_anon=peak,
+                                      after_anon=after, seconds=seconds,
                                       bytes_read=read["bytes"] if args.worker == "ours" else None, share=share))
     if rank == 0:
         with open(args.report, "w") as f:
@@ -150,8 +186,9 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def fsdp2_load(directory: str, rank: int) -> int:
-    """FSDP2's usual rank-0 load and broadcast; returns this rank's bytes of parameters (its shards)."""
+def fsdp2_load(directory: str, rank: int, sampler: Sampler) -> tuple[int, int]:
+    """FSDP2's usual rank-0 load and broadcast; returns this rank's bytes of parameters (its shards)
+    and the peak of its load phase (``from_pretrained`` on rank 0; the meta model elsewhere)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -166,6 +203,7 @@ def fsdp2_load(directory: str, rank: int) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
         full = {}
+    load_peak = sampler.restart()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -175,7 +213,7 @@ def fsdp2_load(directory: str, rank: int) -> int:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return sum(p.to_local().numel() * 4 for p in model.parameters())
+    return sum(p.to_local().numel() * 4 for p in model.parameters()), load_peak
 
 
 def main(argv=None) -> int:
@@ -184,12 +222,21 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    systems = [s for s in args.systems.split(",") if s]
+    skipped = {}
     with tempfile.TemporaryDirectory(prefix="moe_load_bench_") as tmp:
         params = write_checkpoint(args, os.path.join(tmp, "ckpt"))
+        tensors = checkpoint_tensors(os.path.join(tmp, "ckpt"))
         w = 4 * params
         load = [os.getloadavg()]
         results = {}
-        for system in SYSTEMS:
+        for system in systems:
+            need = int(1.5 * w * args.nproc) if system == "transformers" else 0
+            if need and mem_available() < need + 2**31:
+                skipped[system] = (f"skipped: MemAvailable {mem_available() / 2**30:.1f} GiB < its estimated "
+                                   f"{need / 2**30:.1f} GiB (1.5 W per rank) + 2 GiB")
+                print(system, skipped[system])
+                continue
             report = os.path.join(tmp, f"{system}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                    os.path.abspath(__file__), "--worker", system, "--dir", os.path.join(tmp, "ckpt"),
@@ -198,23 +245,32 @@ def main(argv=None) -> int:
             with open(report) as f:
                 results[system] = json.load(f)
             load.append(os.getloadavg())
+    file_share, largest = sum(tensors) / args.nproc, max(tensors)
     lines = [f"Mixtral, hidden {args.hidden}, intermediate {args.intermediate}, {args.experts} experts, "
              f"{args.layers} layers: {params / 1e6:.1f}M parameters, W = {w / 1e9:.3f} GB (fp32); "
-             f"{args.nproc} ranks, zero3 with AdamW",
-             "| system | rank | peak anon RSS, load to end of setup (x W) | at end of setup (x W) | seconds | "
-             "bytes read (x its share) |", "|---|---|---|---|---|---|"]
+             f"{args.nproc} ranks, zero3 with AdamW; files {sum(tensors) / 1e9:.3f} GB, largest tensor "
+             f"{largest / 1e6:.1f} MB",
+             "| system | rank | peak anon RSS, load to end of setup (x W) | load phase (x W) | setup phase (x W) | "
+             "at end of setup (x W) | seconds | bytes read (x its share) | read <= file share + largest tensor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for system, rows in results.items():
         for r in rows:
+            r["within_share_plus_one_tensor"] = (None if r["bytes_read"] is None
+                                                 else r["bytes_read"] <= file_share + largest)
             read = "-" if r["bytes_read"] is None else f"{r['bytes_read'] / r['share']:.3f}"
-            lines.append(f"| {system} | {r['rank']} | {r['peak_anon'] / w:.2f} | {r['after_anon'] / w:.2f} | "
-                         f"{r['seconds']:.1f} | {read} |")
+            ok = {None: "-", True: "yes", False: "NO"}[r["within_share_plus_one_tensor"]]
+            lines.append(f"| {system} | {r['rank']} | {r['peak_anon'] / w:.2f} | {r['load_peak_anon'] / w:.2f} | "
+                         f"{r['setup_peak_anon'] / w:.2f} | {r['after_anon'] / w:.2f} | {r['seconds']:.1f} | "
+                         f"{read} | {ok} |")
+    lines += [f"{system}: {why}" for system, why in skipped.items()]
     lines.append("load average (1 min) at start and after each system: "
                  + ", ".join(f"{x[0]:.1f}" for x in load))
     print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(config=vars(args) | {"worker": None}, params=params, w_bytes=w, results=results,
-                       loadavg=load), f, indent=2)
+        config = {k: v for k, v in vars(args).items() if k not in ("worker", "dir", "report", "out")}
+        json.dump(dict(config=config, params=params, w_bytes=w, file_bytes=sum(tensors), largest_tensor_bytes=largest,
+                       results=results, skipped=skipped, loadavg=load), f, indent=2)
     return 0
 
 

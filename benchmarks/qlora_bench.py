@@ -17,12 +17,16 @@ the formula ``0.5 x base parameters / N`` (plus padding), the quant states' byte
 rank), for qlora_uint8 every uint8 byte a live tensor of the process holds (the garbage collector's
 count, not the engine's: shards, placeholders and the double-quantized absmax), the frozen base
 bytes it rests on (lora_bf16: ``2 x base parameters / N``), and the median step time of the timed
-steps. The machine is shared: the load average is printed with the results.
+steps. The machine is shared, so the step times of ``qlora_uint8`` and ``lora_bf16`` are compared
+interleaved: after the first round (all three systems), ``--rounds`` more rounds run the two
+alone, alternating which goes first; the ratio is taken per round (each system's median step,
+averaged over ranks) and its median over rounds reported, with the load average beside every
+round.
 
 Usage (from the repository root)::
 
     python benchmarks/qlora_bench.py            # hidden 512, 4 layers
-    python benchmarks/qlora_bench.py --layers 2 --steps 3
+    python benchmarks/qlora_bench.py --layers 2 --steps 3 --rounds 1
 
 It re-launches itself with ``python -m torch.distributed.run --nproc-per-node 2`` per system;
 the table is printed and ``benchmarks/out/qlora_bench.json`` written.
@@ -52,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up steps)")
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds of qlora_uint8 and lora_bf16 alone, alternating, after the first round")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--worker", choices=SYSTEMS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
@@ -161,19 +167,21 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    results, load = [], [os.getloadavg()]
+    results, load, rounds = [], [os.getloadavg()], []
+    pair = ("qlora_uint8", "lora_bf16")
     with tempfile.TemporaryDirectory() as d:
         write_checkpoint(args, d)
-        for system in SYSTEMS:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.abspath(__file__),
-                   "--worker", system, "--dir", d, "--hidden", str(args.hidden), "--layers", str(args.layers),
-                   "--steps", str(args.steps), "--seq", str(args.seq)]
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            subprocess.run(cmd, env=env, check=True)
-            load.append(os.getloadavg())
-            for rank in range(2):
-                with open(os.path.join(d, f"{system}-rank{rank}.json")) as f:
-                    results.append(json.load(f))
+        order = [SYSTEMS] + [pair if r % 2 else pair[::-1] for r in range(args.rounds)]
+        for r, systems in enumerate(order):
+            step, load_before = {}, os.getloadavg()
+            for system in systems:
+                rows = _run(args, d, system)
+                if r == 0:
+                    results += rows
+                    load.append(os.getloadavg())
+                step[system] = statistics.mean(row["step_s"] for row in rows)
+            rounds.append(dict(order=list(systems), step_s=step, ratio=step["qlora_uint8"] / step["lora_bf16"],
+                               loadavg=[load_before, os.getloadavg()]))
     print(f"{'system':<11}{'rank':>5}{'base params':>13}{'base MiB held':>15}{'formula MiB':>13}"
           f"{'quant state KiB':>17}{'live uint8 MiB':>16}{'step s':>9}")
     for r in results:
@@ -182,14 +190,35 @@ def main(argv=None) -> int:
               f"{'—' if r['live_uint8_bytes'] is None else format(r['live_uint8_bytes'] / 2**20, '.3f'):>16}"
               f"{r['step_s']:>9.3f}")
     step = {s: statistics.mean(r["step_s"] for r in results if r["system"] == s) for s in SYSTEMS}
-    print(f"step time qlora / lora_bf16: {step['qlora'] / step['lora_bf16']:.2f}x, qlora_uint8 / lora_bf16: "
-          f"{step['qlora_uint8'] / step['lora_bf16']:.2f}x;  load average before and after "
+    print(f"first round: step time qlora / lora_bf16: {step['qlora'] / step['lora_bf16']:.2f}x, qlora_uint8 / "
+          f"lora_bf16: {step['qlora_uint8'] / step['lora_bf16']:.2f}x;  load average before and after "
           "each system: " + ", ".join(f"{a[0]:.1f}" for a in load))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    print("| round | order | qlora_uint8 step s | lora_bf16 step s | qlora_uint8 / lora_bf16 | load (1 min) before, after |")
+    print("|---|---|---|---|---|---|")
+    for i, r in enumerate(rounds):
+        print(f"| {i} | {', '.join(r['order'])} | {r['step_s']['qlora_uint8']:.3f} | {r['step_s']['lora_bf16']:.3f} | "
+              f"{r['ratio']:.2f}x | {r['loadavg'][0][0]:.1f}, {r['loadavg'][1][0]:.1f} |")
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    print(f"median over {len(rounds)} rounds, qlora_uint8 / lora_bf16: {ratio:.2f}x")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(args={k: v for k, v in vars(args).items() if k not in ("worker", "dir")}, results=results,
-                       step_ratio=step["qlora"] / step["lora_bf16"], loadavg=load), f, indent=2)
+        json.dump(dict(args={k: v for k, v in vars(args).items() if k not in ("worker", "dir", "out")},
+                       results=results, step_ratio=step["qlora"] / step["lora_bf16"], rounds=rounds,
+                       uint8_step_ratio_median=ratio, loadavg=load), f, indent=2)
     return 0
+
+
+def _run(args, d: str, system: str) -> list[dict]:
+    """One system in fresh processes on 2 ranks; its per-rank reports."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.abspath(__file__),
+           "--worker", system, "--dir", d, "--hidden", str(args.hidden), "--layers", str(args.layers),
+           "--steps", str(args.steps), "--seq", str(args.seq)]
+    subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True)
+    rows = []
+    for rank in range(2):
+        with open(os.path.join(d, f"{system}-rank{rank}.json")) as f:
+            rows.append(json.load(f))
+    return rows
 
 
 if __name__ == "__main__":
