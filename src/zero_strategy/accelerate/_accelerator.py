@@ -284,9 +284,8 @@ class ZeroAccelerator(Accelerator):
             model.compile(**plugin.to_kwargs())
 
     def _already_prepared_optimizer(self, optimizer: AcceleratedOptimizer) -> AcceleratedOptimizer:
-        if isinstance(optimizer, ZeroAcceleratedOptimizer):
-            engine = optimizer.zero_optimizer.engine
-            if not any(r.model is engine.model for r in self._zero_records):
+        if isinstance(optimizer, ZeroAcceleratedOptimizer):  # the records say which optimizers are alive here
+            if not any(optimizer in r.optimizers for r in self._zero_records):
                 raise ValueError(
                     "ZeroAccelerator.prepare: this optimizer was prepared for a model that has since been torn down "
                     "(free_memory) or prepared by another accelerator; create a new optimizer over the model's "
