@@ -95,6 +95,16 @@ def local_state_dict(model, engine) -> dict:
         return model.state_dict(keep_vars=True)
 
 
+def expert_pieces(experts: dict, fqn: str, suffix: str = "") -> list[tuple[str, str, int]]:
+    """(experts file, tensor name, elements) of each expert of the fused parameter ``fqn`` in expert order:
+    laid end to end they are the ``[E, ...]`` tensor's flat elements (``suffix``: ``".state.<key>"`` for
+    one optimizer-state tensor). Consolidation streams a fused tensor from them."""
+    desc = experts["params"][fqn]
+    per, numel = desc["num_experts"] // experts["size"], math.prod(desc["shape"])
+    return [(experts_file_name(e // per, experts["size"]), f"{fqn}.{e}{suffix}", numel)
+            for e in range(desc["num_experts"])]
+
+
 def refuse_experts(meta, ckpt, what: str) -> None:
     """Refuse, by name, a checkpoint holding expert parallelism's experts in a tool that does not read them yet."""
     if meta.experts is not None:
