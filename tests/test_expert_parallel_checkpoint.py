@@ -267,3 +267,39 @@ def test_consolidate_of_a_tampered_experts_file_is_refused(first, base, tmp_path
         zs.checkpoint.consolidate(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+
+
+def test_export_dcp_and_deepspeed_universal_hold_the_fused_experts(first, base, tmp_path):
+    """``export_checkpoint`` writes the experts as whole fused parameters: DCP (read back by torch's own
+    ``dcp_to_torch_save``) and DeepSpeed's universal layout (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ...)
+    hold the run's weights at the save bit for bit, and the experts' moments equal consolidate's."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import zero_strategy as zs
+
+    saved = first.of("save")[0]["weights"]
+    consolidated = zs.checkpoint.consolidate(base / "ckpt", tmp_path / "st", include_optimizer=True)
+    moments = load_file(consolidated / "optimizer.safetensors")
+    experts = [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+
+    dcp = zs.checkpoint.export_checkpoint(base / "ckpt", tmp_path / "dcp", format="dcp")
+    dcp_to_torch_save(dcp, tmp_path / "dcp.pt")
+    whole = torch.load(tmp_path / "dcp.pt", weights_only=False)
+    assert sorted(whole["model"]) == sorted(saved)
+    for k, v in saved.items():
+        assert torch.equal(whole["model"][k], torch.tensor(v, dtype=whole["model"][k].dtype)), k
+    state, groups = whole["optim"]["state"], whole["optim"]["param_groups"]
+    for k in experts:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[k][key], moments[f"{k}.{key}"]), (k, key)
+        assert k in groups[0]["params"]
+
+    ds = zs.checkpoint.export_checkpoint(base / "ckpt", tmp_path / "ds", format="deepspeed-universal")
+    zero = ds / (ds / "latest_universal").read_text() / "zero"
+    for k in experts:
+        assert torch.equal(torch.load(zero / k / "fp32.pt")["param"], torch.tensor(saved[k]))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(torch.load(zero / k / f"{key}.pt")["param"], moments[f"{k}.{key}"])
+        assert torch.load(zero / k / "step.pt").item() == 2

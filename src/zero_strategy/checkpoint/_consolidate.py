@@ -147,9 +147,9 @@ def _source(key: str, kind: str, name: str, meta: Metadata, readers):
     return _Source(key, kind, name, meta, readers, lambda g: g.weight_tensor)
 
 
-def _verify_files(ckpt: Path, meta: Metadata) -> None:
+def verify_checkpoint_files(ckpt: Path, meta: Metadata) -> None:
     """Every file of the checkpoint against its metadata (sha256, size, header), before any output is
-    written (See [Note: a lying checkpoint cannot grow memory])."""
+    written (See [Note: a lying checkpoint cannot grow memory]); export_checkpoint checks the same."""
     experts = expert_files(meta.experts) if meta.experts is not None else {}
     for rec in meta.files:
         verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
@@ -195,7 +195,7 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
                                   "include_optimizer/--optimizer (resume it with load_checkpoint to carry it over)")
         return _write(out, _dcp_sources(ckpt), dtype, format, limit, hf_files, None, None)
     meta = read_metadata(ckpt)
-    _verify_files(ckpt, meta)
+    verify_checkpoint_files(ckpt, meta)
     if include_optimizer and meta.optimizer is None:
         raise CheckpointError(f"{ckpt} was saved without optimizer state; drop include_optimizer/--optimizer")
 

@@ -105,13 +105,16 @@ def expert_pieces(experts: dict, fqn: str, suffix: str = "") -> list[tuple[str, 
             for e in range(desc["num_experts"])]
 
 
-def refuse_experts(meta, ckpt, what: str) -> None:
-    """Refuse, by name, a checkpoint holding expert parallelism's experts in a tool that does not read them yet."""
-    if meta.experts is not None:
+def expert_group(meta, optimizer: dict, ckpt: Path, to: str) -> int:
+    """The optimizer param group of expert parallelism's experts: the checkpoint does not record which of
+    several groups stepped them, so only an optimizer of one group is exported (``to``: the format)."""
+    if len(optimizer["param_groups"]) != 1:
         raise CheckpointError(
-            f"{ckpt} was saved with expert_parallel_size={meta.experts['size']}, whose experts {what} does not "
-            "read yet; write the whole weights from a run instead (zero_strategy.full_state_dict(model) or "
-            "save_pretrained), or resume the checkpoint with load_checkpoint")
+            f"{ckpt} was saved with expert_parallel_size={meta.experts['size']} and an optimizer of "
+            f"{len(optimizer['param_groups'])} param groups, and does not record which group steps the experts: "
+            f"{to} is written for an optimizer of one param group; export the weights (and optimizer moments) "
+            "with consolidate(..., include_optimizer=True)")
+    return 0
 
 
 # ------------------------------------------------------------------ save
