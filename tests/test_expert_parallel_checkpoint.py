@@ -22,6 +22,13 @@ expert-parallel model.
 and restored by ``load_state_dict``, training goes on exactly as the uninterrupted run; a state
 dict of another ``expert_parallel_size`` is refused. A forged ``experts`` entry of the metadata (its
 checksum recomputed) is refused by the metadata's checks or the experts file's header.
+
+The offline tools, in this process on the checkpoint of the first launch: ``consolidate`` writes the
+saving run's full state dict bit for bit (the fused experts rebuilt from the per-expert tensors), and
+transformers' ``from_pretrained`` of it (with the run's config) gives the expert-parallel model's logits
+bit for bit; ``export_checkpoint`` to DCP (read back by torch's ``dcp_to_torch_save``) and to
+DeepSpeed's universal layout holds the same weights and the experts' moments; a tampered experts file
+is refused before anything is written.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ file: its elements are read from the rank files that hold them in chunks of at
 most ``CHUNK_BYTES``, cast, and appended by the streaming safetensors writer.
 Peak host memory is a few chunks plus Python and torch, whatever the model size
 (the ``torch`` format is the exception: ``torch.save`` needs the whole state dict
-in memory). No ``torch.distributed`` is needed.
+in memory). No ``torch.distributed`` is needed. Expert parallelism's fused experts are streamed
+the same way, expert by expert (:class:`_ExpertSource`).
 
 Output: a directory ``out`` with ``model.safetensors`` (keys exactly as
 ``model.state_dict()``, tied parameters under each of their names, buffers

@@ -23,7 +23,9 @@ Entries: ``model.<key>`` for every key of ``model.state_dict()`` (a tied paramet
 its names, buffers included); ``optim.state.<fqn>.<key>`` per trainable parameter (its first
 name, as ``get_optimizer_state_dict`` names it): each elementwise state tensor in the
 parameter's shape, ``step`` as a 0-d tensor; ``optim.param_groups.<j>.<field>`` with ``params``
-listing the group's parameters. The directory is built beside ``out`` and renamed into place.
+listing the group's parameters. Expert parallelism's experts (in :func:`export_checkpoint`) are whole
+parameters ``[E, ...]`` like any other, one chunk per expert. The directory is built beside ``out`` and
+renamed into place.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def _check_live(path: Path, engine, zopts) -> None:
                               "export_checkpoint(..., format='dcp')")
     if engine.expert_parallel is not None:  # See [Note: experts in a checkpoint] in _experts.py
         raise CheckpointError(f"expert_parallel_size={engine.expert_parallel.size}: save_dcp does not write the "
-                              "rank-local experts; use save_checkpoint")
+                              "rank-local experts; use save_checkpoint, then export_checkpoint(..., format='dcp')")
     if len(zopts) > 1:
         raise CheckpointError(f"{len(zopts)} optimizers: a DCP checkpoint of get_state_dict holds one")
     for g in engine.groups:

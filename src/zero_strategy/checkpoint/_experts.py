@@ -21,6 +21,11 @@ whichever files hold them. A model set up without expert parallelism (the expert
 flat groups) takes the weights of such a checkpoint, each rank the rows of its shards (the
 optimizer state is refused by name: pass ``optimizer=None``); an expert-parallel model cannot take
 a checkpoint saved without it yet (refused by name).
+
+The offline tools read the same files in one process: ``consolidate`` and ``export_checkpoint`` (DCP,
+DeepSpeed universal) rebuild each fused ``[E, ...]`` parameter, and its elementwise optimizer state,
+from the per-expert tensors laid end to end in expert order (:func:`expert_pieces`), under the model's
+own name, so their output is what a run without expert parallelism writes.
 """
 
 from __future__ import annotations
