@@ -310,3 +310,34 @@ def test_export_dcp_and_deepspeed_universal_hold_the_fused_experts(first, base, 
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(torch.load(zero / k / f"{key}.pt")["param"], moments[f"{k}.{key}"])
         assert torch.load(zero / k / "step.pt").item() == 2
+
+
+@pytest.mark.parametrize("format", ["dcp", "deepspeed-universal"])
+def test_the_export_resumes_in_one_process_as_one_process_trains(first, base, tmp_path, format):
+    """The export read back by the readers of those formats into one process without expert parallelism,
+    optimizer included: 2 more steps on the whole batch give the losses of one process trained 4 steps
+    from the start (within fp32 tolerance, as the expert-parallel run itself is): the fused moments are
+    the experts' own."""
+    import torch
+    import transformers
+
+    import zero_strategy as zs
+
+    ref = first.of("reference")[0]
+    first.of("save")
+    out = zs.checkpoint.export_checkpoint(base / "ckpt", tmp_path / "out", format=format)
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(str(base / "ckpt") + "-config"))
+    model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                          zs.ZeroConfig(stage=1))
+    zs.checkpoint.load_checkpoint(out, model, opt)
+    losses = []
+    for step in (2, 3):  # the batches of tests/workers/expert_parallel.py, whole
+        whole = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(31 + step))
+        loss = model(input_ids=whole, labels=whole).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(ref["one_process_losses"][2:], abs=TOL)
