@@ -22,6 +22,13 @@ expert-parallel model.
 and restored by ``load_state_dict``, training goes on exactly as the uninterrupted run; a state
 dict of another ``expert_parallel_size`` is refused. A forged ``experts`` entry of the metadata (its
 checksum recomputed) is refused by the metadata's checks or the experts file's header.
+
+The offline tools, in this process on the checkpoint of the first launch: ``consolidate`` writes the
+saving run's full state dict bit for bit (the fused experts rebuilt from the per-expert tensors), and
+transformers' ``from_pretrained`` of it (with the run's config) gives the expert-parallel model's logits
+bit for bit; ``export_checkpoint`` to DCP (read back by torch's ``dcp_to_torch_save``) and to
+DeepSpeed's universal layout holds the same weights and the experts' moments; a tampered experts file
+is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -54,14 +61,19 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(base):
+def first(base):
+    """Launch 1 saves (sync and async): what the offline tools (consolidate) need."""
+    ckpt, async_ckpt = str(base / "ckpt"), str(base / "ckpt-async")
+    return _launch(2, [dict(case="reference", kind="reference", ep=2),
+                       dict(case="save", kind="save", ep=2, path=ckpt),
+                       dict(case="save-async", kind="save", ep=2, path=async_ckpt, async_save=True),
+                       dict(case="state_dict", kind="state_dict", ep=2)])
+
+
+@pytest.fixture(scope="module")
+def runs(base, first):
     """Launch 1 saves (sync and async); launch 2 resumes on 2 ranks; launch 3 on 4 ranks."""
-    path = base
-    ckpt, async_ckpt = str(path / "ckpt"), str(path / "ckpt-async")
-    first = _launch(2, [dict(case="reference", kind="reference", ep=2),
-                        dict(case="save", kind="save", ep=2, path=ckpt),
-                        dict(case="save-async", kind="save", ep=2, path=async_ckpt, async_save=True),
-                        dict(case="state_dict", kind="state_dict", ep=2)])
+    ckpt, async_ckpt = str(base / "ckpt"), str(base / "ckpt-async")
     first.of("save")  # the resumes need the checkpoint: a failed save shows its own traceback
     second = _launch(2, [dict(case="resume", kind="resume", ep=2, path=ckpt),
                          dict(case="resume-async", kind="resume", ep=2, path=async_ckpt),
@@ -196,3 +208,136 @@ def test_a_forged_experts_entry_is_refused(runs, base, tmp_path, edit):
     want = {"num_experts": "is not a multiple of experts.size", "shape": "but metadata.json says",
             "state_key": "is not a state key"}[edit]
     assert want in str(err.value), err.value
+
+
+# ------------------------------------------------------------------ the offline tools
+def test_consolidate_equals_the_runs_state_dict(first, base, tmp_path):
+    """``consolidate`` rebuilds each fused ``[E, ...]`` experts tensor from the per-expert tensors, under the
+    names a run without expert parallelism writes: the output equals the saving run's full state dict at
+    the save (``zero_strategy.full_state_dict``), bit for bit, in safetensors and torch formats; the
+    optimizer's file holds the experts' moments fused the same way, of the parameter's shape."""
+    import torch
+    from safetensors.torch import load_file
+
+    import zero_strategy as zs
+
+    saved = first.of("save")[0]["weights"]
+    out = zs.checkpoint.consolidate(base / "ckpt", tmp_path / "st", include_optimizer=True)
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(saved)
+    for k, v in saved.items():
+        assert torch.equal(got[k], torch.tensor(v, dtype=got[k].dtype)), k
+    optim = load_file(out / "optimizer.safetensors")
+    experts = [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts
+    for k in experts:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert optim[f"{k}.{key}"].shape == got[k].shape and optim[f"{k}.{key}"].abs().sum() > 0
+        assert optim[f"{k}.step"].item() == 2
+    torch_out = zs.checkpoint.consolidate(base / "ckpt", tmp_path / "pt", format="torch")
+    full = torch.load(torch_out / "pytorch_model.bin")
+    assert all(torch.equal(full[k], got[k]) for k in got)
+
+
+def test_export_reads_back_in_transformers_with_the_runs_logits(first, base, tmp_path):
+    """The user's way out of an expert-parallel checkpoint without launching the run again: consolidate with
+    the model's config, then transformers' own ``from_pretrained``; its logits equal the expert-parallel
+    model's at the save."""
+    import torch
+    import transformers
+
+    import zero_strategy as zs
+
+    rep = first.of("save")[0]
+    out = zs.checkpoint.consolidate(base / "ckpt", tmp_path / "hf", hf_config=str(base / "ckpt") + "-config")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(rep["tokens"])).logits
+    assert torch.equal(logits, torch.tensor(rep["logits"])), (logits - torch.tensor(rep["logits"])).abs().max()
+
+
+def test_consolidate_of_a_tampered_experts_file_is_refused(first, base, tmp_path):
+    """A flipped byte in an experts file: refused by name (its sha256) before anything is written."""
+    import shutil
+
+    import zero_strategy as zs
+    from zero_strategy.checkpoint import CheckpointError
+
+    first.of("save")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base / "ckpt", ckpt)
+    victim = ckpt / "experts00001-of-00002.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x40
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        zs.checkpoint.consolidate(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+
+
+def test_export_dcp_and_deepspeed_universal_hold_the_fused_experts(first, base, tmp_path):
+    """``export_checkpoint`` writes the experts as whole fused parameters: DCP (read back by torch's own
+    ``dcp_to_torch_save``) and DeepSpeed's universal layout (``zero/<name>/fp32.pt``, ``exp_avg.pt``, ...)
+    hold the run's weights at the save bit for bit, and the experts' moments equal consolidate's."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import zero_strategy as zs
+
+    saved = first.of("save")[0]["weights"]
+    consolidated = zs.checkpoint.consolidate(base / "ckpt", tmp_path / "st", include_optimizer=True)
+    moments = load_file(consolidated / "optimizer.safetensors")
+    experts = [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+
+    dcp = zs.checkpoint.export_checkpoint(base / "ckpt", tmp_path / "dcp", format="dcp")
+    dcp_to_torch_save(dcp, tmp_path / "dcp.pt")
+    whole = torch.load(tmp_path / "dcp.pt", weights_only=False)
+    assert sorted(whole["model"]) == sorted(saved)
+    for k, v in saved.items():
+        assert torch.equal(whole["model"][k], torch.tensor(v, dtype=whole["model"][k].dtype)), k
+    state, groups = whole["optim"]["state"], whole["optim"]["param_groups"]
+    for k in experts:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[k][key], moments[f"{k}.{key}"]), (k, key)
+        assert k in groups[0]["params"]
+
+    ds = zs.checkpoint.export_checkpoint(base / "ckpt", tmp_path / "ds", format="deepspeed-universal")
+    zero = ds / (ds / "latest_universal").read_text() / "zero"
+    for k in experts:
+        assert torch.equal(torch.load(zero / k / "fp32.pt")["param"], torch.tensor(saved[k]))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(torch.load(zero / k / f"{key}.pt")["param"], moments[f"{k}.{key}"])
+        assert torch.load(zero / k / "step.pt").item() == 2
+
+
+@pytest.mark.parametrize("format", ["dcp", "deepspeed-universal"])
+def test_the_export_resumes_in_one_process_as_one_process_trains(first, base, tmp_path, format):
+    """The export read back by the readers of those formats into one process without expert parallelism,
+    optimizer included: 2 more steps on the whole batch give the losses of one process trained 4 steps
+    from the start (within fp32 tolerance, as the expert-parallel run itself is): the fused moments are
+    the experts' own."""
+    import torch
+    import transformers
+
+    import zero_strategy as zs
+
+    ref = first.of("reference")[0]
+    first.of("save")
+    out = zs.checkpoint.export_checkpoint(base / "ckpt", tmp_path / "out", format=format)
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(str(base / "ckpt") + "-config"))
+    model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                          zs.ZeroConfig(stage=1))
+    zs.checkpoint.load_checkpoint(out, model, opt)
+    losses = []
+    for step in (2, 3):  # the batches of tests/workers/expert_parallel.py, whole
+        whole = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(31 + step))
+        loss = model(input_ids=whole, labels=whole).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(ref["one_process_losses"][2:], abs=TOL)

@@ -7,7 +7,8 @@ save and the resume in different launches (a fresh process group, fresh processe
 
 * ``reference``: 4 uninterrupted steps (losses, full weights), and one process training a copy of the
   model on the whole batch (its losses and weights);
-* ``save``: 2 steps, then ``save_checkpoint`` (``async_save`` as the case says);
+* ``save``: 2 steps, then ``save_checkpoint`` (``async_save`` as the case says); the model's logits on
+  fixed tokens, and its Hugging Face config beside the checkpoint (``<path>-config``);
 * ``resume``: a model built from another seed (so nothing matches unless the load sets it), set up with
   ``ep`` on this launch's world (at ``stage``, 3 unless given), ``load_checkpoint``, 2 more steps: losses and full weights;
 * ``weights_without_ep``: ``load_checkpoint(..., optimizer=None)`` into a model without expert
@@ -90,7 +91,13 @@ def save(case: dict) -> dict:
     zc.save_checkpoint(case["path"], model, opt, extra_state={"step": 2}, async_save=case.get("async_save", False))
     zc.wait_for_save(model)
     files = sorted(p.name for p in Path(case["path"]).iterdir())
-    return dict(case=case["case"], losses=losses, files=files, weights=_weights(model))
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7))  # the same on every rank
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits
+    if dist.get_rank() == 0:  # for the test's from_pretrained of the consolidated checkpoint
+        model.config.save_pretrained(case["path"] + "-config")
+    return dict(case=case["case"], losses=losses, files=files, weights=_weights(model),
+                tokens=tokens.tolist(), logits=logits.tolist())
 
 
 def resume(case: dict) -> dict:

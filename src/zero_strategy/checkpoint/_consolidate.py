@@ -9,7 +9,8 @@ file: its elements are read from the rank files that hold them in chunks of at
 most ``CHUNK_BYTES``, cast, and appended by the streaming safetensors writer.
 Peak host memory is a few chunks plus Python and torch, whatever the model size
 (the ``torch`` format is the exception: ``torch.save`` needs the whole state dict
-in memory). No ``torch.distributed`` is needed.
+in memory). No ``torch.distributed`` is needed. Expert parallelism's fused experts are streamed
+the same way, expert by expert (:class:`_ExpertSource`).
 
 Output: a directory ``out`` with ``model.safetensors`` (keys exactly as
 ``model.state_dict()``, tied parameters under each of their names, buffers
@@ -44,12 +45,12 @@ import torch
 
 from ._dcp import DCPCheckpoint, is_dcp_checkpoint
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name
-from ._experts import refuse_experts
+from ._experts import expert_files, expert_pieces
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
 from ._owned import OwnedDir, remove_leftovers
 from ._safetensors_stream import StreamReader, StreamWriter, verify_file
-from ._validate import check_buffers_file, check_rank_file
+from ._validate import check_buffers_file, check_experts_file, check_rank_file
 
 CHUNK_BYTES = 16 << 20
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -115,6 +116,52 @@ class _Source:
                 yield reader.read(self.tensor_name(group), c, min(c + step, b))
 
 
+class _ExpertSource:
+    """A fused experts parameter ``[E, ...]`` of an expert-parallel checkpoint (or, with ``suffix``
+    ``".state.<key>"``, one of its optimizer-state tensors), rebuilt from the one-expert tensors of the
+    experts files (See [Note: experts in a checkpoint] in _experts.py). Laid end to end in expert order
+    they are its flat elements, so it streams like a parameter: pieces of at most CHUNK_BYTES, never the
+    fused tensor in memory. The output holds it under the same name a run without expert parallelism
+    writes (the model's own, e.g. ``model.layers.0.mlp.experts.gate_up_proj``)."""
+
+    def __init__(self, key: str, fqn: str, meta: Metadata, readers, suffix: str = "",
+                 dtype: torch.dtype | None = None):
+        desc = meta.experts["params"][fqn]
+        self.key, self.kind, self.name, self.readers = key, "expert", fqn + suffix, readers
+        self.shape = [desc["num_experts"], *desc["shape"]]
+        self.dtype = dtype if dtype is not None else dtype_from_name(desc["dtype"])
+        self.numel = math.prod(self.shape)
+        self.pieces = expert_pieces(meta.experts, fqn, suffix)
+
+    def chunks(self):
+        step = max(1, CHUNK_BYTES // torch.empty((), dtype=self.dtype).element_size())
+        for file, name, numel in self.pieces:
+            reader = self.readers(file)
+            for a in range(0, numel, step):
+                yield reader.read(name, a, min(a + step, numel))
+
+
+def _source(key: str, kind: str, name: str, meta: Metadata, readers):
+    """The source of one ``state_dict_keys`` entry's weights."""
+    if kind == "expert":
+        return _ExpertSource(key, name, meta, readers)
+    return _Source(key, kind, name, meta, readers, lambda g: g.weight_tensor)
+
+
+def verify_checkpoint_files(ckpt: Path, meta: Metadata) -> None:
+    """Every file of the checkpoint against its metadata (sha256, size, header), before any output is
+    written (See [Note: a lying checkpoint cannot grow memory]); export_checkpoint checks the same."""
+    experts = expert_files(meta.experts) if meta.experts is not None else {}
+    for rec in meta.files:
+        verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
+        if rec.name in experts:
+            check_experts_file(ckpt / rec.name, meta)
+        elif rec.rank is not None:
+            check_rank_file(ckpt / rec.name, meta)
+        elif rec.name == BUFFERS_FILE:
+            check_buffers_file(ckpt / rec.name, meta)
+
+
 def _out_dtype(src: _Source, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and src.dtype.is_floating_point else src.dtype
 
@@ -149,13 +196,7 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
                                   "include_optimizer/--optimizer (resume it with load_checkpoint to carry it over)")
         return _write(out, _dcp_sources(ckpt), dtype, format, limit, hf_files, None, None)
     meta = read_metadata(ckpt)
-    refuse_experts(meta, ckpt, "consolidation")  # See [Note: experts in a checkpoint] in _experts.py
-    for rec in meta.files:  # every file, before any output is written
-        verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
-        if rec.rank is not None:
-            check_rank_file(ckpt / rec.name, meta)
-        elif rec.name == BUFFERS_FILE:
-            check_buffers_file(ckpt / rec.name, meta)
+    verify_checkpoint_files(ckpt, meta)
     if include_optimizer and meta.optimizer is None:
         raise CheckpointError(f"{ckpt} was saved without optimizer state; drop include_optimizer/--optimizer")
 
@@ -166,8 +207,7 @@ def consolidate(ckpt_dir: str | os.PathLike, out: str | os.PathLike, dtype=None,
             readers[name] = StreamReader(ckpt / name)
         return readers[name]
 
-    sources = [_Source(key, kind, name, meta, reader, lambda g: g.weight_tensor)
-               for key, kind, name in meta.state_dict_keys]
+    sources = [_source(key, kind, name, meta, reader) for key, kind, name in meta.state_dict_keys]
     try:
         return _write(out, sources, dtype, format, limit, hf_files, meta if include_optimizer else None, reader)
     finally:
@@ -320,6 +360,12 @@ def _write_optimizer(tmp: Path, meta: Metadata, reader) -> None:
                                    lambda g, key=key: g.state_tensor(key)))
             sources[-1].dtype = dtype_from_name(group.state_tensors[key])
         for key, sc in group.state_scalars.items():
+            if sc["tensor"]:
+                scalars.append((f"{fqn}.{key}", torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"]))))
+    for fqn, entry in (meta.experts or {}).get("state", {}).items():  # expert parallelism's, fused again
+        for key, dt in entry["tensors"].items():
+            sources.append(_ExpertSource(f"{fqn}.{key}", fqn, meta, reader, f".state.{key}", dtype_from_name(dt)))
+        for key, sc in entry["scalars"].items():
             if sc["tensor"]:
                 scalars.append((f"{fqn}.{key}", torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"]))))
     specs = [(s.key, s.dtype, s.shape) for s in sources] + [(k, t.dtype, list(t.shape)) for k, t in scalars]

@@ -23,7 +23,9 @@ Entries: ``model.<key>`` for every key of ``model.state_dict()`` (a tied paramet
 its names, buffers included); ``optim.state.<fqn>.<key>`` per trainable parameter (its first
 name, as ``get_optimizer_state_dict`` names it): each elementwise state tensor in the
 parameter's shape, ``step`` as a 0-d tensor; ``optim.param_groups.<j>.<field>`` with ``params``
-listing the group's parameters. The directory is built beside ``out`` and renamed into place.
+listing the group's parameters. Expert parallelism's experts (in :func:`export_checkpoint`) are whole
+parameters ``[E, ...]`` like any other, one chunk per expert. The directory is built beside ``out`` and
+renamed into place.
 """
 
 from __future__ import annotations
@@ -44,13 +46,12 @@ from ..api import _engine_of
 from ._dcp import contiguous_start, flat_boxes
 from ._deepspeed_universal import export_universal
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name, param_names, resolve_zero_optimizers
-from ._experts import refuse_experts
+from ._consolidate import verify_checkpoint_files
+from ._experts import expert_group, expert_pieces
 from ._load import resolve_checkpoint_dir
 from ._metadata_io import read_metadata
 from ._owned import OwnedDir, remove_leftovers
-from ._safetensors_stream import verify_file
 from ._sync import agree, describe
-from ._validate import check_buffers_file, check_rank_file
 
 EXPORT_FORMATS = ("dcp", "deepspeed-universal")
 
@@ -73,13 +74,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out: str | os.PathLike, forma
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"output path {out} exists; refusing to overwrite it (choose a new path)")
     meta = read_metadata(ckpt)
-    refuse_experts(meta, ckpt, "this export")  # See [Note: experts in a checkpoint] in _experts.py
-    for rec in meta.files:  # every file, before any output is written
-        verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
-        if rec.rank is not None:
-            check_rank_file(ckpt / rec.name, meta)
-        elif rec.name == BUFFERS_FILE:
-            check_buffers_file(ckpt / rec.name, meta)
+    verify_checkpoint_files(ckpt, meta)  # every file, before any output is written
     files = _Files(ckpt, meta)
     items = _model_items(meta, files) + _optimizer_items(meta, files, ckpt) if format == "dcp" else []
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +156,7 @@ def _check_live(path: Path, engine, zopts) -> None:
                               "export_checkpoint(..., format='dcp')")
     if engine.expert_parallel is not None:  # See [Note: experts in a checkpoint] in _experts.py
         raise CheckpointError(f"expert_parallel_size={engine.expert_parallel.size}: save_dcp does not write the "
-                              "rank-local experts; use save_checkpoint")
+                              "rank-local experts; use save_checkpoint, then export_checkpoint(..., format='dcp')")
     if len(zopts) > 1:
         raise CheckpointError(f"{len(zopts)} optimizers: a DCP checkpoint of get_state_dict holds one")
     for g in engine.groups:
@@ -266,6 +261,44 @@ def _param_items(path: tuple, meta: Metadata, files: _Files, fqn: str, tensor_of
     return items
 
 
+def _expert_items(path: tuple, meta: Metadata, files: _Files, fqn: str, suffix: str,
+                  dtype: torch.dtype) -> list[_Item]:
+    """The fused experts parameter ``fqn`` ``[E, ...]`` of an expert-parallel checkpoint (or, with ``suffix``
+    ``".state.<key>"``, one of its optimizer-state tensors) as entry ``path``: one chunk per expert, its
+    row ``[e:e+1]``, read from the experts file that holds it (See [Note: experts in a checkpoint] in
+    _experts.py); memory holds one expert."""
+    desc = meta.experts["params"][fqn]
+    shape, sizes = (desc["num_experts"], *desc["shape"]), (1, *desc["shape"])
+    return [(".".join(map(str, path)), path, ((e,) + (0,) * len(desc["shape"]), sizes, shape, dtype),
+             lambda f=f, n=n: files.handle(f).get_tensor(n).reshape(sizes))
+            for e, (f, n, _) in enumerate(expert_pieces(meta.experts, fqn, suffix))]
+
+
+def _expert_state_items(meta: Metadata, files: _Files) -> list[_Item]:
+    """``optim.state.<fqn>.<key>`` of expert parallelism's experts: elementwise state per expert, fused again
+    (:func:`_expert_items`); scalars as a flat group's."""
+    items: list[_Item] = []
+    for fqn, entry in meta.experts["state"].items():
+        for key, dt in entry["tensors"].items():
+            items += _expert_items(("optim", "state", fqn, key), meta, files, fqn, f".state.{key}",
+                                   dtype_from_name(dt))
+        items += _scalar_items(fqn, entry["scalars"])
+    return items
+
+
+def _scalar_items(fqn: str, scalars: dict) -> list[_Item]:
+    items: list[_Item] = []
+    for key, sc in scalars.items():
+        if sc["tensor"]:
+            value = torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"])).reshape(sc["shape"])
+            zeros = (0,) * value.dim()
+            items.append((f"optim.state.{fqn}.{key}", ("optim", "state", fqn, key),
+                          (zeros, tuple(value.shape), tuple(value.shape), value.dtype), lambda v=value: v))
+        else:
+            items.append((f"optim.state.{fqn}.{key}", ("optim", "state", fqn, key), None, lambda v=sc["value"]: v))
+    return items
+
+
 def _stored_dtype(group, tensor_name: str) -> torch.dtype:
     if tensor_name == group.weight_tensor:
         return dtype_from_name(group.dtype)
@@ -278,6 +311,9 @@ def _model_items(meta: Metadata, files: _Files) -> list[_Item]:
     for key, kind, name in meta.state_dict_keys:
         if kind == "param":
             items += _param_items(("model", key), meta, files, name, lambda g: g.weight_tensor)
+        elif kind == "expert":
+            desc = meta.experts["params"][name]
+            items += _expert_items(("model", key), meta, files, name, "", dtype_from_name(desc["dtype"]))
         else:
             t = files.handle(BUFFERS_FILE).get_tensor(name)
             zeros = (0,) * t.dim()
@@ -306,14 +342,11 @@ def _optimizer_items(meta: Metadata, files: _Files, ckpt: Path) -> list[_Item]:
         for key in group.state_tensors:
             items += _param_items(("optim", "state", fqn, key), meta, files, fqn,
                                   lambda g, key=key: g.state_tensor(key))
-        for key, sc in group.state_scalars.items():
-            if sc["tensor"]:
-                value = torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"])).reshape(sc["shape"])
-                zeros = (0,) * value.dim()
-                items.append((f"optim.state.{fqn}.{key}", ("optim", "state", fqn, key),
-                              (zeros, tuple(value.shape), tuple(value.shape), value.dtype), lambda v=value: v))
-            else:
-                items.append((f"optim.state.{fqn}.{key}", ("optim", "state", fqn, key), None, lambda v=sc["value"]: v))
+        items += _scalar_items(fqn, group.state_scalars)
+    if meta.experts is not None:  # See [Note: experts in a checkpoint] in _experts.py
+        j = expert_group(meta, optimizers[0], ckpt, "a DCP checkpoint")
+        members.setdefault(j, []).extend(meta.experts["params"])
+        items += _expert_state_items(meta, files)
     for j, fields in enumerate(optimizers[0]["param_groups"]):
         for field, value in fields.items():
             if field != "params":

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ._deepspeed import _DEEPSPEED_KEYS, DeepSpeedCheckpoint, _Param, safe_load
+from ._experts import expert_group, expert_pieces
 from ._layout import BUFFERS_FILE, CheckpointError, Metadata, dtype_from_name
 
 OPTIMIZER_STATE = "optimizer_state.pt"
@@ -205,6 +206,8 @@ def export_universal(out: Path, meta: Metadata, files, ckpt: Path) -> None:
         step = group.state_scalars.get("step")
         if step is not None:
             torch.save(torch.tensor(float(step["value"]), dtype=torch.float32), folder / "step.pt")
+    if meta.experts is not None:  # See [Note: experts in a checkpoint] in _experts.py
+        _export_experts(zero, meta, files, shapes[expert_group(meta, optimizers[0], ckpt, "a DeepSpeed checkpoint")])
     param_groups = [dict({k: tuple(v) if isinstance(v, list) else v for k, v in pg.items()}, params=[j])
                     for j, pg in enumerate(optimizers[0]["param_groups"])]
     torch.save({"param_groups": param_groups, "ds_version": DS_LAYOUT_VERSION, "overflow": False,
@@ -231,6 +234,37 @@ def export_universal(out: Path, meta: Metadata, files, ckpt: Path) -> None:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         torch.save(states, out / tag / name)
     (out / "latest_universal").write_text(tag)
+
+
+def _export_experts(zero: Path, meta: Metadata, files, shapes: OrderedDict) -> None:
+    """Expert parallelism's experts as whole fused parameters ``[E, ...]``: ``fp32.pt`` and each elementwise
+    state tensor (Adam's ``exp_avg``, ``exp_avg_sq``) the experts' rows end to end, as DeepSpeed keeps a
+    parameter's, and ``step.pt``; their shapes join the param group's (in the model's order)."""
+    for fqn, desc in meta.experts["params"].items():
+        folder = zero / fqn
+        folder.mkdir(parents=True)
+        shape = torch.Size([desc["num_experts"], *desc["shape"]])
+        _save_fused(folder / "fp32.pt", meta, files, fqn, "", shape)
+        shapes[fqn] = shape
+        entry = meta.experts["state"].get(fqn)
+        if entry is None:  # saved before its first step
+            continue
+        for key in entry["tensors"]:
+            _save_fused(folder / f"{key}.pt", meta, files, fqn, f".state.{key}", shape)
+        step = entry["scalars"].get("step")
+        if step is not None:
+            torch.save(torch.tensor(float(step["value"]), dtype=torch.float32), folder / "step.pt")
+    order = {name: i for i, (_, _, name) in enumerate(meta.state_dict_keys)}
+    for fqn in sorted(shapes, key=lambda n: order.get(n, len(order))):
+        shapes.move_to_end(fqn)
+
+
+def _save_fused(path: Path, meta: Metadata, files, fqn: str, suffix: str, shape: torch.Size) -> None:
+    """One fused experts tensor rebuilt from its per-expert tensors (the experts files), saved whole in fp32."""
+    whole = torch.empty(shape, dtype=torch.float32)
+    for e, (name, tensor, _) in enumerate(expert_pieces(meta.experts, fqn, suffix)):
+        whole[e].copy_(files.handle(name).get_tensor(tensor).reshape(shape[1:]))
+    torch.save({"param": whole, "cat_dim": 0}, path)
 
 
 def _save_whole(path: Path, meta: Metadata, files, fqn: str, tensor: str, dtype: torch.dtype | None) -> None:

@@ -21,6 +21,11 @@ whichever files hold them. A model set up without expert parallelism (the expert
 flat groups) takes the weights of such a checkpoint, each rank the rows of its shards (the
 optimizer state is refused by name: pass ``optimizer=None``); an expert-parallel model cannot take
 a checkpoint saved without it yet (refused by name).
+
+The offline tools read the same files in one process: ``consolidate`` and ``export_checkpoint`` (DCP,
+DeepSpeed universal) rebuild each fused ``[E, ...]`` parameter, and its elementwise optimizer state,
+from the per-expert tensors laid end to end in expert order (:func:`expert_pieces`), under the model's
+own name, so their output is what a run without expert parallelism writes.
 """
 
 from __future__ import annotations
@@ -95,13 +100,26 @@ def local_state_dict(model, engine) -> dict:
         return model.state_dict(keep_vars=True)
 
 
-def refuse_experts(meta, ckpt, what: str) -> None:
-    """Refuse, by name, a checkpoint holding expert parallelism's experts in a tool that does not read them yet."""
-    if meta.experts is not None:
+def expert_pieces(experts: dict, fqn: str, suffix: str = "") -> list[tuple[str, str, int]]:
+    """(experts file, tensor name, elements) of each expert of the fused parameter ``fqn`` in expert order:
+    laid end to end they are the ``[E, ...]`` tensor's flat elements (``suffix``: ``".state.<key>"`` for
+    one optimizer-state tensor). Consolidation streams a fused tensor from them."""
+    desc = experts["params"][fqn]
+    per, numel = desc["num_experts"] // experts["size"], math.prod(desc["shape"])
+    return [(experts_file_name(e // per, experts["size"]), f"{fqn}.{e}{suffix}", numel)
+            for e in range(desc["num_experts"])]
+
+
+def expert_group(meta, optimizer: dict, ckpt: Path, to: str) -> int:
+    """The optimizer param group of expert parallelism's experts: the checkpoint does not record which of
+    several groups stepped them, so only an optimizer of one group is exported (``to``: the format)."""
+    if len(optimizer["param_groups"]) != 1:
         raise CheckpointError(
-            f"{ckpt} was saved with expert_parallel_size={meta.experts['size']}, whose experts {what} does not "
-            "read yet; write the whole weights from a run instead (zero_strategy.full_state_dict(model) or "
-            "save_pretrained), or resume the checkpoint with load_checkpoint")
+            f"{ckpt} was saved with expert_parallel_size={meta.experts['size']} and an optimizer of "
+            f"{len(optimizer['param_groups'])} param groups, and does not record which group steps the experts: "
+            f"{to} is written for an optimizer of one param group; export the weights (and optimizer moments) "
+            "with consolidate(..., include_optimizer=True)")
+    return 0
 
 
 # ------------------------------------------------------------------ save
