@@ -1,11 +1,10 @@
 """Rotation of old checkpoints never costs the last good one to a failed asynchronous save.
 
-The HF Trainer's ``save_total_limit`` and Accelerate's ``ProjectConfiguration(total_limit=...)``
-delete old checkpoints around each save; with ``async_save`` the save has returned before its
+The HF Trainer's ``save_total_limit``, Accelerate's ``ProjectConfiguration(total_limit=...)`` and
+Lightning's ``ModelCheckpoint(save_top_k=...)`` delete old checkpoints around each save; with ``async_save`` the save has returned before its
 shards are written. One rank (tests/workers/checkpoint_rotation.py), every write held a moment so
 the rotation comes while the save writes: when the write of the newest checkpoint fails, the
 previous one is still there and resumes; when none fails, exactly ``limit`` checkpoints remain.
-(Lightning's ``ModelCheckpoint`` pruning: tests/test_lightning_async_save.py.)
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ pytest.importorskip("transformers")
 
 from _launch import launch_cases  # noqa: E402
 
-FAIL_AT = {"hf": "checkpoint-3", "accelerate": "checkpoint_1"}
+FAIL_AT = {"hf": "checkpoint-3", "accelerate": "checkpoint_1", "lightning": "epoch=0-step=3.ckpt"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,3 +61,18 @@ def test_accelerate_total_limit_keeps_the_previous_checkpoint_when_the_newest_wr
 def test_accelerate_total_limit_still_rotates_after_asynchronous_saves():
     r = _run("accelerate", "ok")
     assert "save_error" not in r and r["left"] == ["checkpoint_2"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two fits, one resumed
+def test_lightning_save_top_k_keeps_the_previous_checkpoint_when_the_newest_write_fails():
+    r = _run("lightning", "fail")
+    assert "No space left on device" in r["save_error"]
+    assert "epoch=0-step=2.ckpt" in r["left"] and r["resumed_global_step"] == 3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # the same launch as above
+def test_lightning_save_top_k_still_removes_after_asynchronous_saves():
+    r = _run("lightning", "ok")
+    assert "save_error" not in r and r["left"] == ["epoch=0-step=3.ckpt"]

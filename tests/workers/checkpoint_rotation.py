@@ -2,7 +2,8 @@
 
 ``front_end="hf"``: ``ZeroTrainer`` with ``save_strategy="steps", save_steps=1, save_total_limit=1``
 and ``async_save``; ``front_end="accelerate"``: ``ZeroAccelerator.save_state`` with
-``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=1)``. Every write is held a
+``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=1)``; ``front_end="lightning"``:
+``ModelCheckpoint(save_top_k=1, every_n_train_steps=1)`` with ``ZeroStrategy(async_save=True)``. Every write is held a
 moment, so the rotation comes while the save is still writing. Each case runs in a directory of
 its own; its ``fail_at`` names the checkpoint whose write fails with ENOSPC (None: none fails). The
 report lists the checkpoints left and whether the one before the failure still resumes.
@@ -99,9 +100,49 @@ def run_accelerate(out: Path, fail_at: str | None) -> dict:
     return report
 
 
+def run_lightning(out: Path, fail_at: str | None) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    data = DataLoader(TensorDataset(torch.randn(16, 8), torch.randn(16, 2)), batch_size=4)
+
+    def trainer() -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, strategy=zs.ZeroStrategy(stage=2, async_save=True),
+                          max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[ModelCheckpoint(dirpath=out, save_top_k=1, every_n_train_steps=1)])
+
+    slow_writes(fail_at)
+    report: dict = {}
+    try:
+        trainer().fit(Regression(), data)
+    except zs.CheckpointError as err:
+        report["save_error"] = str(err)
+    _save._before_background_write = None
+    report["left"] = sorted(p.name for p in out.glob("*.ckpt"))
+    if fail_at is not None:  # the last good checkpoint resumes, as users resume
+        resumed = trainer()
+        resumed.fit(Regression(), data, ckpt_path=str(out / "epoch=0-step=2.ckpt"))
+        report["resumed_global_step"] = resumed.global_step
+    return report
+
+
 def main() -> None:
     args, out = start()
-    run = {"hf": run_hf, "accelerate": run_accelerate}
+    run = {"hf": run_hf, "accelerate": run_accelerate, "lightning": run_lightning}
     finish(out, {"results": run_cases(args["cases"], lambda case: {
         "case": case["case"], **run[case["front_end"]](out / case["case"], case["fail_at"])})})
 
