@@ -206,6 +206,9 @@ class ZeroTrainerMixin:
             raise ValueError(f"{type(self).__name__}: TrainingArguments(deepspeed=...) starts DeepSpeed itself; "
                              + MIGRATION)
         self._zero_config_spec = zero_config
+        #: the stock rotation of old checkpoints, once the save it follows has committed: See
+        #: [Note: rotation after the commit]
+        self._rotation_due = None
         super().__init__(*args, **kwargs)
         self._refuse_unsplittable_training()
         self.add_callback(_ZeroGradAfterStep(self))
@@ -345,18 +348,18 @@ class ZeroTrainerMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         self._subclass_checkpoint_chain("_save_optimizer_and_scheduler", output_dir)
 
-    def _save_checkpoint(self, model, trial) -> None:
+    def _save_checkpoint(self, model, trial, *args, **kwargs) -> None:
         """The stock save, whose rotation of old checkpoints waits for this save's commit: See
-        [Note: rotation after the commit]."""
+        [Note: rotation after the commit]. (``*args``: transformers < 4.48 passes ``metrics`` too.)"""
         if self._zero_record() is None:
-            return super()._save_checkpoint(model, trial)
+            return super()._save_checkpoint(model, trial, *args, **kwargs)
         self._rotate_committed()  # the previous save's, due since it committed
         stock = getattr(hf_trainer, "rotate_checkpoints", None)
         if stock is None:  # transformers < 5 rotates in the method _rotate_checkpoints, overridden below
-            return super()._save_checkpoint(model, trial)
-        hf_trainer.rotate_checkpoints = lambda **kwargs: self._rotate_after_commit(lambda: stock(**kwargs))
+            return super()._save_checkpoint(model, trial, *args, **kwargs)
+        hf_trainer.rotate_checkpoints = lambda **rotation: self._rotate_after_commit(lambda: stock(**rotation))
         try:
-            super()._save_checkpoint(model, trial)
+            super()._save_checkpoint(model, trial, *args, **kwargs)
         finally:
             hf_trainer.rotate_checkpoints = stock
 
@@ -375,7 +378,7 @@ class ZeroTrainerMixin:
 
     def _rotate_committed(self) -> None:
         """Run the rotation a committed save made due (See [Note: rotation after the commit])."""
-        rotate = getattr(self, "_rotation_due", None)
+        rotate = self._rotation_due
         if rotate is not None:  # set by the saving thread, which sets it once per save
             self._rotation_due = None
             rotate()
