@@ -18,6 +18,17 @@ rank's RNG file, which a rank that did not exist at save time lacks).
 Hooks registered with ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
 see the non-ZeRO models only.
 
+[Note: total_limit deletes after the commit]
+With ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=K)`` Accelerate's
+``save_state`` deletes the oldest ``checkpoint_<i>`` folders *before* it writes the new one, so that
+K remain with it. Before a synchronous save that already leaves K-1 (none with K=1) should the save
+fail; before an asynchronous one it is worse: the previous save may still be writing, and its
+folder (K=1) or the one before it is deleted under it, so a failure of either write can leave no
+loadable checkpoint at all. Here the same folders, chosen by Accelerate's rule (the oldest by their
+number), are deleted only once every ZeRO model's save of the new checkpoint has committed
+(``EngineView.after_save_succeeds``; at once after a synchronous save), and never if one fails: until
+then K+1 folders exist, the previous checkpoint among them.
+
 [Note: a DeepSpeed plugin's save_state]
 ``Accelerator.save_state`` under a DeepSpeed plugin has each model's engine write its checkpoint
 into the directory under the tag ``pytorch_model`` (``pytorch_model_1``, ... for more models),
@@ -33,8 +44,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
+import threading
 from pathlib import Path
 
+from ..api import engine_of
 from ..checkpoint import save_checkpoint
 from ..checkpoint._load import prepare_load
 
@@ -68,7 +82,7 @@ def _optimizer_arg(record):
 
 def save_state(acc, super_save_state, output_dir, safe_serialization, kwargs) -> str:
     _refuse_pending(acc, "save_state")
-    with _accelerate_lists_without_zero(acc):
+    with _accelerate_lists_without_zero(acc), _no_deletion_before_the_save(acc) as doomed:
         location = super_save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
     location = Path(location)
     for i, record in enumerate(acc.zero_models):
@@ -81,7 +95,51 @@ def save_state(acc, super_save_state, output_dir, safe_serialization, kwargs) ->
         tmp.write_text(json.dumps(info, indent=2))
         os.replace(tmp, location / STATE_FILE)
     acc.wait_for_everyone()
+    _delete_after_the_commit(acc, doomed)
     return str(location)
+
+
+@contextlib.contextmanager
+def _no_deletion_before_the_save(acc):
+    """Accelerate's ``total_limit`` deletion, taken out of its ``save_state`` (and put back, also on an
+    error); yields the folders it would delete (main process). See [Note: total_limit deletes after the commit]."""
+    project = acc.project_configuration
+    limit = project.total_limit
+    if not project.automatic_checkpoint_naming or limit is None or not acc.is_main_process:
+        yield []
+        return
+    root = os.path.join(acc.project_dir, "checkpoints")
+    folders = [os.path.join(root, f) for f in os.listdir(root)] if os.path.isdir(root) else []
+    folders.sort(key=lambda folder: int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)[0]))  # Accelerate's order
+    project.total_limit = None
+    try:
+        yield folders[:max(len(folders) + 1 - limit, 0)]
+    finally:
+        project.total_limit = limit
+
+
+def _delete_after_the_commit(acc, doomed: list[str]) -> None:
+    """Delete ``doomed`` once every ZeRO model's save has committed; never when one fails."""
+    def delete() -> None:
+        for folder in doomed:
+            if os.path.lexists(folder):  # a save before this one, committed since, may have deleted it
+                shutil.rmtree(folder)
+
+    models = [record.model for record in acc.zero_models]
+    if not doomed or not models:
+        return delete()
+    lock, left = threading.Lock(), [len(models)]
+
+    def committed() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] > 0:
+                return
+        delete()
+
+    for model in models:
+        if not engine_of(model).after_save_succeeds(committed):
+            committed()  # a synchronous save: committed already
 
 
 def load_state(acc, super_load_state, input_dir, load_kwargs, kwargs) -> None:

@@ -74,6 +74,21 @@ stock weight load, which would want a weights file, is skipped), the scheduler f
 and the trainer state and RNG states as the stock Trainer does.
 * The end of ``train()`` waits for an asynchronous checkpoint save (``async_save``) still writing,
   through a callback's ``on_train_end``, and raises its failure.
+* ``_save_checkpoint``: the rotation of old ``checkpoint-N`` (``save_total_limit``) waits for the
+  commit of an asynchronous save; See [Note: rotation after the commit].
+
+[Note: rotation after the commit]
+The stock ``_save_checkpoint`` deletes the oldest ``checkpoint-N`` beyond ``save_total_limit`` right
+after the save returns (``rotate_checkpoints``; ``Trainer._rotate_checkpoints`` before transformers
+5). An asynchronous save has returned before its shards are written: deleting then, a write that
+fails (a full disk, a kill) would leave fewer good checkpoints than the limit promised, none with
+``save_total_limit=1``. So while the save is writing, the rotation is only noted; once the save
+commits (``EngineView.after_save_succeeds``), it is due, and the training thread runs the stock
+rotation unchanged at the next point where the committed checkpoint is the newest on disk: the
+start of the next ``_save_checkpoint`` (before it creates ``checkpoint-N+1``) and the end of
+``train()``. It is not run on the saving thread: the stock rotation keeps the newest directory it
+finds, which by then may be the next, still unwritten, checkpoint. A failed save never makes its
+rotation due, so every older checkpoint stays. A synchronous save rotates at once, as stock.
 * Gradients: the Trainer clears them with ``model.zero_grad()``, which cannot reach
   gradient shards; a callback calls the optimizer's ``zero_grad()`` after each step.
 
@@ -92,6 +107,7 @@ refuses, so it is refused up front at stage 3 rather than failing mid-run.
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import transformers.trainer as hf_trainer
@@ -114,8 +130,12 @@ class _ZeroGradAfterStep(TrainerCallback):
     """The Trainer calls ``model.zero_grad()``; gradient shards are cleared by the optimizer.
 
     At the end of training it waits for an asynchronous checkpoint save still writing
-    (``async_save`` in the config), raising its failure, as Lightning's ``fit`` does.
+    (``async_save`` in the config), raising its failure, as Lightning's ``fit`` does, and then
+    rotates old checkpoints as that save's commit allows (See [Note: rotation after the commit]).
     """
+
+    def __init__(self, trainer=None):
+        self._trainer = weakref.ref(trainer) if trainer is not None else lambda: None
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None:
@@ -124,6 +144,9 @@ class _ZeroGradAfterStep(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if model is not None and api.is_set_up(model):
             wait_for_save(model)
+            trainer = self._trainer()
+            if trainer is not None:
+                trainer._rotate_committed()
 
 
 class _TrainerZeroAccelerator(ZeroAccelerator):
@@ -183,9 +206,12 @@ class ZeroTrainerMixin:
             raise ValueError(f"{type(self).__name__}: TrainingArguments(deepspeed=...) starts DeepSpeed itself; "
                              + MIGRATION)
         self._zero_config_spec = zero_config
+        #: the stock rotation of old checkpoints, once the save it follows has committed: See
+        #: [Note: rotation after the commit]
+        self._rotation_due = None
         super().__init__(*args, **kwargs)
         self._refuse_unsplittable_training()
-        self.add_callback(_ZeroGradAfterStep())
+        self.add_callback(_ZeroGradAfterStep(self))
         self._prepare_frozen_models()
         adopt_vllm_weight_sync(self)  # See [Note: weight sync to vLLM at stage 3] in _vllm_sync.py
 
@@ -321,6 +347,41 @@ class ZeroTrainerMixin:
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         self._subclass_checkpoint_chain("_save_optimizer_and_scheduler", output_dir)
+
+    def _save_checkpoint(self, model, trial, *args, **kwargs) -> None:
+        """The stock save, whose rotation of old checkpoints waits for this save's commit: See
+        [Note: rotation after the commit]. (``*args``: transformers < 4.48 passes ``metrics`` too.)"""
+        if self._zero_record() is None:
+            return super()._save_checkpoint(model, trial, *args, **kwargs)
+        self._rotate_committed()  # the previous save's, due since it committed
+        stock = getattr(hf_trainer, "rotate_checkpoints", None)
+        if stock is None:  # transformers < 5 rotates in the method _rotate_checkpoints, overridden below
+            return super()._save_checkpoint(model, trial, *args, **kwargs)
+        hf_trainer.rotate_checkpoints = lambda **rotation: self._rotate_after_commit(lambda: stock(**rotation))
+        try:
+            super()._save_checkpoint(model, trial, *args, **kwargs)
+        finally:
+            hf_trainer.rotate_checkpoints = stock
+
+    def _rotate_checkpoints(self, use_mtime: bool = False, output_dir: str | None = None) -> None:
+        """transformers < 5: See [Note: rotation after the commit]."""
+        stock = super()._rotate_checkpoints
+        self._rotate_after_commit(lambda: stock(use_mtime=use_mtime, output_dir=output_dir))
+
+    def _rotate_after_commit(self, rotate) -> None:
+        """``rotate`` now when no asynchronous save is writing, else once it has committed."""
+        self._rotation_due = None  # the previous save's: this rotation does all it would, and more
+        record = self._zero_record()
+        if record is None or not api.engine_of(record.model).after_save_succeeds(
+                lambda: setattr(self, "_rotation_due", rotate)):
+            rotate()
+
+    def _rotate_committed(self) -> None:
+        """Run the rotation a committed save made due (See [Note: rotation after the commit])."""
+        rotate = self._rotation_due
+        if rotate is not None:  # set by the saving thread, which sets it once per save
+            self._rotation_due = None
+            rotate()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         record = self._zero_record()
