@@ -206,7 +206,7 @@ def main(argv=None) -> None:
         f"e.g. {'; '.join(after['examples'])}")
     summary = {
         "world_size": world, "preset": args.preset, "stage": trainer.accelerator.zero_config.stage,
-        "parameters_sharded": engine.plan.shards_parameters and params_bytes < full_bytes,
+        "parameters_sharded": engine.shards_parameters and params_bytes < full_bytes,
         "param_bytes_per_rank": params_bytes, "param_bytes_whole_model": full_bytes,
         "weights_moved_rel": moved,
         "steps": trainer.state.global_step, "train_s": train_s,
