@@ -98,10 +98,14 @@ def train(case: dict) -> dict:
         else:
             loss = model(input_ids=mine, labels=mine).loss
             loss.backward()
+        if case.get("clip_value"):  # elementwise: the experts' gradients clamped too
+            opt.clip_grad_value_(case["clip_value"])
         opt.step()
         opt.zero_grad()
         ref_loss = ref(input_ids=whole, labels=whole).loss
         ref_loss.backward()
+        if case.get("clip_value"):
+            nn.utils.clip_grad_value_(ref.parameters(), case["clip_value"])
         if case.get("clip"):  # the global norms themselves compared: Adam hides a wrong clip coefficient
             norms.append((float(opt.last_grad_norm), float(nn.utils.clip_grad_norm_(ref.parameters(), case["clip"]))))
         ref_opt.step()
@@ -141,6 +145,14 @@ def train(case: dict) -> dict:
         zs.teardown(model)
         state = model.state_dict()
         report["teardown_diff"] = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+    if case.get("release"):  # teardown(keep_weights=False): the experts stay empty, and it says which
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zs.teardown(model, keep_weights=False)
+        report["release_warnings"] = [str(w.message) for w in caught]
+        report["empty_experts"] = sorted(n for n, p in model.named_parameters()
+                                         if n in _expert_names(model) and p.numel() == 0)
     return report
 
 

@@ -242,6 +242,14 @@ class LocalExpertStep:
         return self._local_grads() if self.counts_in_norm else []
 
     @torch.no_grad()
+    def clamp_grads(self, bound: float) -> None:
+        """Clip by value: clamp the experts' whole gradients (the replicas' sum, as :meth:`step` uses them) to
+        ``[-bound, bound]``; ``bound`` is in the gradients' own scale (before ``step``'s factor)."""
+        self._reduce()
+        for g in self._local_grads():
+            g.clamp_(-bound, bound)
+
+    @torch.no_grad()
     def step(self, factor: float | torch.Tensor = 1.0) -> None:
         """Step the experts with the user's current hyperparameters; ``factor``: the unscale and clip factor."""
         self._reduce()
