@@ -62,6 +62,8 @@ REFUSALS = {
     "sequence_parallel": "does not combine with sequence_parallel_size",
     "layout": "does not support the experts of model.layers.0.mlp.experts (GptOssExperts",
     "meta": "are on the meta device",
+    "bf16_stored": "load the model in fp32 and set precision='bf16'",
+    "offload_states": "does not move expert parallelism's experts",
 }
 
 

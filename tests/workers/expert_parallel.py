@@ -205,17 +205,30 @@ def refusal(case: dict) -> dict:
         cfg = dict(cfg, sequence_parallel_size=world)
     elif what == "layout":
         family = "gpt_oss"
+    elif what == "offload_states":
+        cfg = dict(cfg, stage=2)
     if what == "meta":  # built on the meta device: nothing to slice yet
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(_config(family, experts))
     else:
         model = _model(family, experts)
+    if what == "bf16_stored":  # no fp32 master for the experts: refused (load in fp32, precision='bf16')
+        model = model.to(torch.bfloat16)
     params = list(model.parameters())
     if what == "rollback":  # fails after the experts were replaced: everything is put back
         params.append(nn.Parameter(torch.zeros(3)))
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     try:
         model, opt = zs.setup(model, optimizer, zs.ZeroConfig(**cfg))
+        if what == "offload_states":  # the experts are not among the states it moves: refused
+            refused = None
+            try:
+                zs.offload_states(model)
+            except NotImplementedError as err:
+                refused = err
+            zs.teardown(model, keep_weights=False)  # outside the except block: not the error path
+            if refused is not None:
+                raise refused
     except (ValueError, NotImplementedError) as err:
         untouched = not any(isinstance(m, ExpertParallelExperts) for m in model.modules())
         in_model = {id(p) for p in model.parameters()}

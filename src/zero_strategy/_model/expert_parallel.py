@@ -400,6 +400,13 @@ def apply_expert_parallel(model: nn.Module, optimizers: list[torch.optim.Optimiz
                 f"zero_strategy: expert_parallel_size={size}: the experts of {name} are on the meta device (a "
                 "model built on meta or from zero_strategy.transformers.from_pretrained); load it with "
                 "transformers' from_pretrained (or build it on the CPU) before setup, or drop expert_parallel_size")
+        low = sorted({str(t.dtype) for t in (m.gate_up_proj, m.down_proj) if t.dtype != torch.float32})
+        if low:  # LocalExpertStep steps the experts' own tensors: in half precision there is no fp32 master
+            raise ValueError(
+                f"zero_strategy: expert_parallel_size={size}: the experts of {name} are stored in {', '.join(low)}, "
+                "and each rank steps its experts directly (no fp32 master copy yet), so small updates would be "
+                "lost to rounding; load the model in fp32 and set precision='bf16' (the experts then compute in "
+                "bf16 and step in fp32), or drop expert_parallel_size")
         experts = m.gate_up_proj.shape[0]
         if experts % size:
             raise ValueError(
