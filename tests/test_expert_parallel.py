@@ -159,6 +159,18 @@ def test_teardown_without_weights_names_the_empty_experts(launched):
         assert "keep_weights=False" in text
 
 
+def test_all_to_alls_are_counted_and_groups_released(launched):
+    """The exchanges go through the engine's collectives: comm_stats() counts them (per layer and step: the
+    counts, the rows forward and back, and the rows' gradients back in backward: 5; gradient checkpointing
+    repeats the forward's 3), and teardown destroys the groups setup made for them."""
+    for rep in launched.of("mixtral-3"):
+        assert rep["all_to_alls"] == [2 * 5] * 3, rep["all_to_alls"]
+    for rep in launched.of("mixtral-3-checkpointing"):
+        assert rep["all_to_alls"] == [2 * 8] * 3, rep["all_to_alls"]
+    for rep in launched.of("mixtral-2-clip-value"):
+        assert rep["groups_made"] == 1 and rep["groups_left"] == 0, rep
+
+
 def test_routing_differs_by_rank_and_crosses_ranks(launched):
     ranks = launched.of("mixtral-3")
     assert ranks[0]["routed"] != ranks[1]["routed"]

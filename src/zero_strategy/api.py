@@ -141,7 +141,7 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     if cfg.expert_parallel_size > 1:  # See [Note: expert parallelism] in _model/expert_parallel.py
         expert_parallel.refuse_expert_parallel(cfg, comm.world_size)
     _sync_module_states(model, comm)
-    ep = (expert_parallel.apply_expert_parallel(model, optimizers, cfg.expert_parallel_size, process_group)
+    ep = (expert_parallel.apply_expert_parallel(model, optimizers, cfg.expert_parallel_size, process_group, comm)
           if cfg.expert_parallel_size > 1 else None)
     try:
         result = _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_init_fn, pending, sp,
@@ -170,6 +170,7 @@ def _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_in
     engine.sequence_parallel = sp
     if ep is not None:
         engine.undo_on_teardown.append(ep.undo)
+        engine.undo_on_teardown.append(ep.release_groups)  # the groups made for it, once nothing uses them
     if undo_attention is not None:
         engine.undo_on_teardown.append(undo_attention)
     _ENGINES[id(model)] = engine

@@ -85,7 +85,7 @@ def train(case: dict) -> dict:
     routed: list[list[int]] = []  # per call of layer 0's experts: rows for each expert
     hook = local[0].register_forward_pre_hook(
         lambda m, args: routed.append(torch.bincount(args[1].reshape(-1), minlength=m.num_experts).tolist()))
-    losses, norms = [], []
+    losses, norms, all_to_alls = [], [], []
     for step in range(3):
         whole, mine = _batch(rank, step)
         if case.get("accumulate"):  # two micro-batches of one sequence, the first inside no_sync
@@ -102,6 +102,7 @@ def train(case: dict) -> dict:
             opt.clip_grad_value_(case["clip_value"])
         opt.step()
         opt.zero_grad()
+        all_to_alls.append(zs.comm_stats(model)["all_to_all"]["calls"])
         ref_loss = ref(input_ids=whole, labels=whole).loss
         ref_loss.backward()
         if case.get("clip_value"):
@@ -124,7 +125,8 @@ def train(case: dict) -> dict:
                   expert_weight_diff=max((full[k] - ref_state[k]).abs().max().item() for k in _expert_names(ref)),
                   held_expert_bytes=held_bytes, whole_expert_bytes=whole_expert_bytes,
                   engine_holds_experts=bool(managed_names & _expert_names(model)),
-                  local_experts=[[m.first, m.num_local] for m in local[:1]], routed=routed)
+                  local_experts=[[m.first, m.num_local] for m in local[:1]], routed=routed,
+                  all_to_alls=all_to_alls)
     if case.get("generate"):  # greedy, rank r asks for 3 + 2r tokens: a rank that is done keeps the all-to-alls going
         model.eval()
         ref.eval()
@@ -149,7 +151,10 @@ def train(case: dict) -> dict:
         import warnings
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            groups = list(engine.expert_parallel.made_groups)
             zs.teardown(model, keep_weights=False)
+        report["groups_left"] = sum(g in dist.distributed_c10d._world.pg_map for g in groups)
+        report["groups_made"] = len(groups)
         report["release_warnings"] = [str(w.message) for w in caught]
         report["empty_experts"] = sorted(n for n, p in model.named_parameters()
                                          if n in _expert_names(model) and p.numel() == 0)
