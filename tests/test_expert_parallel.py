@@ -48,6 +48,7 @@ CLIP_TOL = 3e-5
 TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
             dict(case="qwen3_moe-3", family="qwen3_moe", stage=3),
             dict(case="mixtral-2-clip", family="mixtral", stage=2, clip=0.05, generate=True),
+            dict(case="mixtral-2-clip-value", family="mixtral", stage=2, clip_value=1e-3, release=True),
             dict(case="mixtral-1-teardown", family="mixtral", stage=1, teardown=True),
             dict(case="mixtral-3-accumulate", family="mixtral", stage=3, accumulate=True),
             dict(case="mixtral-3-one-owner", family="mixtral", stage=3, first_owner_only=True),
@@ -61,6 +62,8 @@ REFUSALS = {
     "sequence_parallel": "does not combine with sequence_parallel_size",
     "layout": "does not support the experts of model.layers.0.mlp.experts (GptOssExperts",
     "meta": "are on the meta device",
+    "bf16_stored": "load the model in fp32 and set precision='bf16'",
+    "offload_states": "does not move expert parallelism's experts",
 }
 
 
@@ -134,6 +137,38 @@ def test_groups_smaller_than_the_world_equal_one_process(launched_4, case):
         assert rep["rank0_only"] and rep["held_expert_bytes"] * 2 == rep["whole_expert_bytes"]
     if "read_back_diff" in ranks[0]:
         assert ranks[0]["read_back_diff"] < TOL
+
+
+def test_clip_grad_value_clamps_the_experts(launched):
+    """``clip_grad_value_`` (Lightning's gradient_clip_algorithm="value", Fabric's clip_val) clamps the
+    experts' gradients too, as ``torch.nn.utils.clip_grad_value_`` does in one process; the weights are
+    compared by ``test_equal_to_one_process[mixtral-2-clip-value]``: this checks the clamp binds."""
+    for rep in launched.of("mixtral-2-clip-value"):
+        assert rep["expert_weight_diff"] < TOL, rep
+
+
+def test_teardown_without_weights_names_the_empty_experts(launched):
+    """``teardown(keep_weights=False)`` at stage 2 cannot give back experts each rank held only part of: it
+    says so, naming every empty experts parameter (they were 0-element tensors with no warning)."""
+    for rep in launched.of("mixtral-2-clip-value"):
+        assert rep["empty_experts"] == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",
+                                        "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"]
+        text = " ".join(rep["release_warnings"])
+        for name in rep["empty_experts"]:
+            assert name in text, rep["release_warnings"]
+        assert "keep_weights=False" in text
+
+
+def test_all_to_alls_are_counted_and_groups_released(launched):
+    """The exchanges go through the engine's collectives: comm_stats() counts them (per layer and step: the
+    counts, the rows forward and back, and the rows' gradients back in backward: 5; gradient checkpointing
+    repeats the forward's 3), and teardown destroys the groups setup made for them."""
+    for rep in launched.of("mixtral-3"):
+        assert rep["all_to_alls"] == [2 * 5] * 3, rep["all_to_alls"]
+    for rep in launched.of("mixtral-3-checkpointing"):
+        assert rep["all_to_alls"] == [2 * 8] * 3, rep["all_to_alls"]
+    for rep in launched.of("mixtral-2-clip-value"):
+        assert rep["groups_made"] == 1 and rep["groups_left"] == 0, rep
 
 
 def test_routing_differs_by_rank_and_crosses_ranks(launched):

@@ -274,3 +274,45 @@ def test_only_one_module_below_the_front_ends_names_transformers_or_peft():
     assert not naming, f"only {HF_ADAPTER} may import or look up transformers/peft below the front ends:\n" \
         + "\n".join(naming)
     assert _hf_names(SOURCE / HF_ADAPTER), "the scan finds nothing in the adapter itself: it is broken"
+
+
+#: the torch.distributed calls that communicate (or make the groups they run on)
+_COLLECTIVES = {"all_to_all", "all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor",
+                "all_gather_object", "gather", "gather_object", "scatter", "scatter_object_list", "broadcast",
+                "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "send", "recv",
+                "isend", "irecv", "barrier", "monitored_barrier", "new_group", "new_subgroups",
+                "new_subgroups_by_enumeration", "batch_isend_irecv"}
+#: (module, call) outside _comm/ allowed to call torch.distributed itself, each with its reason
+_KNOWN_DIRECT_COLLECTIVES: dict[tuple[str, str], str] = {}
+
+
+def _direct_collectives(path: Path) -> list[tuple[int, str]]:
+    """(line, call) of every ``dist.<collective>(`` / ``torch.distributed.<collective>(`` in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    aliases = {"torch.distributed"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _COLLECTIVES:
+            if ast.unparse(node.func.value) in aliases:
+                found.append((node.lineno, node.func.attr))
+    return found
+
+
+def test_collectives_only_in_the_communication_layer():
+    """Every collective goes through ``_comm/``: comm_stats() counts it, its wait is bounded and a failure names
+    the missing ranks (a direct call skips all three, as expert parallelism's all-to-alls once did)."""
+    bad = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        rel = path.relative_to(SOURCE).as_posix()
+        if rel.startswith("_comm/"):
+            continue
+        module = rel[:-3].replace("/", ".")
+        for line, call in _direct_collectives(path):
+            if (module, call) not in _KNOWN_DIRECT_COLLECTIVES:
+                bad.append(f"{rel}:{line}: torch.distributed.{call}(")
+    assert not bad, "collectives outside _comm/ (add a method to _comm/collectives.py's Collectives):\n" + "\n".join(bad)

@@ -141,7 +141,7 @@ def _setup(model, optimizers, several, cfg, process_group, device, param_init_fn
     if cfg.expert_parallel_size > 1:  # See [Note: expert parallelism] in _model/expert_parallel.py
         expert_parallel.refuse_expert_parallel(cfg, comm.world_size)
     _sync_module_states(model, comm)
-    ep = (expert_parallel.apply_expert_parallel(model, optimizers, cfg.expert_parallel_size, process_group)
+    ep = (expert_parallel.apply_expert_parallel(model, optimizers, cfg.expert_parallel_size, process_group, comm)
           if cfg.expert_parallel_size > 1 else None)
     try:
         result = _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_init_fn, pending, sp,
@@ -170,6 +170,7 @@ def _setup_engine(model, optimizers, several, cfg, comm, owned, device, param_in
     engine.sequence_parallel = sp
     if ep is not None:
         engine.undo_on_teardown.append(ep.undo)
+        engine.undo_on_teardown.append(ep.release_groups)  # the groups made for it, once nothing uses them
     if undo_attention is not None:
         engine.undo_on_teardown.append(undo_attention)
     _ENGINES[id(model)] = engine
@@ -394,6 +395,13 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
                           "[Note: no collective on the error path]); the stage-3 parameters stay empty",
                           stacklevel=2)
         keep_weights = False
+    if not keep_weights and engine.expert_parallel is not None:
+        empty = [n for n, p in model.named_parameters() if id(p) in engine.expert_parallel.local_ids]
+        warnings.warn(f"zero_strategy.teardown without gathering the weights ({_why_empty(failing, engine)}) leaves "
+                      f"expert parallelism's experts empty (0 elements): {', '.join(empty)}; each rank held only its "
+                      "own experts. Call zero_strategy.teardown(model) (keep_weights=True) on every rank, outside "
+                      "an error, to get the whole experts back, or save them first (zero_strategy.full_state_dict, "
+                      "save_pretrained, save_checkpoint)", stacklevel=2)
     offload_states_impl.reload(engine, non_blocking=False)  # local: safe on the error path too
     full = full_state_dict(model) if keep_weights else {}
     # each parameter back in the dtype its group computes in: a kept fp32 weight stays fp32, a 4-bit
@@ -414,6 +422,13 @@ def teardown(model: nn.Module, keep_weights: bool = True, *, error: BaseExceptio
                 p.data = full[name].to(engine.device, dtype_of.get(id(p), engine.compute_dtype))  # full_state_dict: on the host
     if save_error is not None:
         raise save_error
+
+
+def _why_empty(failing, engine) -> str:
+    """Why a teardown does not gather: for its warning."""
+    if failing is not None or engine.comm.failed or not engine.is_idle:
+        return "on the error path, see [Note: no collective on the error path]"
+    return "keep_weights=False"
 
 
 def full_shapes(model: nn.Module) -> dict[nn.Parameter, torch.Size]:

@@ -85,7 +85,7 @@ def train(case: dict) -> dict:
     routed: list[list[int]] = []  # per call of layer 0's experts: rows for each expert
     hook = local[0].register_forward_pre_hook(
         lambda m, args: routed.append(torch.bincount(args[1].reshape(-1), minlength=m.num_experts).tolist()))
-    losses, norms = [], []
+    losses, norms, all_to_alls = [], [], []
     for step in range(3):
         whole, mine = _batch(rank, step)
         if case.get("accumulate"):  # two micro-batches of one sequence, the first inside no_sync
@@ -98,10 +98,15 @@ def train(case: dict) -> dict:
         else:
             loss = model(input_ids=mine, labels=mine).loss
             loss.backward()
+        if case.get("clip_value"):  # elementwise: the experts' gradients clamped too
+            opt.clip_grad_value_(case["clip_value"])
         opt.step()
         opt.zero_grad()
+        all_to_alls.append(zs.comm_stats(model)["all_to_all"]["calls"])
         ref_loss = ref(input_ids=whole, labels=whole).loss
         ref_loss.backward()
+        if case.get("clip_value"):
+            nn.utils.clip_grad_value_(ref.parameters(), case["clip_value"])
         if case.get("clip"):  # the global norms themselves compared: Adam hides a wrong clip coefficient
             norms.append((float(opt.last_grad_norm), float(nn.utils.clip_grad_norm_(ref.parameters(), case["clip"]))))
         ref_opt.step()
@@ -120,7 +125,8 @@ def train(case: dict) -> dict:
                   expert_weight_diff=max((full[k] - ref_state[k]).abs().max().item() for k in _expert_names(ref)),
                   held_expert_bytes=held_bytes, whole_expert_bytes=whole_expert_bytes,
                   engine_holds_experts=bool(managed_names & _expert_names(model)),
-                  local_experts=[[m.first, m.num_local] for m in local[:1]], routed=routed)
+                  local_experts=[[m.first, m.num_local] for m in local[:1]], routed=routed,
+                  all_to_alls=all_to_alls)
     if case.get("generate"):  # greedy, rank r asks for 3 + 2r tokens: a rank that is done keeps the all-to-alls going
         model.eval()
         ref.eval()
@@ -141,6 +147,17 @@ def train(case: dict) -> dict:
         zs.teardown(model)
         state = model.state_dict()
         report["teardown_diff"] = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
+    if case.get("release"):  # teardown(keep_weights=False): the experts stay empty, and it says which
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            groups = list(engine.expert_parallel.made_groups)
+            zs.teardown(model, keep_weights=False)
+        report["groups_left"] = sum(g in dist.distributed_c10d._world.pg_map for g in groups)
+        report["groups_made"] = len(groups)
+        report["release_warnings"] = [str(w.message) for w in caught]
+        report["empty_experts"] = sorted(n for n, p in model.named_parameters()
+                                         if n in _expert_names(model) and p.numel() == 0)
     return report
 
 
@@ -193,17 +210,30 @@ def refusal(case: dict) -> dict:
         cfg = dict(cfg, sequence_parallel_size=world)
     elif what == "layout":
         family = "gpt_oss"
+    elif what == "offload_states":
+        cfg = dict(cfg, stage=2)
     if what == "meta":  # built on the meta device: nothing to slice yet
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(_config(family, experts))
     else:
         model = _model(family, experts)
+    if what == "bf16_stored":  # no fp32 master for the experts: refused (load in fp32, precision='bf16')
+        model = model.to(torch.bfloat16)
     params = list(model.parameters())
     if what == "rollback":  # fails after the experts were replaced: everything is put back
         params.append(nn.Parameter(torch.zeros(3)))
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     try:
         model, opt = zs.setup(model, optimizer, zs.ZeroConfig(**cfg))
+        if what == "offload_states":  # the experts are not among the states it moves: refused
+            refused = None
+            try:
+                zs.offload_states(model)
+            except NotImplementedError as err:
+                refused = err
+            zs.teardown(model, keep_weights=False)  # outside the except block: not the error path
+            if refused is not None:
+                raise refused
     except (ValueError, NotImplementedError) as err:
         untouched = not any(isinstance(m, ExpertParallelExperts) for m in model.modules())
         in_model = {id(p) for p in model.parameters()}

@@ -533,6 +533,64 @@ class Collectives(ObjectCollectives):
                     lambda: dist.all_reduce(shard, group=self.replicate_group, async_op=True))
 
 
+    # --------------------------------------------------------------- on other groups of these ranks
+    # [Note: collectives on other groups]
+    # Expert parallelism (_model/expert_parallel.py) exchanges rows and experts on groups of its own
+    # (subsets of this object's ranks). They go through here so that comm_stats() counts them and
+    # their waits are bounded and fail with this engine's diagnosis and report to the other ranks,
+    # like every other collective. They are not put in the flight recorder: their sizes differ by
+    # rank (the routing decides how many rows each rank sends), and a rank outside a group issues
+    # none of its collectives, so the per-stream checksums and the desync comparison, which assume
+    # every rank issues the same sequence, would flag a healthy run. Each call waits before it returns.
+    def new_subgroups(self, layouts: list[list[int]]) -> list:
+        """One process group per list of global ranks; every rank must create every group, in the same
+        order (``dist.new_group``'s rule). :meth:`destroy_subgroups` releases them."""
+        return [dist.new_group(ranks) for ranks in layouts]
+
+    def destroy_subgroups(self, groups: list) -> None:
+        """Release groups of :meth:`new_subgroups`; kept after a failed collective (See [Note: a failed group])."""
+        if self.failed:
+            return
+        for group in groups:
+            dist.destroy_process_group(group)
+
+    def _wait_unrecorded(self, counter: OpCounter, t: torch.Tensor, numel: int, ring_factor: float, keep: tuple,
+                         call) -> None:
+        self._count(counter, t, numel, ring_factor)
+        try:
+            work = call()
+        except RuntimeError as e:  # gloo may fail at launch when a peer is already gone
+            raise self.failure(None, e) from e
+        Handle(work, keep, None, policy=self.wait_policy).wait()
+
+    def all_to_all_rows(self, out: torch.Tensor, rows: torch.Tensor, send: list[int], recv: list[int], group) -> None:
+        """``out`` [sum(recv), ...] <- ``rows`` [sum(send), ...], whose first ``send[0]`` rows go to rank 0 of
+        ``group``, the next ``send[1]`` to rank 1, ...; ``out`` holds rank 0's rows first. Not an autograd op
+        (a caller that needs one wraps it, the backward being the reverse exchange)."""
+        n = len(send)
+        self._wait_unrecorded(self.stats.all_to_all, rows, rows.numel(), (n - 1) / n, (out, rows),
+                              lambda: dist.all_to_all_single(out, rows, output_split_sizes=recv,
+                                                             input_split_sizes=send, group=group, async_op=True))
+
+    def gather_into(self, parts: list[torch.Tensor] | None, local: torch.Tensor, dst: int, group) -> None:
+        """``parts[k]`` <- rank k's ``local`` on global rank ``dst`` of ``group`` (the others pass None)."""
+        n = dist.get_world_size(group)
+        self._wait_unrecorded(self.stats.all_gather, local, local.numel() * n, (n - 1) / n, (parts, local),
+                              lambda: dist.gather(local, parts, dst=dst, group=group, async_op=True))
+
+    def all_gather_into(self, parts: list[torch.Tensor], local: torch.Tensor, group) -> None:
+        """``parts[k]`` <- rank k's ``local`` on every rank of ``group``."""
+        n = len(parts)
+        self._wait_unrecorded(self.stats.all_gather, local, local.numel() * n, (n - 1) / n, (parts, local),
+                              lambda: dist.all_gather(parts, local, group=group, async_op=True))
+
+    def all_reduce_in(self, tensor: torch.Tensor, group) -> None:
+        """In-place sum of ``tensor`` over ``group``."""
+        n = dist.get_world_size(group)
+        self._wait_unrecorded(self.stats.all_reduce, tensor, tensor.numel(), 2 * (n - 1) / n, (tensor,),
+                              lambda: dist.all_reduce(tensor, group=group, async_op=True))
+
+
 class PendingAgreement:
     """A step agreement in flight (:meth:`Collectives.begin_agreement`); ``result()`` waits once."""
 
@@ -578,14 +636,17 @@ class CommStats:
     all_reduce: OpCounter = field(default_factory=OpCounter)
     #: hybrid sharding: the all-reduce of gradient shards across the shard groups
     inter_all_reduce: OpCounter = field(default_factory=OpCounter)
+    #: expert parallelism's exchanges of rows (See [Note: collectives on other groups])
+    all_to_all: OpCounter = field(default_factory=OpCounter)
 
-    KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+    KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
     def reset(self) -> None:
         self.all_gather = OpCounter()
         self.reduce_scatter = OpCounter()
         self.all_reduce = OpCounter()
         self.inter_all_reduce = OpCounter()
+        self.all_to_all = OpCounter()
 
     @property
     def volume_elements(self) -> int:

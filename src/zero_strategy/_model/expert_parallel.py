@@ -19,7 +19,9 @@ which takes what transformers 5's MoE blocks pass their fused experts (``hidden_
 
 Both all-to-alls are autograd functions whose backward is the reverse exchange, on a process
 group of their own (so they never interleave with the engine's collectives), in the same
-order on every rank (every rank runs every layer).
+order on every rank (every rank runs every layer). Every collective here, and the groups, go
+through the engine's ``Collectives`` (counted in ``comm_stats()["all_to_all"]``, waited on with its
+bound: See [Note: collectives on other groups] in _comm/collectives.py); teardown destroys the groups.
 
 Groups. ``N`` divides the world ``W``: ranks ``[g*N, (g+1)*N)`` form expert-parallel group ``g``,
 which holds every expert; the ``W/N`` groups are data-parallel replicas of each other, and the
@@ -59,7 +61,9 @@ checkpoint/_experts.py); ``optimizer.state_dict()`` holds the experts' state und
 ``"expert_parallel"``.
 
 What is not done yet is refused by name: a checkpoint's optimizer state moving between expert
-parallelism and none (the weights move), offload, fp16, hybrid sharding, sequence parallelism, experts still on the meta device,
+parallelism and none (the weights move), offload and ``offload_states``, fp16, hybrid sharding, sequence
+parallelism, experts still on the meta device, experts stored in bf16/fp16 (stepped in place, they would
+have no fp32 master: load the model in fp32 and set ``precision='bf16'``),
 and expert layouts other than the fused, concatenated, bias-free one (gpt-oss's transposed
 experts with biases).
 """
@@ -78,10 +82,13 @@ __all__ = ["ExpertParallel", "ExpertParallelExperts", "LocalExpertStep", "apply_
 
 
 # --------------------------------------------------------------------------- communication
-def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+# Every collective goes through the engine's ``Collectives`` (``comm``), on the groups this module
+# made with it: counted in comm_stats(), waited on with the engine's bound (See [Note: collectives on
+# other groups] in _comm/collectives.py).
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, comm) -> torch.Tensor:
     """``x`` [sum(send), ...]: rows ``send[r]`` go to rank r; returns [sum(recv), ...] (rank r's first)."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    comm.all_to_all_rows(out, x.contiguous(), send, recv, group)
     return out
 
 
@@ -89,13 +96,13 @@ class _AllToAll(torch.autograd.Function):
     """:func:`_exchange` whose backward is the reverse exchange (the transpose)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange(x, send, recv, group)
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group, comm) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group, ctx.comm = send, recv, group, comm
+        return _exchange(x, send, recv, group, comm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group, ctx.comm), None, None, None, None
 
 
 # --------------------------------------------------------------------------- the experts module
@@ -109,9 +116,11 @@ class ExpertParallelExperts(nn.Module):
 
     ``gate_up_proj`` [E/N, 2I, H] and ``down_proj`` [E/N, H, I]: experts ``first .. first + E/N - 1``."""
 
-    def __init__(self, original: nn.Module, group, ranks: list[int], world_size: int):
-        """``group``: the expert-parallel group, whose global ``ranks`` hold the experts in rank order."""
+    def __init__(self, original: nn.Module, group, ranks: list[int], world_size: int, comm):
+        """``group``: the expert-parallel group, whose global ``ranks`` hold the experts in rank order;
+        ``comm``: the engine's collectives, which issue every exchange."""
         super().__init__()
+        self.comm = comm
         size = len(ranks)
         self.num_experts = original.gate_up_proj.shape[0]
         self.num_local = self.num_experts // size
@@ -146,17 +155,17 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(expert, stable=True)                           # by expert: by owner too
         token = torch.arange(t, device=x.device).repeat_interleave(k)[order]  # [T*K]
         per_expert = torch.bincount(expert, minlength=self.num_experts)      # [E]
-        got = _exchange(per_expert, [local] * n, [local] * n, group).view(n, local)  # [from rank, local expert]
+        got = _exchange(per_expert, [local] * n, [local] * n, group, self.comm).view(n, local)  # [from rank, local expert]
         send = per_expert.view(n, local).sum(1).tolist()
         recv = got.sum(1).tolist()
-        rows = _AllToAll.apply(x[token], send, recv, group)                  # [sum(recv), H]
+        rows = _AllToAll.apply(x[token], send, recv, group, self.comm)                  # [sum(recv), H]
         # rows from each rank are sorted by expert; put all rows of one local expert together
         which = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), got.reshape(-1))
         by_expert = torch.argsort(which, stable=True)
         outs = [self._expert(j, part) for j, part in
                 enumerate(torch.split(rows[by_expert], got.sum(0).tolist()))]
         out = torch.cat(outs)[torch.argsort(by_expert)]
-        back = _AllToAll.apply(out, recv, send, group)                       # [T*K, H], in ``order``
+        back = _AllToAll.apply(out, recv, send, group, self.comm)                       # [T*K, H], in ``order``
         weight = weights.reshape(-1)[order]  # [T*K], the router's dtype: the product in it, as transformers'
         final = torch.zeros_like(x)
         return final.index_add(0, token, (back * weight[:, None]).to(x.dtype))
@@ -177,10 +186,10 @@ class ExpertParallelExperts(nn.Module):
             return None  # a replica of experts the group of rank ``to`` holds too
         if to is not None:
             parts = [torch.empty_like(local) for _ in range(self.size)] if dist.get_rank() == to else None
-            dist.gather(local, parts, dst=to, group=self.group)
+            self.comm.gather_into(parts, local, to, self.group)
             return None if parts is None else torch.cat(parts)
         parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local, group=self.group)
+        self.comm.all_gather_into(parts, local, self.group)
         return torch.cat(parts)
 
     def _state_dict_hook(self, state_dict, prefix) -> None:
@@ -207,10 +216,12 @@ class LocalExpertStep:
     """A second instance of the user's optimizer class over this rank's experts; See [Note: expert parallelism]."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params_of_group: dict[int, list[nn.Parameter]],
-                 replicas=None, counts_in_norm: bool = True):
+                 replicas=None, counts_in_norm: bool = True, comm=None):
         """``replicas``: the group of the ranks holding the same experts (None: this rank alone);
-        ``counts_in_norm``: whether this rank's copy is the one the global norm counts."""
+        ``counts_in_norm``: whether this rank's copy is the one the global norm counts; ``comm``: the
+        engine's collectives (the replicas' all-reduce)."""
         self.user = optimizer
+        self.comm = comm
         self.replicas, self.counts_in_norm = replicas, counts_in_norm
         self._reduced = False
         self.group_index = sorted(params_of_group)
@@ -233,13 +244,21 @@ class LocalExpertStep:
         if self.replicas is not None and not self._reduced:
             for p in self.params:  # every replica ran the same layers: a gradient on each, or on none
                 if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.replicas)
+                    self.comm.all_reduce_in(p.grad, self.replicas)
         self._reduced = True
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients this rank adds to the global norm: each expert once over the world."""
         self._reduce()
         return self._local_grads() if self.counts_in_norm else []
+
+    @torch.no_grad()
+    def clamp_grads(self, bound: float) -> None:
+        """Clip by value: clamp the experts' whole gradients (the replicas' sum, as :meth:`step` uses them) to
+        ``[-bound, bound]``; ``bound`` is in the gradients' own scale (before ``step``'s factor)."""
+        self._reduce()
+        for g in self._local_grads():
+            g.clamp_(-bound, bound)
 
     @torch.no_grad()
     def step(self, factor: float | torch.Tensor = 1.0) -> None:
@@ -277,6 +296,10 @@ class ExpertParallel:
     local_of: dict[int, nn.Parameter] = field(default_factory=dict)
     #: id(local parameter) -> the original full parameter it replaces (a failed setup puts it back)
     whole_of: dict[int, nn.Parameter] = field(default_factory=dict)
+    #: the engine's collectives, which issue every exchange and made the groups
+    comm: object = None
+    #: every group made for this model (all ranks make all of them): released on teardown
+    made_groups: list = field(default_factory=list)
 
     @property
     def local_ids(self) -> frozenset[int]:
@@ -312,13 +335,19 @@ class ExpertParallel:
             for p in pg["params"]:
                 if id(p) in local:
                     by_group.setdefault(i, []).append(p)
-        return LocalExpertStep(optimizer, by_group, self.replicas, self.first_group) if by_group else None
+        return LocalExpertStep(optimizer, by_group, self.replicas, self.first_group, self.comm) if by_group else None
 
     def undo(self) -> None:
         """Teardown: the original experts modules back in place (teardown then fills their parameters
         with the full weights, from ``state_dict()``)."""
         for parent, attr, original, _ in self.replaced:
             setattr(parent, attr, original)
+
+    def release_groups(self) -> None:
+        """Teardown (after :meth:`undo`), or a failed setup: destroy the groups made for this model."""
+        groups, self.made_groups = self.made_groups, []
+        if groups:
+            self.comm.destroy_subgroups(groups)
 
     def drop_whole(self) -> None:
         """Free the whole expert tensors this rank no longer needs: once setup has succeeded."""
@@ -329,6 +358,7 @@ class ExpertParallel:
     def roll_back(self, optimizers: list[torch.optim.Optimizer]) -> None:
         """A setup that failed after :func:`apply_expert_parallel`: the model and ``optimizers`` as they were."""
         self.undo()
+        self.release_groups()
         for opt in optimizers:
             for pg in opt.param_groups:
                 pg["params"] = [self.whole_of.get(id(p), p) for p in pg["params"]]
@@ -367,7 +397,7 @@ def refuse_expert_parallel(cfg, world_size: int) -> None:
 
 
 def apply_expert_parallel(model: nn.Module, optimizers: list[torch.optim.Optimizer], size: int,
-                          process_group=None) -> ExpertParallel:
+                          process_group, comm) -> ExpertParallel:
     """Replace every fused experts module of ``model`` by this rank's :class:`ExpertParallelExperts`, and
     its parameters in ``optimizers`` by the local ones. Call after the initial weights are the same on
     every rank (their whole tensors are sliced here). Raises, changing nothing, for a model it cannot serve."""
@@ -392,6 +422,13 @@ def apply_expert_parallel(model: nn.Module, optimizers: list[torch.optim.Optimiz
                 f"zero_strategy: expert_parallel_size={size}: the experts of {name} are on the meta device (a "
                 "model built on meta or from zero_strategy.transformers.from_pretrained); load it with "
                 "transformers' from_pretrained (or build it on the CPU) before setup, or drop expert_parallel_size")
+        low = sorted({str(t.dtype) for t in (m.gate_up_proj, m.down_proj) if t.dtype != torch.float32})
+        if low:  # LocalExpertStep steps the experts' own tensors: in half precision there is no fp32 master
+            raise ValueError(
+                f"zero_strategy: expert_parallel_size={size}: the experts of {name} are stored in {', '.join(low)}, "
+                "and each rank steps its experts directly (no fp32 master copy yet), so small updates would be "
+                "lost to rounding; load the model in fp32 and set precision='bf16' (the experts then compute in "
+                "bf16 and step in fp32), or drop expert_parallel_size")
         experts = m.gate_up_proj.shape[0]
         if experts % size:
             raise ValueError(
@@ -400,13 +437,13 @@ def apply_expert_parallel(model: nn.Module, optimizers: list[torch.optim.Optimiz
     world, rank = dist.get_world_size(), dist.get_rank()
     # every rank creates every group, in the same order (dist.new_group's rule)
     layouts = [list(range(g * size, (g + 1) * size)) for g in range(world // size)]
-    groups = [dist.new_group(ranks) for ranks in layouts]
-    replicas = [dist.new_group(list(range(i, world, size))) for i in range(size)] if world > size else None
+    groups = comm.new_subgroups(layouts)
+    replicas = comm.new_subgroups([list(range(i, world, size)) for i in range(size)]) if world > size else None
     ranks = layouts[rank // size]
     ep = ExpertParallel(size, groups[rank // size], None if replicas is None else replicas[rank % size],
-                        first_group=rank < size)
+                        first_group=rank < size, comm=comm, made_groups=groups + (replicas or []))
     for _, parent, attr, m in found:
-        new = ExpertParallelExperts(m, ep.group, ranks, world)
+        new = ExpertParallelExperts(m, ep.group, ranks, world, comm)
         new.register_state_dict_post_hook(_whole_experts_in_state_dict)
         new._register_load_state_dict_pre_hook(new._load_hook)
         for name in ("gate_up_proj", "down_proj"):

@@ -117,10 +117,21 @@ class OffloadedStates:
 
 
 # ---------------------------------------------------------------------- offload
+def refuse_expert_parallel(engine, what: str) -> None:
+    """Expert parallelism's rank-local experts and their optimizer are not among the states moved: refused."""
+    ep = engine.expert_parallel
+    if ep is not None:
+        raise NotImplementedError(
+            f"{what} does not move expert parallelism's experts (expert_parallel_size={ep.size}: each rank's "
+            "experts and their optimizer state stay outside the engine's groups) yet; drop expert_parallel_size "
+            "or do not offload states")
+
+
 def offload(engine, optimizers: list, include, *, pin_memory: bool, non_blocking: bool) -> OffloadedStates:
     """Move the ``include`` kinds of ``engine`` (masters, state and gradients of ``optimizers``'
     groups; parameters of the whole model) to the host. See [Note: what offload_states moves]."""
     kinds = parse_kinds(include, "zero_strategy.offload_states")
+    refuse_expert_parallel(engine, "zero_strategy.offload_states")
     if not engine.is_idle:
         raise RuntimeError("zero_strategy.offload_states: the model is in the middle of a forward or "
                            "backward; call it between iterations (after optimizer.step())")
@@ -275,4 +286,5 @@ def offloaded_for_generation(engine) -> contextlib.AbstractContextManager:
     kinds = engine.config.offload_states_during_generation
     if not kinds:
         return contextlib.nullcontext()
+    refuse_expert_parallel(engine, "ZeroConfig(offload_states_during_generation=...)")
     return offloaded(engine, engine.optimizers(), kinds, pin_memory=True, non_blocking=False)

@@ -251,6 +251,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if g.grads.grad_shard is not None:
                 g.grads.grad_shard.clamp_(-bound, bound)
                 g.grads.mark_changed()  # an offloaded copy downloaded before this is stale
+        if self.rank_local is not None:  # expert parallelism's experts: elementwise too, so exact per rank
+            self.rank_local.clamp_grads(bound)
 
     # ------------------------------------------------------------ overlap_step
     def group_reduced(self, group) -> None:
