@@ -153,20 +153,24 @@ def _save_across_groups(path, model, engine, optimizer, extra_state) -> None:
         raise CheckpointError(outcome)
 
 
+def _reserve_target(path: Path) -> tuple[tuple[str, str], OwnedDir | None]:
+    """Rank 0's decision for a save to ``path``: ("ok", token of the temporary directory it created
+    beside the target) or ("error", why), which every rank receives; synchronous and asynchronous
+    saves start the same way."""
+    try:
+        _check_target(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        owned = OwnedDir.create(path.parent, SAVE_PREFIX)
+        return ("ok", owned.token), owned
+    except (OSError, CheckpointError) as err:
+        return ("error", describe(err)), None
+
+
 def _save_in_group(path, model, engine, optimizer, extra_state) -> None:
     comm = engine.comm
     zopts = resolve_zero_optimizers(engine, optimizer)
     path = Path(path).absolute()
-    decision: tuple[str, str] | None = None
-    owned: OwnedDir | None = None
-    if comm.rank == 0:
-        try:
-            _check_target(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            owned = OwnedDir.create(path.parent, SAVE_PREFIX)
-            decision = ("ok", owned.token)
-        except (OSError, CheckpointError) as err:
-            decision = ("error", describe(err))
+    decision, owned = _reserve_target(path) if comm.rank == 0 else (None, None)
     try:
         _save(path, model, engine, zopts, extra_state, decision, owned)
     finally:
@@ -521,15 +525,7 @@ def _start_async_save(path, model, engine, optimizer, extra_state) -> None:
         bg.start(str(path), lambda _: _as_save_failure(path, _background_commit, channel, path, None, None, [], None))
         return
     zopts = resolve_zero_optimizers(engine, optimizer)
-    decision, owned = None, None
-    if comm.rank == 0:
-        try:
-            _check_target(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            owned = OwnedDir.create(path.parent, SAVE_PREFIX)
-            decision = ("ok", owned.token)
-        except (OSError, CheckpointError) as err:
-            decision = ("error", describe(err))
+    decision, owned = _reserve_target(path) if comm.rank == 0 else (None, None)
     queue: Queue = Queue()
     started = False
     try:
