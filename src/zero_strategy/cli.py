@@ -64,7 +64,7 @@ def _add_estimate(subparsers: argparse._SubParsersAction) -> None:
                     "the ZeRO stages, by location (device, host, NVMe), using the ZeRO paper's formulas, and "
                     "the working set a step adds (stage-3 gathered units, gradient buckets, staging buffers) "
                     "with the peak (resting + working set; the units need --model). "
-                    "Activations are not included.")
+                    "Activations are added with --model, --batch-size and --seq-len (per rank with --sp).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=parse_count, metavar="N", help="trainable parameters, e.g. 7e9 or 7B")
     source.add_argument("--model", metavar="PATH",
