@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -75,6 +77,24 @@ def tiny_llama_config():
     return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        tie_word_embeddings=True)
+
+
+@contextlib.contextmanager
+def saved_storages(model: nn.Module):
+    """Under ``with saved_storages(model) as storages:``, every distinct storage a tensor autograd saves
+    lives in, the model's parameters excluded, as ``{data_ptr: nbytes}``: what forward keeps alive for
+    backward (``sum(storages.values())``), measured through ``saved_tensors_hooks``, without any formula."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield storages
 
 
 def whole_tensor_recipe(model, recipe: str) -> list[torch.optim.Optimizer]:

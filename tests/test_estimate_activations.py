@@ -22,6 +22,8 @@ import torch
 
 from zero_strategy.estimate import estimate_activations
 
+from _models import saved_storages
+
 transformers = pytest.importorskip("transformers")
 
 SHAPES = [(1, 8), (2, 16), (3, 40)]
@@ -37,17 +39,8 @@ def tiny_llama(attention: str, kv_heads: int, layers: int = 2):
 
 
 def saved_bytes(model, b: int, s: int) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
     ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(b * s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as storages:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert loss.requires_grad
     return sum(storages.values())

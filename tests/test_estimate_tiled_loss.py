@@ -17,23 +17,16 @@ import zero_strategy as zs
 from zero_strategy import AvailableMemory, choose_preset, estimate_memory
 from zero_strategy.estimate import estimate_activations
 
+from _models import saved_storages
+
 transformers = pytest.importorskip("transformers")
 
 GIB = 2**30
 
 
 def _saved_bytes(model, b: int, s: int, vocab: int) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
     ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(b * s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as storages:
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert loss.requires_grad
     return sum(storages.values())

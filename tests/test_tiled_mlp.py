@@ -20,6 +20,8 @@ from torch import nn
 import zero_strategy as zs
 from zero_strategy._model.tiled_mlp import TiledMLPFunction
 
+from _models import saved_storages
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -56,16 +58,7 @@ def test_outputs_and_gradients_match_the_whole_mlp_and_parameter_hooks_fire_once
 
 
 def _saved_bytes(model, ids) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as storages:
         model(input_ids=ids, labels=ids, use_cache=False).loss
     return sum(storages.values())
 

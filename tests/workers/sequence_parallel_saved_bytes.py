@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from _models import saved_storages
 from _worker import finish, run_cases, start
 
 import zero_strategy as zs
@@ -35,19 +36,10 @@ def run(case: dict) -> dict:
     if case.get("tiled_loss"):
         config["tiled_loss"] = case["tiled_loss"]
     model, _ = zs.setup(model, None, config)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
     b, s = case["batch"], case["seq"]
     ids = torch.randint(1, case["vocab"], (b, s), generator=torch.Generator().manual_seed(b * s))
     shard = zs.shard_sequence({"input_ids": ids, "labels": ids}, model)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as storages:
         if case.get("tiled_loss"):
             loss = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
                          shift_labels=shard["shift_labels"], use_cache=False).loss
