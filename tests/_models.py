@@ -97,6 +97,21 @@ def saved_storages(model: nn.Module):
         yield storages
 
 
+def step_beside(model, opt, ref, ref_opt, batch: dict):
+    """One training step of a set-up model and of its reference not set up, on the same Hugging Face
+    ``batch``: ``(outputs, want)``, the set-up model's outputs and the reference's loss, for the caller
+    to compare."""
+    outputs = model(**batch)
+    outputs.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    want = ref(**batch).loss
+    want.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return outputs, want
+
+
 def whole_tensor_recipe(model, recipe: str) -> list[torch.optim.Optimizer]:
     """Optimizers that need whole tensors, in the users' idiom. ``"muon"``: torch's Muon docs (2-D hidden
     matrices to Muon, the rest to AdamW, two optimizers); ``"sgd_in_muons_place"``: the same with

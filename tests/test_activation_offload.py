@@ -22,6 +22,8 @@ import zero_strategy as zs
 from zero_strategy._model.activation_offload import OffloadCounts, offload_counts, offloaded
 from zero_strategy.estimate import estimate_activations
 
+from _models import step_beside
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -88,14 +90,7 @@ def test_a_checkpointed_hf_model_offloads_every_layer_input_and_trains_like_the_
     steps, (b, s) = 2, (2, 16)
     for step in range(steps):
         ids = torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(step))
-        outputs = model(input_ids=ids, labels=ids)
-        outputs.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want = ref(input_ids=ids, labels=ids).loss
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        outputs, want = step_beside(model, opt, ref, ref_opt, dict(input_ids=ids, labels=ids))
         assert outputs.loss.item() == pytest.approx(want.item(), rel=1e-6)
     counts = offload_counts(model)
     per_forward = config.num_hidden_layers * estimate_activations(config, b, s, "fp32").layer_input

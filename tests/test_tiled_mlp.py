@@ -20,7 +20,7 @@ from torch import nn
 import zero_strategy as zs
 from zero_strategy._model.tiled_mlp import TiledMLPFunction
 
-from _models import saved_storages
+from _models import saved_storages, step_beside
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,14 +88,7 @@ def test_a_hf_model_with_tiled_mlps_trains_like_the_model_itself(stage, checkpoi
                           {"stage": stage, "param_persistence_threshold": 0, "tiled_mlp": 5, "tiled_loss": 7})
     for step in range(2):
         ids = torch.randint(0, 128, (2, 23), generator=torch.Generator().manual_seed(step))
-        outputs = model(input_ids=ids, labels=ids)
-        outputs.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want = ref(input_ids=ids, labels=ids).loss
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        outputs, want = step_beside(model, opt, ref, ref_opt, dict(input_ids=ids, labels=ids))
         assert outputs.loss.item() == pytest.approx(want.item(), rel=1e-6)
     trained = zs.full_state_dict(model)
     for name, value in ref.state_dict().items():
