@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zero_strategy as zs
+from _models import step_beside
 
 transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
@@ -127,14 +128,7 @@ def test_the_hf_loop_trains_like_the_model_itself(tied, stage):
     model, opt = zs.setup(model, torch.optim.SGD(model.parameters(), lr=0.5),
                           {"stage": stage, "param_persistence_threshold": 0, "tiled_loss": 5})
     for batch in _batches(base.config.vocab_size):
-        outputs = model(**batch)
-        outputs.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want = ref(**batch).loss
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        outputs, want = step_beside(model, opt, ref, ref_opt, batch)
         assert outputs.logits is None
         assert outputs.loss.item() == pytest.approx(want.item(), rel=1e-6)
     trained = zs.full_state_dict(model)
@@ -173,14 +167,7 @@ def test_a_lora_model_gets_the_tiled_loss_of_its_base_and_a_lora_head_is_refused
     model, opt = zs.setup(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
                           {"stage": 3, "param_persistence_threshold": 0, "tiled_loss": 5})
     for batch in _batches(512, steps=2):
-        outputs = model(**batch)
-        outputs.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want = ref(**batch).loss
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        outputs, want = step_beside(model, opt, ref, ref_opt, batch)
         assert outputs.logits is None
         assert outputs.loss.item() == pytest.approx(want.item(), rel=1e-6)
     zs.teardown(model)
