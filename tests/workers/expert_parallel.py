@@ -52,6 +52,22 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return whole, whole[per * rank:per * (rank + 1)]
 
 
+def _steps(model, opt, steps) -> list[float]:
+    """Train ``steps`` (their indices pick the batches); the mean loss over the ranks of each."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        _, mine = _batch(rank, step)
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        both = torch.tensor([loss.item()])
+        dist.all_reduce(both)
+        losses.append(both.item() / world)
+    return losses
+
+
 def _expert_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
 
@@ -164,7 +180,7 @@ def train(case: dict) -> dict:
 def bf16_beside_gather(case: dict) -> dict:
     """bf16 compute: expert parallelism beside the stage-3 gather path on the same data (one process has no
     bf16 ZeRO reference: both keep fp32 masters and compute in bf16)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     runs = {}
     for name, extra in (("gather", {}), ("ep", {"expert_parallel_size": world})):
         model = _model("mixtral")
@@ -172,17 +188,7 @@ def bf16_beside_gather(case: dict) -> dict:
         # SGD: a weight's difference follows its gradient's (Adam's normalisation would blow bf16 rounding
         # of near-zero gradients up to a whole step)
         model, opt = zs.setup(model, torch.optim.SGD(model.parameters(), lr=0.5), config)
-        losses = []
-        for step in range(3):
-            _, mine = _batch(rank, step)
-            loss = model(input_ids=mine, labels=mine).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            both = torch.tensor([loss.item()])
-            dist.all_reduce(both)
-            losses.append(both.item() / world)
-        runs[name] = (losses, zs.full_state_dict(model))
+        runs[name] = (_steps(model, opt, range(3)), zs.full_state_dict(model))
         zs.teardown(model, keep_weights=False)
     (gather_losses, gather_w), (ep_losses, ep_w) = runs["gather"], runs["ep"]
     return dict(case=case["case"], losses=list(zip(ep_losses, gather_losses)),

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from _worker import finish, run_cases, start
-from expert_parallel import _batch, _model
+from expert_parallel import _batch, _model, _steps
 
 import zero_strategy as zs
 import zero_strategy.checkpoint as zc
@@ -45,22 +45,6 @@ def _setup(ep: int, seed: int = 5, stage: int = 3):
             p.data.normal_(0, 0.05)
     config = zs.ZeroConfig(stage=stage, param_persistence_threshold=0, expert_parallel_size=ep)
     return zs.setup(model, torch.optim.AdamW(model.parameters(), **LR), config)
-
-
-def _steps(model, opt, steps) -> list[float]:
-    """Train ``steps`` (their indices pick the batches); the mean loss over the ranks of each."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in steps:
-        _, mine = _batch(rank, step)
-        loss = model(input_ids=mine, labels=mine).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        both = torch.tensor([loss.item()])
-        dist.all_reduce(both)
-        losses.append(both.item() / world)
-    return losses
 
 
 def _weights(model) -> dict[str, list]:
