@@ -94,13 +94,26 @@ def launch_cases(worker: str, world_size: int, cases: list, key, timeout: float 
 # 3 s more of CPU per rank of every Hugging Face worker, and forked pages cost the others
 # nothing. None of them reads at import anything a launch sets per rank (checked by recording
 # every environment read during the imports: only Hugging Face's cache, hub and logging
-# settings, which a launch inherits unchanged). Lightning is not: it fixes
-# rank_zero_only.rank from the environment at import. Nor is zero_strategy (a worker that
-# counts collectives wraps them before importing it). The import-order tests (what importing
+# settings, which a launch inherits unchanged). Lightning (``lightning.pytorch``, which imports
+# ``lightning.fabric``) is preloaded too, for the ranks of the Lightning launches: it reads one thing
+# a launch sets, the rank, once at import (``rank_zero_only.rank``, from RANK, LOCAL_RANK,
+# SLURM_PROCID or JSM_NAMESPACE_RANK), so each forked rank sets it again from its own environment
+# before its script runs, as its own import would have (:func:`_as_if_imported_here`); its other
+# reads (warning filters, logger and matplotlib settings, HOME) a launch inherits unchanged.
+# zero_strategy is not preloaded (a worker that counts collectives wraps them before importing it),
+# nor the separate ``pytorch_lightning`` package. The import-order tests (what importing
 # zero_strategy or the Lightning hook pulls in) run their own subprocess.
 # ZS_TEST_COLD_START=1 restores the fresh-interpreter start.
 _WARM = os.environ.get("ZS_TEST_COLD_START") != "1"
-PRELOADED = ["torch", "torch._dynamo", "transformers.modeling_utils", "transformers.trainer"]
+PRELOADED = ["torch", "torch._dynamo", "transformers.modeling_utils", "transformers.trainer", "lightning.pytorch"]
+
+
+def _as_if_imported_here() -> None:
+    """In a forked rank, after its environment is set: redo what a preloaded module read at import from
+    a variable a launch sets per rank. Only Lightning's rank does (see [Note: warm worker start])."""
+    rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
+    if rank_zero is not None:
+        rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
 _FORKSERVER = None
 
 
@@ -147,6 +160,7 @@ def _run_script(script: str, argv: list[str], env: dict, log_path: str, cwd: str
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
+    _as_if_imported_here()
     sys.path[:0] = [str(Path(script).parent), *env["PYTHONPATH"].split(os.pathsep)]  # as a fresh interpreter
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
