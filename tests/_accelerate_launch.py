@@ -52,71 +52,104 @@ def accelerate_run(script: Path, script_args: list[str], config: Path = CPU_CONF
 
 
 # [Note: warm Accelerate launches]
-# ``accelerate launch`` with a single-machine MULTI_GPU-type config does two things: it turns its
-# arguments and config file into environment variables (``prepare_multi_gpu_env``), and it runs
-# torchrun, which starts each rank with that environment plus its own per-rank variables. Each
-# launch cost three cold interpreters (the launcher, which imports torch, and two ranks importing
-# torch and transformers): about 10 s of CPU, 30 launches a suite. So where a test launches a
-# worker on that config, the environment comes from Accelerate's own parser and env preparation,
-# run here, and the ranks fork warm from tests/_launch.py's forkserver with torchrun's per-rank
-# variables (TORCHELASTIC_USE_AGENT_STORE=False: no agent holds the store, rank 0 does, as under
-# a plain ``init_process_group``). Anything else (DeepSpeed or FSDP configs, several machines,
-# extra launch arguments) and ``accelerate_run`` itself keep the real launcher, so the command
-# users type is still tested (test_accelerate_zero.py's recipe run, test_accelerate_deepspeed_config.py).
-# ZS_TEST_COLD_START=1 makes every launch the real one.
+# ``accelerate launch`` on a single machine does two things: it turns its arguments and config file
+# into environment variables (for a MULTI_GPU-type config ``prepare_multi_gpu_env``, for a DeepSpeed
+# one ``prepare_deepspeed_cmd_env``, applied with ``patch_environment``), and it runs torchrun
+# (``_run_torchrun``), which starts each rank with that environment plus its own per-rank variables.
+# Each launch cost three cold interpreters (the launcher, which imports torch, and two ranks importing
+# torch and transformers, and DeepSpeed for its configs): 10-15 s of CPU, about 30 launches a suite.
+# So a test's launch runs Accelerate's own ``launch_command`` here, on its parsed arguments, with
+# ``_run_torchrun`` replaced by a function that keeps the environment Accelerate prepared for it,
+# and the ranks fork warm from tests/_launch.py's forkserver with torchrun's per-rank variables
+# (TORCHELASTIC_USE_AGENT_STORE=False: no agent holds the store, rank 0 does, as under a plain
+# ``init_process_group``). Accelerate's dispatch, validation and translation of every argument
+# (dynamo flags, mixed precision, DeepSpeed fields) are its own; only the process start is ours.
+# A launch that would not reach torchrun (a CPU-typed or single-process config, several machines,
+# DeepSpeed's multi-node runner) and ``accelerate_run`` itself (``real_launcher=True``) keep the real
+# launcher, so the command users type is still tested: test_accelerate_zero.py's recipe run and
+# test_accelerate_deepspeed_config.py's DeepSpeed config file. ZS_TEST_COLD_START=1 makes every
+# launch the real one.
 
 
-def _warm_rank_envs(config: Path, ranks: int, env: dict, script: Path, script_args: list[str]) -> list[dict] | None:
-    """Each rank's environment as ``accelerate launch --config_file CONFIG`` with torchrun would give it,
-    or None where that launch is not a single-machine torchrun launch. See [Note: warm Accelerate launches]."""
+class _NotTorchrun(Exception):
+    """Accelerate chose a launch other than a single-machine torchrun: the real launcher runs it."""
+
+
+def _warm_rank_envs(config: Path, ranks: int, env: dict, script: Path, script_args: list[str],
+                    launch_args: tuple[str, ...], cwd: Path) -> list[dict] | None:
+    """Each rank's environment as ``accelerate launch --config_file CONFIG [launch_args]`` would give it
+    through torchrun, or None where that launch does not start torchrun on one machine. See [Note: warm
+    Accelerate launches]."""
     if not _launch._WARM:
         return None
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import prepare_multi_gpu_env
+    from unittest import mock
+
+    import accelerate.commands.launch as accelerate_launcher
+
+    prepared: dict[str, str] = {}
+
+    def keep_environment(args):  # in place of torchrun: what Accelerate set up for it
+        if args.num_machines != 1 or args.num_processes != ranks:
+            raise _NotTorchrun
+        prepared.update(os.environ)
+
+    def refuse(*_args, **_kwargs):
+        raise _NotTorchrun
 
     port = free_port()
     argv = ["--config_file", str(config), "--num_processes", str(ranks), "--main_process_port", str(port),
-            str(script), *script_args]
-    saved = dict(os.environ)
+            *launch_args, str(script), *script_args]
+    saved, saved_cwd = dict(os.environ), os.getcwd()
     os.environ.clear()
-    os.environ.update(env)  # what the launcher process would read
+    os.environ.update(env)  # what the launcher process would read, where it would read it
+    os.chdir(cwd)
     try:
-        args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
-        if not args.multi_gpu or args.cpu or args.use_deepspeed or args.use_fsdp or args.num_machines != 1:
-            return None
-        shared = prepare_multi_gpu_env(args)
+        with mock.patch.object(accelerate_launcher, "_run_torchrun", keep_environment), \
+                mock.patch.object(accelerate_launcher, "_run_subprocess", refuse), \
+                mock.patch.object(accelerate_launcher, "simple_launcher", refuse), \
+                mock.patch.object(accelerate_launcher, "tpu_launcher", refuse), \
+                mock.patch.object(accelerate_launcher, "sagemaker_launcher", refuse):
+            accelerate_launcher.launch_command(accelerate_launcher.launch_command_parser().parse_args(argv))
+    except _NotTorchrun:
+        return None
     finally:
+        os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved)
-    shared.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                  GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_WORLD_SIZE=str(ranks),
-                  TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
-                  TORCHELASTIC_USE_AGENT_STORE="False",
-                  TORCH_NCCL_ASYNC_ERROR_HANDLING=shared.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"))
-    return [dict(shared, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(ranks)]
+    prepared.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(ranks),
+                    LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
+                    ROLE_WORLD_SIZE=str(ranks), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                    TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="False")
+    return [dict(prepared, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r)) for r in range(ranks)]
 
 
 def accelerate_launch(worker: str, args: dict, config: Path = CPU_CONFIG, ranks: int = 2, timeout: float = 240.0,
                       cwd: Path | None = None, env: dict | None = None, *, out: Path | None = None,
-                      launch_args: tuple[str, ...] = (), use_cpu: bool = True) -> tuple[list[dict], str]:
+                      launch_args: tuple[str, ...] = (), use_cpu: bool = True,
+                      real_launcher: bool = False) -> tuple[list[dict], str]:
     """``accelerate launch --config_file CONFIG [launch_args] tests/workers/WORKER OUT``; (each rank's
     report, combined log).
 
     ``out``: a directory the caller owns, for a test that reads the files the workers wrote
-    there; it is kept. Without it a temporary directory is made and removed (as tests/_launch.py)."""
+    there; it is kept. Without it a temporary directory is made and removed (as tests/_launch.py).
+    ``real_launcher``: Accelerate's launcher process and torchrun start the ranks, never the warm start
+    (see [Note: warm Accelerate launches])."""
     if out is not None:
-        return _accelerate_launch(worker, args, Path(out), config, ranks, timeout, cwd, env, launch_args, use_cpu)
+        return _accelerate_launch(worker, args, Path(out), config, ranks, timeout, cwd, env, launch_args, use_cpu,
+                                  real_launcher)
     out = Path(tempfile.mkdtemp(prefix="zs_accl_"))
     try:
-        return _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu)
+        return _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu,
+                                  real_launcher)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu):
+def _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu, real_launcher):
     (out / "args.json").write_text(json.dumps(args))
     script = HERE / "workers" / worker
-    rank_envs = None if launch_args else _warm_rank_envs(config, ranks, env or launch_env(use_cpu), script, [str(out)])
+    rank_envs = None if real_launcher else _warm_rank_envs(config, ranks, env or launch_env(use_cpu), script,
+                                                           [str(out)], launch_args, cwd or ROOT)
     if rank_envs is None:
         log = accelerate_run(script, [str(out)], config, ranks, timeout, cwd, env, launch_args, use_cpu)
     else:

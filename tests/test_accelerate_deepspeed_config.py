@@ -78,8 +78,10 @@ def runs():
         (work / "ds_inline.yaml").write_text(INLINE_CONFIG)
         results = {}
         for name, config in (("file", "ds_file.yaml"), ("inline", "ds_inline.yaml")):
+            # the config file through Accelerate's own launcher process, as users type it; the inline
+            # config's launch is the warm one ([Note: warm Accelerate launches])
             results[name] = accelerate_launch("accelerate_deepspeed_launch.py", {"front": "zero"},
-                                              config=work / config, cwd=work)
+                                              config=work / config, cwd=work, real_launcher=name == "file")
         results["stock_ddp"] = accelerate_launch(
             "accelerate_deepspeed_launch.py", {"front": "stock"},
             env=launch_env(ACCELERATE_GRADIENT_ACCUMULATION_STEPS="2"))
