@@ -28,6 +28,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 import _procs  # noqa: E402
+from _zygote import warm_command  # noqa: E402
 from _accelerate_launch import launch_env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -80,7 +81,8 @@ def results() -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="zs_auto_"))
     try:
         (out / "args.json").write_text(json.dumps({"table": TABLE}))
-        proc = _procs.run([sys.executable, str(HERE / "workers" / "auto_values.py"), str(out)], 280, env=launch_env())
+        cmd, env = warm_command([sys.executable, str(HERE / "workers" / "auto_values.py"), str(out)], launch_env())
+        proc = _procs.run(cmd, 280, env=env)
         assert (out / "rank0.json").exists(), (proc.stdout + proc.stderr)[-6000:]
         return json.loads((out / "rank0.json").read_text())
     finally:

@@ -8,10 +8,12 @@ import pytest
 from zero_strategy.cli import main, parse_count
 
 import _procs
+from _zygote import warm_command
 
 
 def run_cli(*args):
-    return _procs.run([sys.executable, "-m", "zero_strategy.cli", *args], 120)
+    cmd, env = warm_command([sys.executable, "-m", "zero_strategy.cli", *args], _procs.child_env())
+    return _procs.run(cmd, 120, env=env)
 
 
 @pytest.mark.multiprocess

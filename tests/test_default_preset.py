@@ -20,6 +20,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 import _procs  # noqa: E402
+from _zygote import warm_command  # noqa: E402
 from _accelerate_launch import launch_env  # noqa: E402
 
 CODE = r"""
@@ -58,7 +59,8 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def defaults() -> dict:
-    proc = _procs.run([sys.executable, "-c", CODE % {"port": _procs.free_port()}], 240, env=launch_env())
+    cmd, env = warm_command([sys.executable, "-c", CODE % {"port": _procs.free_port()}], launch_env())
+    proc = _procs.run(cmd, 240, env=env)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT")), None)
     assert line is not None, (proc.stdout + proc.stderr)[-6000:]
     return json.loads(line[len("RESULT"):])

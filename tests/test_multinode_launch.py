@@ -24,6 +24,7 @@ import pytest
 
 import _procs
 from _procs import HERE, free_port
+from _zygote import rank_entry, warm_command
 
 WORKER = str(HERE / "workers" / "multinode.py")
 ROOT = HERE.parent
@@ -39,7 +40,7 @@ def env(**extra) -> dict:
 def run_nodes(commands: list[tuple[list[str], dict]], out: Path, timeout: float = 200) -> list[dict]:
     """Start one command per simulated node (or per process), wait, return the 4 ranks' reports.
     At ``timeout`` every node's launcher is killed with all its ranks."""
-    procs = [_procs.start(cmd, e) for cmd, e in commands]
+    procs = [_procs.start(*warm_command(cmd, e)) for cmd, e in commands]  # [Note: warm processes behind a launcher]
     deadline = time.monotonic() + timeout
     logs = []
     try:
@@ -69,7 +70,7 @@ def torchrun(node: int, port: int, out: Path, mode: str, rdzv: bool = False) -> 
     where = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "zs-test"] if rdzv
              else ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)])
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", *where,
-            WORKER, str(out), mode]
+            *rank_entry(WORKER), str(out), mode]
 
 
 def assert_trained_like_the_reference(reports: list[dict]) -> None:
@@ -166,7 +167,8 @@ def test_accelerate_launch_two_machines(tmp_path):
     config = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
     commands = [([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                   "--num_machines", "2", "--machine_rank", str(n), "--num_processes", "4",
-                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), WORKER, str(out), "accelerate"],
+                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *rank_entry(WORKER), str(out),
+                  "accelerate"],
                  env()) for n in (0, 1)]
     reports = run_nodes(commands, out)
     assert_trained_like_the_reference(reports)
@@ -199,7 +201,8 @@ def test_hybrid_sharding_through_accelerate_config(tmp_path):
     config = ROOT / "recipes" / "accelerate" / "cpu_2proc.yaml"
     commands = [([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                   "--num_machines", "2", "--machine_rank", str(n), "--num_processes", "4",
-                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), WORKER, str(out), "accelerate"],
+                  "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *rank_entry(WORKER), str(out),
+                  "accelerate"],
                  env()) for n in (0, 1)]
     reports = run_nodes(commands, out)
     assert_trained_like_the_reference(reports)
