@@ -198,10 +198,22 @@ def no_room(args, system: str, n: int, rep: dict, base: str) -> str | None:
 
 
 def save(args, rep: dict) -> None:
+    """Written with ``sizes`` as a list of entries, each with its ``label`` (the shape the docs
+    site's benchmark tables render, one table per size); held as a dict by label here."""
+    on_disk = dict(rep, sizes=[dict(label=k, **v) for k, v in rep["sizes"].items()])
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(rep, f, indent=1)
+        json.dump(on_disk, f, indent=1)
     os.replace(tmp, args.out)
+
+
+def load(path: str) -> dict:
+    if not os.path.exists(path):
+        return {"sizes": {}}
+    rep = json.load(open(path))
+    if isinstance(rep.get("sizes"), list):
+        rep["sizes"] = {e.pop("label"): e for e in rep["sizes"]}
+    return rep
 
 
 def format_row(label: str, n: int, system: str, s: dict) -> str:
@@ -291,7 +303,7 @@ def plot(rep: dict, labels: list, systems: list, path: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rep = json.load(open(args.out)) if os.path.exists(args.out) else {"sizes": {}}
+    rep = load(args.out)
     if not args.report:
         import torch
         rep.update(date=datetime.date.today().isoformat(), torch=torch.__version__,

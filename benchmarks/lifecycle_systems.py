@@ -301,15 +301,17 @@ class SwapProbe:
     Methods are wrapped on the instances (the swap file's ``_io_chunk``, the store's
     ``wait_writes`` and its pool's ``acquire``) and the ``wait_all`` the NVMe modules imported:
     every I/O request is time-stamped (disk busy = the union of their spans), and the time the
-    main thread spends inside a wait is summed (the step waiting for the disk). Bytes are the
-    swap file's own counters (counted when requests are submitted).
+    training path spends inside a wait is the union of those waits' spans on its two threads: the
+    main thread's (forward and backward read parameters) and the CPU step worker's
+    (``zero-cpu-step``: the optimizer step runs there while the main thread waits for it,
+    unwrapped, so nothing counts twice); the I/O threads and the write-back finisher are not
+    the step's path. Bytes are the swap file's own counters (counted when requests are submitted).
     """
 
     def __init__(self, store):
         from zero_strategy._mechanisms import nvme, nvme_stream
         self.file, self.io, self.waits = store.file, [], []
         self._lock = threading.Lock()
-        self._main = threading.main_thread()
         chunk = self.file._io_chunk
 
         def timed_io(write, buf, offset):
@@ -324,29 +326,32 @@ class SwapProbe:
 
     def _waited(self, fn):
         def wrapper(*args, **kw):
-            if threading.current_thread() is not self._main:
+            thread = threading.current_thread()
+            if thread is not threading.main_thread() and not thread.name.startswith("zero-cpu-step"):
                 return fn(*args, **kw)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kw)
             finally:
-                self.waits.append((t0, time.perf_counter()))
+                with self._lock:
+                    self.waits.append((t0, time.perf_counter()))
         return wrapper
 
     def mark(self) -> tuple[int, int]:
         with self._lock:
             self.io.clear()
-        self.waits.clear()
+            self.waits.clear()
         return self.file.bytes_read, self.file.bytes_written
 
     def since(self, mark: tuple[int, int], t0: float, t1: float) -> dict:
         with self._lock:
             io = [x for x in self.io if x[0] >= t0 and x[1] <= t1]
+            waits = list(self.waits)
         return {"read_bytes": self.file.bytes_read - mark[0], "written_bytes": self.file.bytes_written - mark[1],
                 "disk_busy_s": union_length([(a, b) for a, b, *_ in io]),
                 "disk_read_busy_s": union_length([(a, b) for a, b, w, _ in io if not w]),
                 "disk_write_busy_s": union_length([(a, b) for a, b, w, _ in io if w]),
-                "waiting_s": union_length(list(self.waits)), "io_requests": len(io)}
+                "waiting_s": union_length(waits), "io_requests": len(io)}
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
