@@ -77,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--workdir", default=None, help="parent of the per-size work directories (default: the temp dir)")
     p.add_argument("--min-free-gb", type=float, default=10.0)
     p.add_argument("--memory-margin-gb", type=float, default=3.0)
+    p.add_argument("--memory-guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip a system whose predicted memory does not fit (--no-memory-guard: where a figure "
+                        "measured elsewhere says it fits and the straight-line prediction overshoots; recorded)")
     p.add_argument("--timeout", type=float, default=2400, help="seconds per system")
     p.add_argument("--out", default=os.path.join(HERE, "infinity_curve.json"))
     p.add_argument("--plot", default=os.path.join(HERE, "infinity_curve.png"))
@@ -136,14 +139,16 @@ def run_size(args, label: str, rep: dict) -> None:
     workdir = os.path.join(base, f"zs-infinity-curve-{label}")
     entry = rep["sizes"].setdefault(label, {"shape": dict(zip(("layers", "hidden", "intermediate", "heads"), shape)),
                                              "parameters": n, "systems": {}})
-    entry["run"] = {"date": datetime.date.today().isoformat(), "started_utc": datetime.datetime.utcnow().strftime("%H:%M"),
-                    "steps": args.steps, "warmup": args.warmup, "ds_sub_group_size": args.ds_sub_group_size}
     try:
         for system in args.systems.split(","):
+            run = {"date": datetime.date.today().isoformat(),
+                   "started_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M"),
+                   "steps": args.steps, "warmup": args.warmup, "ds_sub_group_size": args.ds_sub_group_size,
+                   "memory_guard": args.memory_guard}
             reason = no_room(args, system, n, rep, base)
             if reason:
                 print(f"[infinity_curve] {label} {system}: skipped: {reason}", flush=True)
-                entry["systems"][system] = {"skipped": reason, "load_average": os.getloadavg()[0]}
+                entry["systems"][system] = {"skipped": reason, "load_average": os.getloadavg()[0], "run": run}
                 continue
             out = os.path.join(workdir, f"{system}.json")
             layers, hidden, inter, heads = shape
@@ -159,12 +164,13 @@ def run_size(args, label: str, rep: dict) -> None:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if proc.returncode or not os.path.exists(out):
                 entry["systems"][system] = {"errors": [f"driver exit {proc.returncode}"],
-                                            "printed_tail": proc.stdout[-3000:]}
+                                            "printed_tail": proc.stdout[-3000:], "run": run}
                 continue
             raw = json.load(open(out))
             entry["parameters"] = raw["parameters"]
             entry["systems"][system] = summarize(system, raw["systems"][system], args.warmup)
             entry["systems"][system]["wall_s"] = time.monotonic() - t0
+            entry["systems"][system]["run"] = run
             entry["systems"][system]["ranks"] = raw["systems"][system]["ranks"]
             print(format_row(label, entry["parameters"], system, entry["systems"][system]), flush=True)
             save(args, rep)
@@ -182,7 +188,7 @@ def no_room(args, system: str, n: int, rep: dict, base: str) -> str | None:
     seen = sorted((e["parameters"], max(s["train_peak_anon"]) + max(s["baseline_anon"]))
                   for e in rep["sizes"].values() for name, s in e["systems"].items()
                   if name == system and s.get("train_peak_anon") and s.get("baseline_anon") and e["parameters"] < n)
-    if not seen:
+    if not seen or not args.memory_guard:
         return None
     if len(seen) == 1:
         predicted = seen[-1][1] * n / seen[-1][0]  # proportional: an upper bound when part of it is constant
