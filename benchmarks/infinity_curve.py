@@ -21,8 +21,10 @@ Before each system it checks room: the disk must keep ``--min-free-gb`` free aft
 model directory, the swap files (16 bytes per parameter over the ranks, DeepSpeed's as
 ours) and the floor's file; host memory must hold the ranks' predicted peak (extrapolated
 from the smaller sizes already measured, a straight line through the last two) with
-``--memory-margin-gb`` to spare. A system that would not fit is skipped and the reason
-recorded; so is one that fails (with the tail of what it printed). Each size's work directory
+``--memory-margin-gb`` to spare (``--no-memory-guard`` turns the memory check off, for a system
+whose straight line overshoots a figure measured elsewhere; recorded in the system's ``run``). A
+system that would not fit is skipped and the reason recorded; so is one that fails (with the
+tail of what it printed). Each size's work directory
 is deleted after it.
 
 Results accumulate in ``--out`` (default ``benchmarks/infinity_curve.json``) size by size,
@@ -288,7 +290,11 @@ def plot(rep: dict, labels: list, systems: list, path: str) -> None:
         t = [(x, s["step_s"]) for x, s in pts if s.get("step_s")]
         m = [(x, max(s["train_peak_anon"]) / GB) for x, s in pts if s.get("train_peak_anon")]
         if t:
-            ax_t.plot(*zip(*t), marker="o", label=system)
+            line, = ax_t.plot(*zip(*t), marker="o", label=system)
+            for (x, y), (_, s) in zip(t, [p for p in pts if p[1].get("step_s")]):
+                # times move with the shared machine's load: each point says how busy it was
+                ax_t.annotate(f"load {max(s['step_load_average']):.0f}", (x, y), textcoords="offset points",
+                              xytext=(4, 4), fontsize=7, color=line.get_color())
         if m:
             ax_m.plot(*zip(*m), marker="o", label=system)
     for x, s in [(rep["sizes"][k]["parameters"] / 1e6, rep["sizes"][k]["systems"].get("zero3_offload_nvme", {}))
