@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,10 +61,22 @@ class System:
         return self.model(input_ids=ids.to(self.device), labels=ids.to(self.device)).loss
 
     def train(self) -> None:
+        """``--steps`` steps, each timed by part (forward, then what ``backward_step`` reports):
+        the cost curve (infinity_curve.py) reads them from ``steps`` in the rank's JSON."""
         self.model.train()  # (from_pretrained returns a model in eval mode)
+        self.steps = []
         for step in range(self.args.steps):
+            probe = getattr(self, "io_probe", None)
+            mark = probe.mark() if probe else None
+            t0 = time.perf_counter()
             loss = self.forward_loss(_batch(self.args, step, self.rank))
-            self.backward_step(loss)
+            t1 = time.perf_counter()
+            parts = self.backward_step(loss) or {}
+            t2 = time.perf_counter()
+            rec = {"wall_s": t2 - t0, "forward_s": t1 - t0, **parts, "load_average": os.getloadavg()[0]}
+            if probe:
+                rec.update(probe.since(mark, t0, t2))
+            self.steps.append(rec)
 
     def eval(self) -> None:
         self.model.eval()
@@ -88,11 +102,17 @@ class Zero(System):
         self.estimate = zs.estimate_memory(model, world_size=dist.get_world_size(), config=config, optimizer="adamw",
                                            device=self.device.type).to_dict()
         self.model, self.optimizer = zs.setup(model, optimizer, config, device=self.device)
+        if "nvme" in self.name:
+            self.io_probe = SwapProbe(zs.api._engine_of(self.model).swap)
 
-    def backward_step(self, loss) -> None:
+    def backward_step(self, loss) -> dict:
+        t0 = time.perf_counter()
         loss.backward()
+        t1 = time.perf_counter()
         self.optimizer.step()
+        t2 = time.perf_counter()
         self.optimizer.zero_grad()
+        return {"backward_s": t1 - t0, "optimizer_s": t2 - t1, "zero_grad_s": time.perf_counter() - t2}
 
     def save(self) -> None:
         import zero_strategy as zs
@@ -125,7 +145,8 @@ class Zero(System):
 class DeepSpeed(System):
     def _config(self) -> dict:
         off_opt, off_par = DEEPSPEED[self.name]
-        zero = {"stage": 3, "sub_group_size": int(1e8), "stage3_gather_16bit_weights_on_model_save": True}
+        sub_group = int(getattr(self.args, "ds_sub_group_size", 1e8))
+        zero = {"stage": 3, "sub_group_size": sub_group, "stage3_gather_16bit_weights_on_model_save": True}
         swap = os.path.join(self.workdir, "swap")
         for key, where in (("offload_optimizer", off_opt), ("offload_param", off_par)):
             if where == "nvme":
@@ -151,9 +172,12 @@ class DeepSpeed(System):
         self.model, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                                 config=conf)
 
-    def backward_step(self, loss) -> None:
+    def backward_step(self, loss) -> dict:
+        t0 = time.perf_counter()
         self.model.backward(loss)
+        t1 = time.perf_counter()
         self.model.step()
+        return {"backward_s": t1 - t0, "optimizer_s": time.perf_counter() - t1}
 
     def save(self) -> None:
         self.model.save_checkpoint(self.ckpt)
@@ -219,10 +243,14 @@ class FSDP2(System):
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
-    def backward_step(self, loss) -> None:
+    def backward_step(self, loss) -> dict:
+        t0 = time.perf_counter()
         loss.backward()
+        t1 = time.perf_counter()
         self.optimizer.step()
+        t2 = time.perf_counter()
         self.optimizer.zero_grad()
+        return {"backward_s": t1 - t0, "optimizer_s": t2 - t1, "zero_grad_s": time.perf_counter() - t2}
 
     def _state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -265,6 +293,74 @@ class FSDP2(System):
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
         dcp_to_torch_save(os.path.join(workdir, "ckpt"), os.path.join(workdir, "export.pt"))
         return None
+
+
+class SwapProbe:
+    """What the NVMe store's disk and the training thread did during a step, without engine changes.
+
+    Methods are wrapped on the instances (the swap file's ``_io_chunk``, the store's
+    ``wait_writes`` and its pool's ``acquire``) and the ``wait_all`` the NVMe modules imported:
+    every I/O request is time-stamped (disk busy = the union of their spans), and the time the
+    training path spends inside a wait is the union of those waits' spans on its two threads: the
+    main thread's (forward and backward read parameters) and the CPU step worker's
+    (``zero-cpu-step``: the optimizer step runs there while the main thread waits for it,
+    unwrapped, so nothing counts twice); the I/O threads and the write-back finisher are not
+    the step's path. Bytes are the swap file's own counters (counted when requests are submitted).
+    """
+
+    def __init__(self, store):
+        from zero_strategy._mechanisms import nvme, nvme_stream
+        self.file, self.io, self.waits = store.file, [], []
+        self._lock = threading.Lock()
+        chunk = self.file._io_chunk
+
+        def timed_io(write, buf, offset):
+            t0 = time.perf_counter()
+            chunk(write, buf, offset)
+            with self._lock:
+                self.io.append((t0, time.perf_counter(), write, buf.numel()))
+        self.file._io_chunk = timed_io
+        for owner, name in ((nvme, "wait_all"), (nvme_stream, "wait_all"), (store, "wait_writes"),
+                            (store.pool, "acquire")):
+            setattr(owner, name, self._waited(getattr(owner, name)))
+
+    def _waited(self, fn):
+        def wrapper(*args, **kw):
+            thread = threading.current_thread()
+            if thread is not threading.main_thread() and not thread.name.startswith("zero-cpu-step"):
+                return fn(*args, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                with self._lock:
+                    self.waits.append((t0, time.perf_counter()))
+        return wrapper
+
+    def mark(self) -> tuple[int, int]:
+        with self._lock:
+            self.io.clear()
+            self.waits.clear()
+        return self.file.bytes_read, self.file.bytes_written
+
+    def since(self, mark: tuple[int, int], t0: float, t1: float) -> dict:
+        with self._lock:
+            io = [x for x in self.io if x[0] >= t0 and x[1] <= t1]
+            waits = list(self.waits)
+        return {"read_bytes": self.file.bytes_read - mark[0], "written_bytes": self.file.bytes_written - mark[1],
+                "disk_busy_s": union_length([(a, b) for a, b, *_ in io]),
+                "disk_read_busy_s": union_length([(a, b) for a, b, w, _ in io if not w]),
+                "disk_write_busy_s": union_length([(a, b) for a, b, w, _ in io if w]),
+                "waiting_s": union_length(waits), "io_requests": len(io)}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def system_class(name: str) -> type:

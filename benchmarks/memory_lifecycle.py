@@ -61,6 +61,15 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--phases", default=None,
+                   help="comma-separated phases to run, in their order (default: all; the cost curve runs load,train; "
+                        "the export runs only after save)")
+    p.add_argument("--ds-sub-group-size", dest="ds_sub_group_size", type=float, default=1e8,
+                   help="DeepSpeed's zero_optimization.sub_group_size (elements)")
+    p.add_argument("--floor", action="store_true",
+                   help="NVMe systems of ours: after the phases, each rank moves its median timed step's swap bytes "
+                        "with raw O_DIRECT requests (both ranks at once): the disk's floor for that step")
+    p.add_argument("--warmup", type=int, default=1, help="steps of the train phase left out of --floor's median")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--nproc", type=int, default=2)
@@ -149,7 +158,7 @@ def worker(args) -> None:
     baseline = anon_rss()
     system = cls(args.worker, args, args.system_dir)
     phases, error = {}, None
-    for phase in ls.PHASES:
+    for phase in selected_phases(args):
         dist.barrier()
         sampler.reset()
         if args.device == "cuda":
@@ -166,11 +175,62 @@ def worker(args) -> None:
         phases[phase] = row
         system.__dict__.pop("kept", None)
     sampler.stop()
+    floor = None
+    if args.floor and error is None and getattr(system, "io_probe", None) and getattr(system, "steps", None):
+        dist.barrier()
+        floor = disk_floor(system, args)
     with open(os.path.join(args.system_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "baseline_anon": baseline, "phases": phases, "error": error,
-                   "estimate": getattr(system, "estimate", None)}, f)
+                   "estimate": getattr(system, "estimate", None), "steps": getattr(system, "steps", None),
+                   "floor": floor}, f)
     dist.destroy_process_group()
     os._exit(0)
+
+
+def selected_phases(args) -> list:
+    import lifecycle_systems as ls
+    if not args.phases:
+        return list(ls.PHASES)
+    wanted = args.phases.split(",")
+    unknown = set(wanted) - set(ls.PHASES)
+    if unknown:
+        raise SystemExit(f"unknown phases {sorted(unknown)}: choose from {', '.join(ls.PHASES)}")
+    return [p for p in ls.PHASES if p in wanted]
+
+
+def disk_floor(system, args) -> dict:
+    """The disk's time for this rank's step bytes, measured now: the median timed step's swap
+    reads R and writes W replayed as raw O_DIRECT requests of the store's own request size on as
+    many threads (nvme_bench.RawFile), both ranks at once (they share the disk as their steps
+    do): R read alone, W written alone (with fsync), then R and W interleaved. The file is at most
+    4 GiB (reads wrap around in its first half, writes in its second): O_DIRECT goes past the
+    guest's page cache either way."""
+    import statistics
+
+    import torch.distributed as dist
+    from nvme_bench import RawFile
+    timed = system.steps[args.warmup:] or system.steps
+    r = int(statistics.median(s["read_bytes"] for s in timed))
+    w = int(statistics.median(s["written_bytes"] for s in timed))
+    store_file = system.io_probe.file
+    chunk, threads = store_file.chunk, len(store_file._io._threads)
+    size = min(4 << 30, max(2 * chunk, -(-(r + w) // 4096) * 4096))
+    f = RawFile(os.path.dirname(str(store_file.path)), size, chunk, threads)
+    ops = lambda n, write: [(write, min(chunk, n - o)) for o in range(0, n, chunk)]  # noqa: E731
+    try:
+        f.run([(True, o, n) for o, n in f.requests(0, size)])  # allocate the blocks (the swap file's are)
+        out = {"read_bytes": r, "written_bytes": w, "request_bytes": chunk, "threads": threads,
+               "file_bytes": size, "o_direct": f.direct}
+        for kind, reqs in (("read", ops(r, False)), ("write", ops(w, True)),
+                           ("mixed", [x for pair in zip(ops(r, False), ops(w, True)) for x in pair]
+                            + ops(r, False)[len(ops(w, True)):] + ops(w, True)[len(ops(r, False)):])):
+            dist.barrier()
+            res = f.run(f.layout(reqs))
+            out[kind] = {"s": res["s"], "gbps": res["gbps"], "load_average": os.getloadavg()[0]}
+        out["floor_s"] = out["read"]["s"] + out["write"]["s"]
+        return out
+    finally:
+        f.close()
 
 
 def export_worker(args) -> None:
@@ -198,7 +258,9 @@ def _common_argv(args) -> list:
     return [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--intermediate", str(args.intermediate), "--heads", str(args.heads), "--vocab", str(args.vocab),
             "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--precision", args.precision, "--device", args.device]
+            "--precision", args.precision, "--device", args.device, "--ds-sub-group-size", str(args.ds_sub_group_size),
+            "--warmup", str(args.warmup)] + (["--phases", args.phases] if args.phases else []) + \
+        (["--floor"] if args.floor else [])
 
 
 def run_system(args, name: str, model_dir: str, workdir: str) -> dict:
@@ -209,8 +271,10 @@ def run_system(args, name: str, model_dir: str, workdir: str) -> dict:
     port = _free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.nproc),
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    logs = [open(os.path.join(system_dir, f"rank{r}.log"), "w+") for r in range(args.nproc)]
     procs = [subprocess.Popen(argv + ["--worker", name], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              start_new_session=True) for r in range(args.nproc)]
+                              stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True)
+             for r in range(args.nproc)]
     deadline = time.monotonic() + args.timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -223,8 +287,16 @@ def run_system(args, name: str, model_dir: str, workdir: str) -> dict:
         path = os.path.join(system_dir, f"rank{r}.json")
         ranks.append(json.load(open(path)) if os.path.exists(path)
                      else {"rank": r, "phases": {}, "error": f"no report (exit {procs[r].returncode})"})
+        logs[r].seek(0)
+        printed = logs[r].read()
+        logs[r].close()
+        sys.stdout.write(printed)  # what the rank printed, as before, once it is done
+        if ranks[-1]["error"]:  # what it printed is the finding when it fails (kept: the dir is removed below)
+            ranks[-1]["printed_tail"] = printed[-3000:]
     export = {"error": "not run: the ranks failed"}
-    if not any(r["error"] for r in ranks):
+    if "save" not in selected_phases(args):
+        export = {"error": "not run: no save phase"}
+    elif not any(r["error"] for r in ranks):
         subprocess.run(argv + ["--export", name], env=env, timeout=args.timeout)
         path = os.path.join(system_dir, "export.json")
         export = json.load(open(path)) if os.path.exists(path) else {"error": "no report"}

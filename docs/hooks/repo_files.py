@@ -17,10 +17,13 @@ FILES = {
     "repo/benchmarks/current.json": "benchmarks/current.json",  # RESULTS.md links to it
     "repo/SECURITY.md": "SECURITY.md",
     "repo/CHANGELOG.md": "CHANGELOG.md",
+    "repo/benchmarks/infinity_curve.png": "benchmarks/infinity_curve.png",  # RESULTS.md and results.md show it
 }
 
 
 def on_files(files, config):
     for uri, source in FILES.items():
-        files.append(File.generated(config, uri, content=(ROOT / source).read_text(encoding="utf-8")))
+        path = ROOT / source
+        content = path.read_bytes() if path.suffix == ".png" else path.read_text(encoding="utf-8")
+        files.append(File.generated(config, uri, content=content))
     return files
