@@ -58,6 +58,8 @@ def _train(config: dict, kind: str, steps: int = 4) -> dict:
         opt.scale_loss(loss).backward()
         opt.step()
         opt.zero_grad()
+    engine = zs.api._engine_of(model)  # the step's in-place writes left no autograd history
+    assert all(g.params.tensor.grad_fn is None and g.master.is_leaf for g in engine.trainable_groups)
     with zs.gathered_parameters(model):
         out = {f"param.{n}": p.detach().clone() for n, p in model.named_parameters()}
     for k, (master, state) in enumerate(opt.optimizer.state.items()):

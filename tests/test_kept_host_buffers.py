@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
+from zero_strategy._mechanisms.cast_scratch import CastScratch
 
 from _models import TinyLM, batch, loss_fn, param_groups
 
@@ -72,3 +73,14 @@ def test_the_buffers_are_taken_again_by_the_next_step():
         kept.append(zs.memory_report(model).kept_bytes)
     assert kept[0] > 0
     assert kept[1] == kept[2] == kept[0], kept  # reused, not grown
+
+
+def test_the_cast_scratch_hands_out_the_smallest_idle_buffer_that_fits():
+    """Several idle buffers of different sizes: a take finds its buffer among them by identity
+    (``list.remove`` compared the tensors elementwise, and raised on buffers of two sizes)."""
+    scratch = CastScratch()
+    large, small = scratch.take(1000, torch.float32), scratch.take(10, torch.float32)
+    scratch.give_back(large)
+    scratch.give_back(small)
+    assert scratch.take(10, torch.float32) is small
+    assert scratch.take(10, torch.float32) is large

@@ -44,17 +44,21 @@ class CastScratch:
             fits = [b for b in self._idle if b.dtype == dtype and b.numel() >= numel]
             if fits:
                 buf = min(fits, key=torch.Tensor.numel)
-                self._idle.remove(buf)
+                self._forget(buf)
                 return buf
             if self._idle:  # outgrown: the largest idle one makes way for a larger one
                 small = max(self._idle, key=lambda b: b.numel() * b.element_size())
-                self._idle.remove(small)
+                self._forget(small)
                 self._held_bytes -= small.numel() * small.element_size()
                 del small
         buf = torch.empty(numel, dtype=dtype)
         with self._lock:
             self._held_bytes += buf.numel() * buf.element_size()
         return buf
+
+    def _forget(self, buf: torch.Tensor) -> None:
+        """Take ``buf`` off the idle list, by identity (``list.remove`` would compare tensors with ``==``)."""
+        self._idle = [b for b in self._idle if b is not buf]
 
     def give_back(self, buf: torch.Tensor | None) -> None:
         """``buf`` (from :meth:`take`) is no longer used by the step: keep it, unless something

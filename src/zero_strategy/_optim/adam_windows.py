@@ -19,7 +19,13 @@ The window is a trade: the smaller it is, the surer the scratch stays in cache, 
 kernel calls (each a dispatch and, above ~32K elements, a parallel region whose threads meet at
 a barrier: on a loaded machine a region waits for a descheduled thread). 2^20 elements (a 4 MiB
 scratch, in the L3 of the 2-core test machine, near its 1 MiB L2) measured best; RESULTS.md
-"The bf16 step in cache-sized windows" has the figures.
+"The bf16 step in cache-sized windows" has the figures. Those calls, not memory, bound the step
+(it moves fewer bytes than CPUAdam with its copy-out): RESULTS.md "The bf16 step beside CPUAdam".
+Threads of our own in place of torch's parallel regions, each window on one, were tried there and
+dropped: every call gives the GIL up and takes it back, and on a loaded machine taking it back
+waits for the other thread to be scheduled (2-3x slower at load 16-26). The windows cast a window
+at a time, so on a CPU-only process the whole step is one batch (``_batch_limit`` in
+offloaded_step.py).
 
 Exact: the same kernel on the same elements. Adam is elementwise (See [Note: a step in chunks is
 the step] in chunked_step.py); every cut inside a master falls on a multiple of :data:`ALIGN`

@@ -188,10 +188,12 @@ class OffloadedStep:
         See [Note: fp32 gradients only for the groups being stepped] in _engine/storage.py);
         otherwise one batch, since each optimizer call costs its dispatch and a hand-off (the
         36-48M-parameter step of benchmarks/hot_path.py: 0.86-0.92x torch's fused AdamW in
-        batches, 0.99-1.03x in one). See [Note: step batches] in _mechanisms/transfers.py."""
+        batches, 0.99-1.03x in one). The windowed step casts a window at a time, whatever the
+        batch, so it is one batch too (See [Note: the bf16 step in cache-sized windows] in
+        adam_windows.py). See [Note: step batches] in _mechanisms/transfers.py."""
         overlaps = self.engine.transfers.cuda or (not self.engine.plan.shards_parameters
                                                    and self.engine.comm.world_size > 1)
-        casts = any(g.master_grad_cast_numel for g in groups)
+        casts = any(g.master_grad_cast_numel for g in groups) and self._window_plan(groups) is None
         return None if overlaps or casts else sys.maxsize
 
     def _cpu_step_groups(self, batch, factor: float, upcoming=()) -> list:
