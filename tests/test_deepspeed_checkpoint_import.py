@@ -736,6 +736,20 @@ def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_runs, tm
 
 
 
+def test_lightning_refuses_a_deepspeed_run_of_its_own_naming_what_its_restore_needs(ds_runs):
+    """Lightning's ``fit(ckpt_path=...)`` reads a DeepSpeed directory only where Lightning's dict is its
+    client_state (DeepSpeedStrategy's save): a plain DeepSpeed run's is refused, nothing changed."""
+    from zero_strategy.lightning import _checkpoint
+
+    model, zopt = _setup_tiny()
+    before = _snapshot(model, zopt)
+    with pytest.raises(ValueError, match=r"not saved by Lightning's DeepSpeedStrategy \(its client_state lacks "
+                       r"\['pytorch-lightning_version', 'loops', 'global_step'\]\): resume it with "
+                       "zero_strategy.load_checkpoint"):
+        _checkpoint.load(_ds_dir(ds_runs, "s1_fp32"), model, [zopt])
+    assert _same(before, _snapshot(model, zopt))
+
+
 def test_allowlisted_stand_ins_run_no_deepspeed_code(ds_runs):
     """The loss scaler, ZeroStageEnum and fragment_address come back as inert attributes."""
     from zero_strategy.checkpoint._deepspeed import _Attributes, safe_load

@@ -289,6 +289,19 @@ class DeepSpeedCheckpoint:
         max(stable, 1)``). Ours counts good steps up to ``growth_interval``: ``good_steps`` is set so
         that the same number of good steps remains (it is negative right after an overflow, where
         DeepSpeed waits one step longer than a window). ``cur_hysteresis`` is our ``hysteresis_left``.
+
+        That makes the next growth or back-off after the load fall on DeepSpeed's step; after it the
+        two policies part in two places (our ``LossScaler`` in _optim/optimizer.py, compared step by
+        step with DeepSpeed 0.19.8's ``DynamicLossScaler(consecutive_hysteresis=False)``, its default):
+        * growth: DeepSpeed grows at the (window + 1)-th good step after the start or after any
+          overflow (``stable`` counts the steps *before* this one), then every window good steps; ours
+          grows at every window-th good step, so one step earlier after the start and after each
+          overflow;
+        * hysteresis: after a back-off DeepSpeed leaves ``cur_hysteresis`` at 1 until the next growth
+          restores it (so each further overflow backs off at once); ours restores ``hysteresis`` at the
+          back-off, so with ``hysteresis > 1`` ours skips that many overflows again first.
+        With ``hysteresis: 1`` only the first differs. A DeepSpeed run resumed here keeps DeepSpeed's
+        schedule up to its next overflow or growth, then follows ours.
         """
         scaler = self.optim[0].get("loss_scaler")
         if scaler is None or not self.fp16:
