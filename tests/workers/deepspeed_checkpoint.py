@@ -58,9 +58,11 @@ def global_batch(step: int):
             torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g))
 
 
-def build():
+def build(vocab: int = VOCAB):
+    """``vocab`` (case["vocab"]): a larger one makes the embedding big enough for DeepSpeed to swap
+    its optimizer state to NVMe (it keeps a sub-group under 1 MiB per rank in memory)."""
     torch.manual_seed(4321)
-    model = TinyLM(layers=2)
+    model = TinyLM(layers=2, vocab=vocab)
     return model, torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))
 
 
@@ -91,15 +93,17 @@ def deepspeed_engine(case: dict, load_universal: bool = False):
     # ``deepspeed.comm.torch`` is torch, which deepspeed.comm imports under that name
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
-    model, opt = build()
+    model, opt = build(case.get("vocab", VOCAB))
     with torch.no_grad():  # the frozen parameter differs from a fresh model's: the resume must load it
         model.frozen_mix.mul_(-2.0)
     frozen = model.frozen_mix.detach().clone()
     zero: dict = {"stage": case["stage"]}
+    # offload "nvme-...": DeepSpeed swaps to files under case["nvme_path"] (a fresh folder per run)
+    where = {"device": "nvme", "nvme_path": case["nvme_path"]} if case["offload"].startswith("nvme") else {"device": "cpu"}
     if "optimizer" in case["offload"]:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_optimizer"] = dict(where)
     if "param" in case["offload"]:
-        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_param"] = dict(where)
     config = {"train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(), "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_optimization": zero, "bf16": {"enabled": case["bf16"]},
               "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
@@ -187,7 +191,7 @@ def run_export(case: dict) -> dict:
 def run_ours(case: dict, out) -> dict:
     import zero_strategy as zs
 
-    model, opt = build()
+    model, opt = build(case.get("vocab", VOCAB))
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"], param_persistence_threshold=0,
                         offload_optimizer=zs.CPUOffload() if case.get("offload") else None)
     model, zopt = zs.setup(model, opt, cfg)

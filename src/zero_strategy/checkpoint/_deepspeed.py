@@ -24,6 +24,9 @@ spread over the rank files (what ``utils/zero_to_fp32.py`` undoes):
   padded); rank r's ``fp32_flat_groups[k]`` is its part of each parameter of sub-group k, end
   to end, and the optimizer's ``state`` entry of that sub-group has the same layout.
 
+At stage 3 with ``offload_optimizer.device: nvme`` the rank files hold, for each sub-group DeepSpeed
+swapped to NVMe, empty tensors instead: See [Note: NVMe-swapped sub-groups].
+
 So element e of a parameter sits at a computable (rank file, group, offset): :meth:`DeepSpeedCheckpoint.pieces`
 says which, and a load copies each rank's own element ranges straight out of the rank files,
 memory-mapped, as our own format does (See [Note: re-sharding by name] in _load.py): no whole
@@ -105,6 +108,44 @@ def safe_load(path: Path) -> Any:
                     "and an allowlist; an unknown type could run code when unpickled)") from None
             raise CheckpointError(f"{path} is not a readable DeepSpeed checkpoint file: "
                                   f"{type(err).__name__}: {str(err)[:300]}") from None
+
+
+# [Note: NVMe-swapped sub-groups]
+# DeepSpeed 0.19's stage 3 with ``offload_optimizer.device: nvme`` keeps a sub-group's fp32 master and
+# Adam state in swap files (its ``PartitionedOptimizerSwapper``) when the rank's part of the sub-group
+# reaches the I/O minimum (1 MiB, or the aio block size); smaller ones stay in memory. Its
+# ``save_checkpoint`` writes the rank files as ever, where a swapped sub-group's tensors are empty
+# (0 elements), and copies the swap folder (gradients left out) into ``<tag>/offloaded_tensors/rank<NN>/``
+# (``load_checkpoint`` copies it back). The empty tensors keep, pickled with them, the ``ds_id`` the
+# swapper named each file by: ``<ds_id>.tensor.swp`` for the master (``ds_id`` "<first>_<last>": the
+# sub-group's parameter ids), ``<state>-<ds_id>.tensor.swp`` for each Adam tensor, the ``ds_id`` of
+# the state tensor itself. A file is the tensor's raw fp32 elements, padded at the end to the I/O
+# alignment. So the checkpoint says where each swapped tensor is, and it is read from there,
+# memory-mapped, as the rank files are. Stages 1-2 with NVMe offload keep the optimizer in CPU memory
+# (DeepSpeed has no swapper there): their files are complete. Parameters offloaded to NVMe
+# (``offload_param``) are not needed: the fp32 masters are the weights, and the frozen parameters'
+# fragments are in the model-states files.
+_SWAP_FOLDER = "offloaded_tensors"
+_SWAP_ID = re.compile(r"(?:[A-Za-z_]\w*-)?\d+_\d+")
+
+
+def _swapped_tensor(tag_dir: Path, rank: int, t: torch.Tensor, numel: int, what: str) -> torch.Tensor:
+    """The ``numel`` fp32 elements DeepSpeed swapped out for the empty ``t`` of rank ``rank``'s file,
+    memory-mapped from its swap file. See [Note: NVMe-swapped sub-groups]."""
+    swap_id = getattr(t, "ds_id", None)
+    if not isinstance(swap_id, str) or not _SWAP_ID.fullmatch(swap_id):
+        raise CheckpointError(f"{tag_dir}: rank {rank}'s {what} is empty and names no swap file (ds_id "
+                              f"{swap_id!r}): not a DeepSpeed NVMe-offload checkpoint that is read")
+    path = tag_dir / _SWAP_FOLDER / f"rank{rank:0>2d}" / f"{swap_id}.tensor.swp"
+    if not path.is_file() or path.is_symlink():
+        raise CheckpointError(
+            f"{path} is missing: DeepSpeed swapped rank {rank}'s {what} to NVMe, and its save_checkpoint copies the "
+            f"swap files into {_SWAP_FOLDER}/ of the tag directory; copy the checkpoint with that folder, or resume "
+            "it in DeepSpeed and save it again with offload_optimizer.device 'cpu'")
+    size = path.stat().st_size
+    if size % 4 or size < numel * 4:
+        raise CheckpointError(f"{path} holds {size} bytes, not the {numel} fp32 elements of rank {rank}'s {what}")
+    return torch.from_file(str(path), shared=False, size=size // 4, dtype=torch.float32)[:numel]
 
 
 # ------------------------------------------------------------------ finding it
@@ -222,12 +263,6 @@ class DeepSpeedCheckpoint:
 
     # -------------------------------------------------------------- checks
     def _check_supported(self) -> None:
-        zero = self.config.get("zero_optimization") or {}
-        for key in ("offload_optimizer", "offload_param"):
-            if (zero.get(key) or {}).get("device") == "nvme":
-                raise CheckpointError(
-                    f"{self.dir} was saved by a run with {key} on NVMe, which is not read yet: resume it in "
-                    "DeepSpeed with CPU offload (offload_optimizer.device 'cpu') and save again")
         for r, sd in enumerate(self.optim):
             if int(sd.get("zero_stage", -1)) != self.stage:
                 raise CheckpointError(f"{self.optim_files[r]}: ZeRO stage differs from rank 0's {self.stage}")
@@ -254,6 +289,19 @@ class DeepSpeedCheckpoint:
         max(stable, 1)``). Ours counts good steps up to ``growth_interval``: ``good_steps`` is set so
         that the same number of good steps remains (it is negative right after an overflow, where
         DeepSpeed waits one step longer than a window). ``cur_hysteresis`` is our ``hysteresis_left``.
+
+        That makes the next growth or back-off after the load fall on DeepSpeed's step; after it the
+        two policies part in two places (our ``LossScaler`` in _optim/optimizer.py, compared step by
+        step with DeepSpeed 0.19.8's ``DynamicLossScaler(consecutive_hysteresis=False)``, its default):
+        * growth: DeepSpeed grows at the (window + 1)-th good step after the start or after any
+          overflow (``stable`` counts the steps *before* this one), then every window good steps; ours
+          grows at every window-th good step, so one step earlier after the start and after each
+          overflow;
+        * hysteresis: after a back-off DeepSpeed leaves ``cur_hysteresis`` at 1 until the next growth
+          restores it (so each further overflow backs off at once); ours restores ``hysteresis`` at the
+          back-off, so with ``hysteresis > 1`` ours skips that many overflows again first.
+        With ``hysteresis: 1`` only the first differs. A DeepSpeed run resumed here keeps DeepSpeed's
+        schedule up to its next overflow or growth, then follows ours.
         """
         scaler = self.optim[0].get("loss_scaler")
         if scaler is None or not self.fp16:
@@ -357,10 +405,24 @@ class DeepSpeedCheckpoint:
             flat = sd.get("fp32_flat_groups")
             if not isinstance(flat, list) or len(flat) != len(shapes):
                 raise CheckpointError(f"{self.optim_files[r]}: {len(flat or [])} fp32 groups, expected {len(shapes)}")
+            self._swapped_in(r, flat, order)
             for k, t in enumerate(flat):
                 self._tensor(f"{self.optim_files[r]} fp32_flat_groups[{k}]", t, self.sub_numel[k])
         self.param_groups = base["param_groups"]
         self._check_states(lambda r, k: self.sub_numel[k], len(shapes))
+
+    def _swapped_in(self, r: int, flat: list, order: list) -> None:
+        """Rank ``r``'s NVMe-swapped sub-groups (empty in its file) mapped from their swap files, in place
+        of the empty tensors. See [Note: NVMe-swapped sub-groups]."""
+        state = self._base(r).get("state") or {}
+        for k, t in enumerate(flat):
+            if not (isinstance(t, torch.Tensor) and t.numel() == 0 and self.sub_numel[k] > 0):
+                continue
+            flat[k] = _swapped_tensor(self.dir, r, t, self.sub_numel[k], f"fp32 sub-group {k}")
+            entry = state.get(order[k][0]) or {}
+            for key, v in entry.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == 0:
+                    entry[key] = _swapped_tensor(self.dir, r, v, self.sub_numel[k], f"{key} of sub-group {k}")
 
     def _check_states(self, numel_of, groups: int) -> None:
         """Every rank's optimizer state has the same entries, of the sizes the layout says."""

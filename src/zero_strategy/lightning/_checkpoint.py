@@ -68,9 +68,13 @@ def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None
     The returned dict has no ``state_dict`` (already loaded); it has ``optimizer_states``
     (empty placeholders, already loaded) exactly when the checkpoint holds optimizer
     state, so Lightning's "checkpoint contains only the model" check still works.
+    A directory Lightning's ``DeepSpeedStrategy`` saved is read as well (See [Note: a DeepSpeedStrategy
+    checkpoint]).
     """
     from ..checkpoint import load_metadata
 
+    if _is_deepspeed(path):
+        return _load_deepspeed(path, model, zero_optimizers, strict)
     meta = load_metadata(path)
     has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
     optimizers = list(zero_optimizers) if has_optimizer and zero_optimizers else None
@@ -81,6 +85,47 @@ def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None
     checkpoint["state_dict"] = {}
     if has_optimizer:
         checkpoint["optimizer_states"] = []
+    return checkpoint
+
+
+# [Note: a DeepSpeedStrategy checkpoint]
+# Lightning's DeepSpeedStrategy.save_checkpoint hands its checkpoint dict, less "state_dict" and
+# "optimizer_states", to DeepSpeed's ``engine.save_checkpoint(dir, client_state=..., tag="checkpoint")``,
+# the engine built over the LightningModule itself (so DeepSpeed names the parameters as the
+# LightningModule does). The weights and optimizer state are read by the DeepSpeed reader of
+# checkpoint/ (See [Note: DeepSpeed's layout] in checkpoint/_deepspeed.py), at any world size and
+# stage; the client_state is Lightning's dict (epoch, global_step, loops, callbacks, lr_schedulers,
+# ...), read with that reader's allowlist, and goes back to Lightning as a .ckpt file's would: its
+# restore sets the loops and the schedulers. A DeepSpeed directory whose client_state is not
+# Lightning's (a DeepSpeed run of its own) is refused before anything is copied, as Lightning's
+# restore needs its loops.
+_LIGHTNING_KEYS = ("pytorch-lightning_version", "loops", "global_step", "epoch")
+
+
+def _is_deepspeed(path) -> bool:
+    from ..checkpoint._deepspeed import find_deepspeed_checkpoint
+    from ..checkpoint._layout import METADATA_FILE
+
+    path = Path(path)
+    return path.is_dir() and not (path / METADATA_FILE).exists() and find_deepspeed_checkpoint(path) is not None
+
+
+def _lightning_client_state(client_state: Any) -> dict[str, Any]:
+    missing = [k for k in _LIGHTNING_KEYS if not (isinstance(client_state, dict) and k in client_state)]
+    if missing:
+        raise ValueError(f"this DeepSpeed checkpoint was not saved by Lightning's DeepSpeedStrategy (its client_state "
+                         f"lacks {missing}): resume it with zero_strategy.load_checkpoint, or load its weights "
+                         "only (zero_strategy.load_checkpoint(dir, model) in LightningModule.on_fit_start)")
+    return dict(client_state)
+
+
+def _load_deepspeed(path, model, zero_optimizers: list, strict: bool) -> dict[str, Any]:
+    """See [Note: a DeepSpeedStrategy checkpoint]."""
+    optimizers = list(zero_optimizers) or None
+    with prepare_load(path, model, optimizers, strict=strict, accept_extra=_lightning_client_state) as load:
+        checkpoint = load.commit()
+    checkpoint["state_dict"] = {}
+    checkpoint["optimizer_states"] = []  # DeepSpeed's ZeRO files always hold it: loaded when fitting
     return checkpoint
 
 
