@@ -15,7 +15,8 @@ the measured steps. glibc is made to return freed blocks so that RSS follows wha
 With ``--tiled on`` (or ``off on``) the loss is the tiled loss (``ZeroConfig(tiled_loss=True)``: the
 model's own loss from ``model(..., labels=...)`` at sp 1 and ``model(..., shift_labels=...)`` at sp 2,
 no logits made). Beside each measured peak the table gives ``estimate_activations(...,
-sequence_parallel_size=sp, tiled_loss=...).peak_without_checkpointing``; that estimate counts the
+sequence_parallel_size=sp, tiled_loss=...).peak_without_checkpointing`` (with ``--checkpointing``,
+``peak_with_checkpointing`` plus the offloaded inputs' ``host_bytes``); that estimate counts the
 logits a loop holds through backward, which this loop does not (it keeps only the loss), so untiled
 it is one copy of the logits above the measure. ``--max-estimate-gib G`` skips a configuration whose
 estimate is above G GiB per rank (a shared machine).
