@@ -9,8 +9,9 @@ no clipping; ``UlyssesSPDataLoaderAdapter`` shards each sample. The loss is the 
 rank's shard loss from ``shift_labels``, weighted by the shard's tokens and summed over the group
 with autograd; by a differentiable all-reduce rather than the tutorial's all-gather, whose backward on
 gloo scatters from global rank 0 and fails in a group without it (torch 2.13:
-"Global rank 0 is not part of group"); both backwards sum the group's gradients. With the tiled loss, DeepSpeed's ``TiledFusedLogitsLoss`` over the final hidden states, in as
-many shards as our tiled loss has chunks (our default chunk), so neither makes the whole logits.
+"Global rank 0 is not part of group"); both backwards sum the group's gradients. With the tiled
+loss, DeepSpeed's ``TiledFusedLogitsLoss`` over the final hidden states, in as many shards as our
+tiled loss has chunks (our default chunk), so neither makes the whole logits.
 
 The adapter gathers one sample from each rank of the group and yields them in turn; every rank of a
 group reads the same samples here (as in ``one_run``), so the first step trains on the same sample as

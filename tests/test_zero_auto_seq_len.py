@@ -73,7 +73,8 @@ def test_a_short_sequence_changes_nothing(monkeypatch):
     """Where the activations fit beside zero2's model states, the key leaves the choice as it was."""
     hf, model = _llama()
     acts = estimate_activations(hf, 1, 16, "fp32", "sdpa").peak_without_checkpointing
-    device = int((estimate_memory(model, world_size=1, config=ZeroConfig.preset("zero2")).peak_device + acts) / 0.75) + 1
+    zero2 = estimate_memory(model, world_size=1, config=ZeroConfig.preset("zero2")).peak_device
+    device = int((zero2 + acts) / 0.75) + 1
     available = AvailableMemory(device=device, host=64 * GIB, nvme=None)
     chosen = _chosen(model, {"preset": "zero_auto", "seq_len": 16}, monkeypatch, available)
     assert (chosen.stage, chosen.offload_optimizer, chosen.tiled_loss, chosen.tiled_mlp) == (2, None, False, False)
