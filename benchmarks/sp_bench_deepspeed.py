@@ -62,7 +62,7 @@ def deepspeed_run(args, length: int, sp: int, tiled: bool) -> dict:
     loader = UlyssesSPDataLoaderAdapter(
         [{"input_ids": ids, "labels": ids, "position_ids": torch.arange(length).unsqueeze(0)} for ids in samples],
         sp_rank=groups.get_sequence_parallel_rank(), sp_group=group, sp_world_size=sp, device=torch.device("cpu"))
-    shards = -(-(length // sp) // default_chunk_tokens(args.vocab))
+    shards = -(-(length // sp) // default_chunk_tokens(args.vocab, length // sp))
     module = engine.module
 
     def shard_loss(head_owner, hidden, shift_labels):

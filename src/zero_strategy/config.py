@@ -148,9 +148,9 @@ class ZeroConfig:
         tiled_loss: a Hugging Face ``*ForCausalLM`` called with ``labels`` (or ``shift_labels``) in
             training mode computes its head and loss chunk by chunk over the tokens, recomputed in
             backward, so the (tokens x vocab) logits never exist whole; ``outputs.logits`` is then
-            None. ``True`` picks the chunk (about 64 MiB of fp32 logits), an integer is the chunk in
-            tokens; ``False`` (default) leaves the model's own loss. See [Note: the tiled loss] in
-            _model/tiled_loss.py.
+            None. ``True`` picks the chunk (an eighth of the tokens, at most 64 MiB of fp32 logits),
+            an integer is the chunk in tokens; ``False`` (default) leaves the model's own loss. See
+            [Note: the tiled loss] in _model/tiled_loss.py.
         tiled_mlp: each gated MLP (``gate_proj``/``up_proj``/``down_proj``: Llama, Mistral, Qwen)
             runs over chunks of the sequence in training, recomputed in backward, so it keeps one
             chunk's intermediates instead of the sequence's. ``True``: chunks of as many tokens as
