@@ -20,15 +20,15 @@ written over the softmax, and the chunk is freed before the next is made. Below 
 its source, and later the fp32 gradient and its cast back, are alive together for a moment:
 (4 + e) bytes a logit. Autograd's version of the same chunk keeps four fp32 copies (the logits,
 the log-softmax, its gradient, the logits' gradient), DeepSpeed's ``TiledFusedLogitsLoss``, which
-runs autograd on each shard, three.
+runs autograd on each shard, up to three (the logits are freed once the log-softmax is made).
 
 The chunk (:func:`default_chunk_tokens`) is an eighth of the tokens the call is given, at most
 the tokens whose fp32 logits take :data:`DEFAULT_CHUNK_BYTES`. A fixed number of chunks, not only a
 byte budget, because under sequence parallelism a rank is given 1/N of the sequence and its loss
-must then hold 1/N of the memory too: a chunk of fixed size larger than a rank's shard of
-tokens holds the same at every degree (issue 40 measured 0.94x of sp 1's peak at sp 2 with a
-64 MiB chunk). Past 8 x the budget's tokens the chunk stays at the budget, a constant beside
-activations that grow with the tokens.
+must then hold 1/N of the memory too: with a chunk of a fixed number of tokens a rank cuts its
+shard in fewer chunks, but the peak is one chunk, the same at every degree (issue 40 measured 0.94x
+of sp 1's peak at sp 2 with a fixed 64 MiB chunk). Past 8 x the budget's tokens the chunk stays
+at the budget, a constant beside activations that grow with the tokens.
 
 The reduction follows transformers' ``ForCausalLMLoss``: the mean over tokens whose label is not
 ``ignore_index``, or the sum divided by ``num_items_in_batch`` when that is given (gradient
