@@ -1,4 +1,4 @@
-"""Sequence parallelism on 2 gloo ranks: per-rank peak anonymous memory and step time, sp 1 vs sp 2.
+"""Sequence parallelism on gloo ranks: per-rank peak anonymous memory and step time, sp 1, 2 (and 4).
 
 The model of issue 40's report: a Llama-style ``LlamaForCausalLM`` (random weights; default 2
 layers, hidden 64, 4 heads, 2 kv heads, vocab 32,000, so the full-vocabulary logits and the
@@ -15,19 +15,34 @@ the measured steps. glibc is made to return freed blocks so that RSS follows wha
 With ``--tiled on`` (or ``off on``) the loss is the tiled loss (``ZeroConfig(tiled_loss=True)``: the
 model's own loss from ``model(..., labels=...)`` at sp 1 and ``model(..., shift_labels=...)`` at sp 2,
 no logits made). Beside each measured peak the table gives ``estimate_activations(...,
-sequence_parallel_size=sp, tiled_loss=...).peak_without_checkpointing``; that estimate counts the
+sequence_parallel_size=sp, tiled_loss=...).peak_without_checkpointing`` (with ``--checkpointing``,
+``peak_with_checkpointing`` plus the offloaded inputs' ``host_bytes``); that estimate counts the
 logits a loop holds through backward, which this loop does not (it keeps only the loss), so untiled
 it is one copy of the logits above the measure. ``--max-estimate-gib G`` skips a configuration whose
 estimate is above G GiB per rank (a shared machine).
+
+``--longest-within-gib G`` replaces ``--lengths``: for each SP size and loss, the longest sequence whose
+estimate per rank is at most G GiB, found by doubling from 1,024 tokens and then bisecting to 1,024
+tokens (the search is printed), and then run once to confirm it (``--run-up-to L``: not above L tokens,
+where a step would take too long; the search is still reported).
+
+``--world N`` runs N ranks (each SP size divides N). ``--dp-same-tokens`` runs, before each sp N > 1,
+plain data parallelism (sp 1) at length/N: the same tokens per rank, so the step-time ratio of issue
+40's target (SP at most 1.3x data parallelism at the same tokens per rank) is measured side by side.
+``--tiled-mlp`` and ``--checkpointing`` (one checkpoint per layer, ``gradient_checkpointing_enable``;
+with it ``activation_offload``, a placement no-op on the CPU, where the layer inputs are in host memory
+already) are the activation tools for the longest sequence. ``--deepspeed`` adds, after our rows,
+DeepSpeed's ALST at each sp > 1 on the same model, length and loss (benchmarks/sp_bench_deepspeed.py).
 
 Usage (from the repository root)::
 
     python benchmarks/sp_bench.py                          # lengths 1024 2048 4096
     python benchmarks/sp_bench.py --lengths 512 1024 --steps 3
     python benchmarks/sp_bench.py --lengths 16384 --tiled off on --steps 1 --max-estimate-gib 6
+    python benchmarks/sp_bench.py --world 4 --sp 1 2 4 --lengths 4096 --tiled off on --dp-same-tokens --deepspeed
 
-It re-launches itself with ``torch.distributed.run`` on 2 ranks; rank 0 prints the table and
-writes ``benchmarks/out/sp_bench.json`` (with the load average before and after).
+It re-launches itself with ``torch.distributed.run`` on ``--world`` ranks; rank 0 prints the table and
+writes ``benchmarks/out/sp_bench.json`` (with the load average before and after, and beside each row).
 """
 
 from __future__ import annotations
@@ -54,8 +69,21 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--preset", default="zero3")
-    p.add_argument("--sp", type=int, nargs="+", default=[1, 2], help="SP sizes (each divides 2)")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks")
+    p.add_argument("--sp", type=int, nargs="+", default=[1, 2], help="SP sizes (each divides --world)")
     p.add_argument("--tiled", nargs="+", choices=("off", "on"), default=["off"], help="the tiled loss: off, on")
+    p.add_argument("--tiled-mlp", action="store_true", help="ZeroConfig(tiled_mlp=True)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="one checkpoint per layer, with activation_offload (a no-op placement on the CPU)")
+    p.add_argument("--dp-same-tokens", action="store_true",
+                   help="before each sp N > 1, sp 1 (data parallelism) at length/N: the same tokens per rank")
+    p.add_argument("--deepspeed", action="store_true", help="DeepSpeed's ALST at each sp > 1 after our rows")
+    p.add_argument("--longest-within-gib", type=float, default=None,
+                   help="instead of --lengths: per SP size and loss, the longest sequence whose estimate per rank "
+                        "is at most this (doubling from 1024, then bisecting to 1024 tokens), then run it")
+    p.add_argument("--run-up-to", type=int, default=None,
+                   help="with --longest-within-gib: report but do not run a longest sequence above this")
+    p.add_argument("--master-port", type=int, default=29623)
     p.add_argument("--max-estimate-gib", type=float, default=None,
                    help="skip a configuration whose activation estimate per rank is above this")
     p.add_argument("--out", default=os.path.join(HERE, "out", "sp_bench.json"))
@@ -96,10 +124,14 @@ def _llama_config(args):
 
 
 def estimate_bytes(args, length: int, sp: int, tiled: bool) -> int:
+    """The activation estimate per rank of this configuration. On the CPU activation offload's
+    host bytes are in the same memory as the rest, so they are added back."""
     from zero_strategy.estimate import estimate_activations
 
-    return estimate_activations(_llama_config(args), 1, length, "fp32", "sdpa", tiled_loss=tiled,
-                                sequence_parallel_size=sp).peak_without_checkpointing
+    est = estimate_activations(_llama_config(args), 1, length, "fp32", "sdpa", tiled_loss=tiled,
+                               tiled_mlp=args.tiled_mlp, sequence_parallel_size=sp,
+                               activation_offload=args.checkpointing)
+    return est.peak(args.checkpointing) + est.host_bytes
 
 
 def one_run(args, length: int, sp: int, tiled: bool = False) -> dict:
@@ -114,19 +146,16 @@ def one_run(args, length: int, sp: int, tiled: bool = False) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = LlamaForCausalLM(_llama_config(args))
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model, opt = zs.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                           {"preset": args.preset, "param_persistence_threshold": 0, "sequence_parallel_size": sp,
-                           "tiled_loss": tiled})
+                           "tiled_loss": tiled, "tiled_mlp": args.tiled_mlp,
+                           "activation_offload": args.checkpointing})
     g = torch.Generator().manual_seed(rank // sp)  # the ranks of an SP group read the same sample
     batches = [torch.randint(0, args.vocab, (1, length), generator=g) for _ in range(args.steps + 1)]
-    times = []
-    for step, ids in enumerate(batches):
-        if step == 1:  # after a first step has made the optimizer state: what follows is activations
-            gc.collect()
-            dist.barrier()
-            base = _anon()
-            sampler = PeakSampler()
-        t0 = time.perf_counter()
+
+    def step(ids):
         if sp == 1:
             loss = model(input_ids=ids, labels=ids).loss
         elif tiled:  # the shard's loss from the model itself, its logits never made
@@ -144,24 +173,125 @@ def one_run(args, length: int, sp: int, tiled: bool = False) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        del loss
-        times.append(time.perf_counter() - t0)
-    peak = sampler.stop() - base
+        return loss.item()
+
+    row = measure(step, batches)
     zs.teardown(model, keep_weights=False)
     del model, opt
     gc.collect()
+    return {"system": "zero_strategy", "rank": rank, "length": length, "sp": sp, "tiled": tiled,
+            "tokens_per_rank": length // sp, **row, "estimate_MiB": estimate_bytes(args, length, sp, tiled) / MiB}
+
+
+def measure(step, batches) -> dict:
+    """Run ``step`` on each batch; the first is the warm-up (it makes the optimizer state). The
+    peak anonymous RSS above the baseline after it, the mean time of the others, the load average."""
+    import gc
+
+    import torch.distributed as dist
+
+    times, losses = [], []
+    for index, ids in enumerate(batches):
+        if index == 1:  # after a first step has made the optimizer state: what follows is activations
+            gc.collect()
+            dist.barrier()
+            base = _anon()
+            sampler = PeakSampler()
+        t0 = time.perf_counter()
+        losses.append(step(ids))
+        times.append(time.perf_counter() - t0)
+    peak = sampler.stop() - base
     timed = times[1:]
-    return {"rank": rank, "length": length, "sp": sp, "tiled": tiled, "tokens_per_rank": length // sp,
-            "peak_anon_MiB": peak / MiB, "step_s": sum(timed) / len(timed),
-            "estimate_MiB": estimate_bytes(args, length, sp, tiled) / MiB}
+    return {"peak_anon_MiB": peak / MiB, "step_s": sum(timed) / len(timed), "losses": losses,
+            "load1": os.getloadavg()[0]}
 
 
-def _write(args, rows: list, skipped: list, ratios: dict, load_before) -> None:
+def _write(args, rows: list, skipped: list, ratios: dict, load_before, searches: list = ()) -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "rows": rows,
-                   "skipped": skipped, "ratios": ratios, "loadavg_before": load_before,
+                   "skipped": skipped, "ratios": ratios, "searches": list(searches), "loadavg_before": load_before,
                    "loadavg_after": os.getloadavg()}, f, indent=1)
+
+
+def longest_within(args, sp: int, tiled: bool, budget: float) -> tuple[int | None, list]:
+    """The longest sequence (a multiple of 1024 tokens) whose estimate per rank is at most ``budget``
+    bytes, and the (length, estimate MiB) pairs the search tried: doubling, then bisection."""
+    tried = []
+
+    def fits(length: int) -> bool:
+        est = estimate_bytes(args, length, sp, tiled)
+        tried.append((length, est / MiB))
+        return est <= budget
+
+    step = 1024
+    lo = step
+    if not fits(lo):
+        return None, tried
+    hi = 2 * lo
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, tried
+
+
+def plan(args) -> list[tuple[int, int, bool]]:
+    """(length, sp, tiled) in the order run: per length and loss, sp 1, then for each sp N > 1 the
+    data-parallel run at length/N (with ``--dp-same-tokens``) just before it, so the pair is close in time."""
+    out = []
+    for length in args.lengths:
+        for tiled in (mode == "on" for mode in args.tiled):
+            for sp in args.sp:
+                if sp > 1 and args.dp_same_tokens and (length // sp, 1, tiled) not in out:
+                    out.append((length // sp, 1, tiled))
+                if (length, sp, tiled) not in out:
+                    out.append((length, sp, tiled))
+    return out
+
+
+def ratios_of(rows: list) -> dict:
+    """Issue 40's two targets per (length, loss, sp N > 1), from the worst rank of each configuration:
+    memory sp N / sp 1 at the same length (target at most 1/N + 0.1) and step time sp N at length L
+    against data parallelism (sp 1) at L/N, the same tokens per rank (target at most 1.3). For
+    DeepSpeed's rows: memory and time over ours in the same configuration."""
+    worst = {}
+    for r in rows:
+        key = (r["system"], r["length"], r["sp"], r["tiled"])
+        w = worst.setdefault(key, {"peak_anon_MiB": 0.0, "step_s": 0.0})
+        w["peak_anon_MiB"] = max(w["peak_anon_MiB"], r["peak_anon_MiB"])
+        w["step_s"] = max(w["step_s"], r["step_s"])
+    out = {}
+    for (system, length, sp, tiled), row in worst.items():
+        if sp == 1:
+            continue
+        entry = {}
+        if system == "deepspeed":
+            ours = worst.get(("zero_strategy", length, sp, tiled))
+            if ours:
+                entry["memory_over_ours"] = row["peak_anon_MiB"] / ours["peak_anon_MiB"]
+                entry["time_over_ours"] = row["step_s"] / ours["step_s"]
+        one = worst.get((system, length, 1, tiled)) if system == "zero_strategy" else None
+        if one:
+            entry["memory_over_sp1"] = row["peak_anon_MiB"] / one["peak_anon_MiB"]
+            entry["memory_target"] = 1 / sp + 0.1
+            entry["memory_met"] = entry["memory_over_sp1"] <= entry["memory_target"]
+        dp = worst.get((system, length // sp, 1, tiled)) if system == "zero_strategy" else None
+        if dp:
+            entry["time_over_dp_same_tokens_per_rank"] = row["step_s"] / dp["step_s"]
+            entry["time_met"] = entry["time_over_dp_same_tokens_per_rank"] <= 1.3
+        out[f"{system} {length}{' tiled' if tiled else ''} sp {sp}"] = entry
+    return out
+
+
+def _print_row(every: list) -> None:
+    worst = max(every, key=lambda r: r["peak_anon_MiB"])
+    r = every[0]
+    print(f"{r['system']:13} seq {r['length']:6d}  sp {r['sp']}  tiled {r['tiled']!s:5}  tokens/rank "
+          f"{r['length'] // r['sp']:6d}  peak anon RSS above setup {worst['peak_anon_MiB']:8.1f} MiB (worst rank; "
+          f"estimate {worst['estimate_MiB']:8.1f})  step {max(x['step_s'] for x in every):6.2f} s  "
+          f"loss {r['losses'][0]:.6f}  load {r['load1']:.2f}", flush=True)
 
 
 def worker(args) -> None:
@@ -174,47 +304,62 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     load_before = os.getloadavg()
-    rows, skipped = [], []
-    for length in args.lengths:
+    rows, skipped, searches = [], [], []
+    if args.longest_within_gib is not None:
+        runs = []
         for tiled in (mode == "on" for mode in args.tiled):
             for sp in args.sp:
-                estimate = estimate_bytes(args, length, sp, tiled)
-                if args.max_estimate_gib is not None and estimate > args.max_estimate_gib * 2**30:
-                    skipped.append({"length": length, "sp": sp, "tiled": tiled, "estimate_MiB": estimate / MiB})
-                    if dist.get_rank() == 0:
-                        print(f"seq {length:6d}  sp {sp}  tiled {tiled!s:5}  skipped: estimate "
-                              f"{estimate / 2**30:.2f} GiB per rank > {args.max_estimate_gib} GiB", flush=True)
-                    continue
-                mine = one_run(args, length, sp, tiled)
-                every = [None] * dist.get_world_size()
-                dist.all_gather_object(every, mine)
-                rows.extend(every)
+                length, tried = longest_within(args, sp, tiled, args.longest_within_gib * 2**30)
+                run = length is not None and (args.run_up_to is None or length <= args.run_up_to)
+                searches.append({"sp": sp, "tiled": tiled, "longest": length, "tried": tried, "run": run})
                 if dist.get_rank() == 0:
-                    _write(args, rows, skipped, {}, load_before)  # a run cut short keeps what it measured
-                    worst = max(every, key=lambda r: r["peak_anon_MiB"])
-                    print(f"seq {length:6d}  sp {sp}  tiled {tiled!s:5}  tokens/rank {length // sp:6d}  peak anon RSS "
-                          f"above setup {worst['peak_anon_MiB']:8.1f} MiB (worst rank; estimate "
-                          f"{worst['estimate_MiB']:8.1f})  step {max(r['step_s'] for r in every):6.2f} s", flush=True)
+                    print(f"longest within {args.longest_within_gib} GiB: sp {sp} tiled {tiled}: {length} tokens "
+                          f"({'run' if run else 'not run: above --run-up-to'}); tried "
+                          + ", ".join(f"{L}: {m:.0f} MiB" for L, m in tried), flush=True)
+                if run:
+                    runs.append(("zero_strategy", length, sp, tiled))
+        args.lengths = [length for _, length, _, _ in runs] or args.lengths  # the model's positions
+    else:
+        runs = [("zero_strategy", *run) for run in plan(args)]
+    if args.deepspeed:  # last: registering ALST replaces transformers' sdpa function in this process
+        runs += [("deepspeed", length, sp, tiled) for _, length, sp, tiled in runs if sp > 1]
+    for system, length, sp, tiled in runs:
+        estimate = estimate_bytes(args, length, sp, tiled)
+        if args.max_estimate_gib is not None and estimate > args.max_estimate_gib * 2**30:
+            skipped.append({"system": system, "length": length, "sp": sp, "tiled": tiled,
+                            "estimate_MiB": estimate / MiB})
+            if dist.get_rank() == 0:
+                print(f"{system:13} seq {length:6d}  sp {sp}  tiled {tiled!s:5}  skipped: estimate "
+                      f"{estimate / 2**30:.2f} GiB per rank > {args.max_estimate_gib} GiB", flush=True)
+            continue
+        if system == "deepspeed":
+            from sp_bench_deepspeed import deepspeed_run
+
+            mine = deepspeed_run(args, length, sp, tiled)
+        else:
+            mine = one_run(args, length, sp, tiled)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        rows.extend(every)
+        if dist.get_rank() == 0:
+            _write(args, rows, skipped, {}, load_before, searches)  # a run cut short keeps what it measured
+            _print_row(every)
     if dist.get_rank() == 0:
-        by = {(r["length"], r["sp"], r["tiled"]): r for r in rows if r["rank"] == 0}
-        ratios = {}
-        for (L, sp, tiled), row in by.items():
-            key = f"{L}{' tiled' if tiled else ''}"
-            if sp == 2 and (L, 1, tiled) in by:
-                ratios.setdefault(key, {})["memory_sp2_over_sp1"] = row["peak_anon_MiB"] / by[(L, 1, tiled)]["peak_anon_MiB"]
-            if sp == 2 and (L // 2, 1, tiled) in by:  # the same tokens per rank: sp 2 at L against sp 1 at L/2
-                ratios.setdefault(key, {})["time_sp2_over_sp1_same_tokens_per_rank"] = \
-                    row["step_s"] / by[(L // 2, 1, tiled)]["step_s"]
+        ratios = ratios_of(rows)
         print(json.dumps(ratios, indent=1))
-        _write(args, rows, skipped, ratios, load_before)
+        _write(args, rows, skipped, ratios, load_before, searches)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
 
 
 def main() -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29623",
-           os.path.abspath(__file__), "--worker", *sys.argv[1:]]
+    a = parse_args()
+    bad = [sp for sp in a.sp if a.world % sp]
+    if bad:
+        raise SystemExit(f"sp_bench: --sp {bad} does not divide --world {a.world}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.world),
+           "--master-port", str(a.master_port), os.path.abspath(__file__), "--worker", *sys.argv[1:]]
     return subprocess.call(cmd)
 
 

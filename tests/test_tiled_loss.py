@@ -8,7 +8,7 @@ rounding (the order of one sum, 1e-6 relative); bf16: the head's gradient is sum
 fp32 and rounded once, where the untiled matmul rounds once over all tokens: within 2^-7 of the
 largest entry. A batch with no valid label gives 0, never NaN (See [Note: the tiled loss] in
 src/zero_strategy/_model/tiled_loss.py). Multi-rank stage 3: tests/test_tiled_loss_ranks.py;
-memory: tests/test_tiled_loss_memory.py.
+memory: tests/test_tiled_loss_memory.py and tests/test_tiled_loss_copies.py.
 """
 
 from __future__ import annotations
@@ -58,6 +58,21 @@ def test_loss_and_gradients_match_cross_entropy_on_the_whole_logits(dtype, bias,
         scale = want.abs().max().item()
         tol = 1e-6 * scale if dtype == torch.float32 else 2 ** -7 * scale
         assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_under_autocast_the_head_computes_in_bf16_as_the_untiled_path_does(bias):
+    """fp32 head and hidden states under CPU bf16 autocast: the logits are bf16 before the upcast in both
+    paths, and the gradients come back in fp32 (backward replays the forward's casts without autocast)."""
+    head, hidden, labels = _head_and_hidden(torch.float32, bias)
+    shift = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tiled = zs.tiled_causal_lm_loss(head, hidden, labels, chunk_tokens=7)
+        whole = F.cross_entropy(head(hidden).float().reshape(-1, VOCAB), shift.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(tiled, whole, rtol=1e-6, atol=1e-6)
+    for got, want in zip(_grads(tiled, head, hidden), _grads(whole, head, hidden)):
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+        assert (got - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("form", ["labels", "shift_labels", "num_items_in_batch", "ignore_index"])

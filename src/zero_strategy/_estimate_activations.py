@@ -68,12 +68,14 @@ def _count(name: str, value: Any) -> int:
 # in backward the fp32 gradients of the log-softmax and of the logits (8bsV), cast back to the
 # logits' dtype below fp32 (e·bsV). On the issue-40 model (fp32, 4,096 tokens, V = 32,000) that
 # is 3 copies of the 500 MiB logits beside the saved one: 2.0 GiB, as measured
-# (benchmarks/tiled_loss_bench.py). With the tiled loss (``tiled_loss``: chunks of c tokens;
-# See [Note: the tiled loss] in _model/tiled_loss.py) autograd saves no logits (4bsV less in
-# ``outside``: the hidden states, labels and the head's weight it keeps are saved anyway), and
-# the transient is one chunk's: the recomputed logits (e·cV, and their fp32 upcast 4cV below
-# fp32), the log-softmax (4cV), its two fp32 gradients (8cV) and their cast (e·cV below fp32),
-# plus, below fp32, the head's gradient summed in fp32 (4Vh; its cast to the compute dtype is the
+# (benchmarks/tiled_loss_bench.py). With the tiled loss (``tiled_loss``: chunks of c tokens, by
+# default an eighth of the rank's b·s tokens and at most 64 MiB of fp32 logits; See [Note: the tiled
+# loss] in _model/tiled_loss.py) autograd saves no logits (4bsV less in ``outside``: the hidden
+# states, labels and the head's weight it keeps are saved anyway), and the transient is one chunk's
+# logits, recomputed in backward and turned into their own gradient in place: 4cV in fp32; below
+# fp32 the logits and their fp32 upcast, then the fp32 gradient and its cast back, are alive
+# together ((4 + e)cV), and the head's gradient of one chunk (e·Vh, beside the cast gradient, e·cV)
+# is added into the head's gradient summed in fp32 (4Vh; its cast to the compute dtype is the
 # gradient itself, a model state, as the untiled head's is). With the tiled MLP (chunks of c'
 # tokens of each sequence) a layer's MLP saves nothing of its own (its input is the norm's output,
 # counted above), and its backward holds one chunk's four intermediates again (4e·b·c'·f) and,
@@ -235,10 +237,12 @@ def estimate_activations(hf_config: Any, batch_size: int, seq_len: int, precisio
         outside = 8 * b * s + rotary + norm + 4 * b * s * v + labels + 4
         transient = e * b * s * v + 8 * b * s * v + below_fp32 * b * s * v
     else:
-        chunk = min(b * s, default_chunk_tokens(v) if tiled_loss is True else _count("tiled_loss", tiled_loss))
+        chunk = min(b * s, default_chunk_tokens(v, b * s) if tiled_loss is True else _count("tiled_loss", tiled_loss))
         outside = 8 * b * s + rotary + norm + labels + 4
-        transient = ((e + below_fp32 + (4 if e < 4 else 0) + 12) * chunk * v
-                     + (4 if e < 4 else 0) * v * h)
+        if e < 4:
+            transient = max((4 + e) * chunk * v, e * chunk * v + e * v * h) + 4 * v * h
+        else:
+            transient = 4 * chunk * v
     return ActivationEstimate(batch_size=b, seq_len=whole, layers=layers, precision=precision, attention=attention,
                               per_layer=int(2 * norm + attn + mlp), layer_input=e * sbh, outside=outside,
                               rotary=rotary, loss_transient=int(transient), tiled_loss=chunk,

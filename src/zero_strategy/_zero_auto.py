@@ -36,7 +36,9 @@ the tiled loss, then the tiled MLP, then (checkpointing on and a GPU present) ac
 Tiling recomputes the head or the MLP once in backward, which costs less than the next preset's
 traffic or an offloaded step; activation offload moves L layer inputs over PCIe each way. The
 sequence-parallel degree is never changed: at sp N, N ranks share each sample, so a step trains on
-other data; when nothing fits and a larger degree would, the error says which.
+other data; when nothing fits and a larger degree would, the error says which. Setup does the same
+when the config names the shape (``{"preset": "zero_auto", "seq_len": 32768}``, with ``batch_size``
+sequences per rank); without it, activations are left to the headroom.
 
 Order (the first that fits is chosen): zero2, zero3, zero2_offload, zero3_offload,
 zero3_offload_nvme. No offload first: offload runs the optimizer step on the CPU and
@@ -148,7 +150,7 @@ def candidates(num_params: int, frozen: int, units: UnitSizes, config: ZeroConfi
 def _resolved(config: ZeroConfig, name: str) -> ZeroConfig:
     fields = ZeroConfig.preset(name)
     return config.replace(stage=fields.stage, offload_optimizer=fields.offload_optimizer,
-                          offload_params=fields.offload_params, auto=False)
+                          offload_params=fields.offload_params, auto=False, seq_len=None, batch_size=1)
 
 
 def format_candidates(rows: list[Candidate], available: AvailableMemory, headroom: float = HEADROOM) -> str:
@@ -320,4 +322,6 @@ def resolve(model: torch.nn.Module, config: ZeroConfig, comm, device: torch.devi
     """``config`` itself unless it is ``zero_auto``; then the chosen preset's config."""
     if not config.auto:
         return config
-    return choose(model, config, comm.world_size, measure_available(comm, device, config), rank=comm.rank)
+    workload = None if config.seq_len is None else Workload.of(model, config.seq_len, config.batch_size)
+    return choose(model, config, comm.world_size, measure_available(comm, device, config), rank=comm.rank,
+                  workload=workload)

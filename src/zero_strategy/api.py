@@ -702,7 +702,8 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     the activations per candidate instead, at the config's ``sequence_parallel_size`` and tiling, and
     where they do not fit add the tiled loss, the tiled MLP and activation offload (with
     checkpointing, on a GPU) before moving to the next preset; the sequence-parallel degree is never
-    changed, but the error names one that would fit. See [Note: zero_auto] in _zero_auto.py.
+    changed, but the error names one that would fit. Without ``seq_len``, the config's own
+    (``ZeroConfig(seq_len=...)``, as setup reads it). See [Note: zero_auto] in _zero_auto.py.
     """
     cfg = ZeroConfig.load(config).replace(auto=True, offload_optimizer=None, offload_params=None)
     if world_size is None:
@@ -710,6 +711,8 @@ def choose_preset(model: nn.Module, config: ZeroConfig | str | dict = "zero_auto
     if available is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         available = _auto.measure_local(single_device(model, None), cfg, max(1, local_ranks))
+    if seq_len is None and cfg.seq_len is not None:  # the config's shape, as setup reads it
+        seq_len, batch_size = cfg.seq_len, cfg.batch_size
     workload = None
     if seq_len is not None:
         if activations:

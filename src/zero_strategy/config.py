@@ -148,9 +148,9 @@ class ZeroConfig:
         tiled_loss: a Hugging Face ``*ForCausalLM`` called with ``labels`` (or ``shift_labels``) in
             training mode computes its head and loss chunk by chunk over the tokens, recomputed in
             backward, so the (tokens x vocab) logits never exist whole; ``outputs.logits`` is then
-            None. ``True`` picks the chunk (about 64 MiB of fp32 logits), an integer is the chunk in
-            tokens; ``False`` (default) leaves the model's own loss. See [Note: the tiled loss] in
-            _model/tiled_loss.py.
+            None. ``True`` picks the chunk (an eighth of the tokens, at most 64 MiB of fp32 logits),
+            an integer is the chunk in tokens; ``False`` (default) leaves the model's own loss. See
+            [Note: the tiled loss] in _model/tiled_loss.py.
         tiled_mlp: each gated MLP (``gate_proj``/``up_proj``/``down_proj``: Llama, Mistral, Qwen)
             runs over chunks of the sequence in training, recomputed in backward, so it keeps one
             chunk's intermediates instead of the sequence's. ``True``: chunks of as many tokens as
@@ -167,6 +167,16 @@ class ZeroConfig:
             name). It must divide the number of ranks; the other factor is data parallel, and
             ZeRO still shards over every rank. 1: off. See [Note: sequence parallelism] in
             _model/sequence_parallel.py and docs/guides/long-sequences.md.
+        seq_len: ``zero_auto`` only: the tokens of each sequence a training step reads (the whole
+            sequence: ``sequence_parallel_size`` divides it). Setup then estimates the activations
+            of each candidate preset (a Llama-style transformers model) and counts them beside its
+            model states, adding the tiled loss, the tiled MLP and activation offload where they do
+            not fit, as ``choose_preset(model, seq_len=...)`` does (See [Note: zero_auto] in
+            _zero_auto.py). ``None``: activations are left to zero_auto's headroom. A named preset
+            refuses it: there is nothing to choose (``zero-strategy estimate --seq-len`` estimates a
+            preset's activations).
+        batch_size: ``zero_auto`` with ``seq_len``: the sequences of that length each rank's
+            forward takes at once (its micro-batch).
         expert_parallel_size: expert parallelism for the mixture-of-experts layers of a
             transformers 5 model (fused ``experts.gate_up_proj`` / ``down_proj``): each rank
             holds whole experts, ``num_experts / N`` of each layer, never gathered, and tokens
@@ -200,6 +210,8 @@ class ZeroConfig:
     tiled_mlp: bool | int = False
     activation_offload: bool = False
     sequence_parallel_size: int = 1
+    seq_len: int | None = None
+    batch_size: int = 1
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -257,6 +269,17 @@ class ZeroConfig:
             set_("shard_group_size", size)
         set_("sequence_parallel_size", _as_int("sequence_parallel_size", self.sequence_parallel_size, 1))
         set_("expert_parallel_size", _as_int("expert_parallel_size", self.expert_parallel_size, 1))
+        set_("batch_size", _as_int("batch_size", self.batch_size, 1))
+        if self.seq_len is not None:
+            set_("seq_len", _as_int("seq_len", self.seq_len, 1))
+            if not self.auto:
+                raise ZeroConfigError("seq_len", "is read by zero_auto only, to count a step's activations when "
+                                      "it chooses a preset; a named preset has nothing to choose",
+                                      "Use preset: zero_auto, or drop seq_len (zero-strategy estimate --seq-len "
+                                      "estimates a named preset's activations).")
+        elif self.batch_size != 1:
+            raise ZeroConfigError("batch_size", "is the micro-batch of zero_auto's activation estimate and "
+                                  "needs seq_len", "Set seq_len (with preset: zero_auto), or drop batch_size.")
         set_("offload_states_during_generation",
              _as_generation_offload(self.offload_states_during_generation))
         if self.optimizer_layout not in OPTIMIZER_LAYOUTS:
@@ -321,6 +344,8 @@ class ZeroConfig:
             **({"activation_offload": True} if self.activation_offload else {}),
             **({"sequence_parallel_size": self.sequence_parallel_size} if self.sequence_parallel_size > 1 else {}),
             **({"expert_parallel_size": self.expert_parallel_size} if self.expert_parallel_size > 1 else {}),
+            **({"seq_len": self.seq_len} if self.seq_len is not None else {}),
+            **({"batch_size": self.batch_size} if self.batch_size != 1 else {}),
             **({"offload_states_during_generation": list(self.offload_states_during_generation)}
                if self.offload_states_during_generation else {}),
         }

@@ -5,13 +5,30 @@ A causal LM's loss starts from logits of shape (tokens, vocab): at 4,096 tokens 
 vocabulary that is 0.5 GiB in fp32 per copy, and the usual path makes several (the head's output,
 its fp32 upcast, the log-softmax autograd keeps, the gradient of each in backward). Model states
 sharded by ZeRO are then smaller than this one activation. :class:`TiledCrossEntropy` never holds
-it: forward computes ``head(hidden[i:j]).float()`` and its summed cross-entropy for one chunk of
-tokens at a time and keeps only the sum; it saves for backward the hidden states, the head's
-weight (and bias) and the labels, all of which exist anyway. Backward recomputes each chunk's
-logits with autograd on and takes that chunk's gradients with ``torch.autograd.grad``, the very
-operations the untiled path differentiates, so the result is the untiled loss's to rounding (fp32:
-the order of one sum; bf16: the head's gradient is summed over chunks in fp32). The peak beyond
-the saved tensors is one chunk's logits and their gradients, and the head's gradient.
+it: forward computes ``head(hidden[i:j]).float()`` for one chunk of tokens at a time and keeps only
+the sum of its cross-entropy; it saves for backward the hidden states, the head's weight (and bias)
+and the labels, all of which exist anyway. Backward recomputes each chunk's logits and turns them
+into their own gradient, ``scale * (softmax - onehot(label))`` on the rows with a label, in place,
+then multiplies it into the gradients of the hidden states and of the head, in the dtype the head
+computed in (the logits' before the upcast), as autograd's backward of the untiled path does. The
+result is the untiled loss's to rounding (the softmax is ``exp(x - max) / sum``, as
+``log_softmax`` computes it; bf16: the head's gradient is summed over chunks in fp32).
+
+One chunk of fp32 logits is the only (chunk x vocab) tensor alive in fp32 models, in forward and in
+backward: the log-sum-exp is taken in place (``x - max``, ``exp``, a row sum), the gradient is
+written over the softmax, and the chunk is freed before the next is made. Below fp32 the upcast and
+its source, and later the fp32 gradient and its cast back, are alive together for a moment:
+(4 + e) bytes a logit. Autograd's version of the same chunk keeps four fp32 copies (the logits,
+the log-softmax, its gradient, the logits' gradient), DeepSpeed's ``TiledFusedLogitsLoss``, which
+runs autograd on each shard, up to three (the logits are freed once the log-softmax is made).
+
+The chunk (:func:`default_chunk_tokens`) is an eighth of the tokens the call is given, at most
+the tokens whose fp32 logits take :data:`DEFAULT_CHUNK_BYTES`. A fixed number of chunks, not only a
+byte budget, because under sequence parallelism a rank is given 1/N of the sequence and its loss
+must then hold 1/N of the memory too: with a chunk of a fixed number of tokens a rank cuts its
+shard in fewer chunks, but the peak is one chunk, the same at every degree (issue 40 measured 0.94x
+of sp 1's peak at sp 2 with a fixed 64 MiB chunk). Past 8 x the budget's tokens the chunk stays
+at the budget, a constant beside activations that grow with the tokens.
 
 The reduction follows transformers' ``ForCausalLMLoss``: the mean over tokens whose label is not
 ``ignore_index``, or the sum divided by ``num_items_in_batch`` when that is given (gradient
@@ -41,14 +58,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: the fp32 logits of one chunk are kept near this many bytes when no chunk size is given
+#: the fp32 logits of one chunk take at most about this many bytes when no chunk size is given
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: ... and the tokens of one call are cut in at least this many chunks
+DEFAULT_CHUNKS = 8
 IGNORE_INDEX = -100
 
 
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk whose fp32 logits take about :data:`DEFAULT_CHUNK_BYTES`."""
-    return max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, vocab_size)))
+def default_chunk_tokens(vocab_size: int, tokens: int) -> int:
+    """Tokens per chunk of a call given ``tokens``: a :data:`DEFAULT_CHUNKS` th of them, at most as many
+    as fp32 logits of :data:`DEFAULT_CHUNK_BYTES` hold. See [Note: the tiled loss]."""
+    budget = max(1, DEFAULT_CHUNK_BYTES // (4 * max(1, vocab_size)))
+    return max(1, min(budget, -(-tokens // DEFAULT_CHUNKS)))
 
 
 def shifted(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -67,58 +88,81 @@ class TiledCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor, denominator: torch.Tensor, chunk: int, ignore_index: int) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ctx.compute_dtype = weight.dtype  # the head's output dtype (under autocast, autocast's)
         for start in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[start:start + chunk], weight, bias).float()  # (chunk, V)
-            total += F.cross_entropy(logits, labels[start:start + chunk], ignore_index=ignore_index,
-                                     reduction="sum")
+            logits = F.linear(hidden[start:start + chunk], weight, bias)  # (chunk, V)
+            ctx.compute_dtype = logits.dtype
+            logits = logits.float()  # below fp32 the source is freed here
+            valid, target = _targets(labels[start:start + chunk], ignore_index)
+            picked = logits.gather(1, target[:, None]).squeeze(1)
+            top, sums = _exp_shifted_(logits)  # logits are spent: they hold exp(x - max) now
+            total += torch.where(valid, top + sums.log() - picked, 0.0).sum()
             del logits
         ctx.save_for_backward(hidden, weight, bias, labels, denominator)
         ctx.chunk, ctx.ignore_index = chunk, ignore_index
-        ctx.autocast = _autocast_state(hidden.device.type)
         return total / denominator
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         hidden, weight, bias, labels, denominator = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        scale = grad_loss / denominator
+        scale = (grad_loss / denominator).to(torch.float32)
+        dtype = ctx.compute_dtype
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         # the head's gradient is summed over chunks in fp32, then cast to the weight's dtype
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
-        w = weight.detach().requires_grad_(needs_weight)
-        b = None if bias is None else bias.detach().requires_grad_(needs_bias)
-        with torch.enable_grad(), _autocast(hidden.device.type, ctx.autocast):
+        with _no_autocast(hidden.device.type):  # the forward's autocast is replayed by casting to ``dtype``
+            w = weight.detach().to(dtype)
+            b = None if bias is None else bias.detach().to(dtype)
             for start in range(0, hidden.shape[0], ctx.chunk):
-                h = hidden[start:start + ctx.chunk].detach().requires_grad_(needs_hidden)
-                logits = F.linear(h, w, b).float()
-                part = F.cross_entropy(logits, labels[start:start + ctx.chunk], ignore_index=ctx.ignore_index,
-                                       reduction="sum")
-                wanted = [t for t, need in ((h, needs_hidden), (w, needs_weight), (b, needs_bias)) if need]
-                grads = iter(torch.autograd.grad(part, wanted, grad_outputs=scale))
-                del logits, part
+                h = hidden[start:start + ctx.chunk].detach().to(dtype)
+                grad_logits = _logits_gradient_(F.linear(h, w, b).float(), labels[start:start + ctx.chunk],
+                                                ctx.ignore_index, scale).to(dtype)  # (chunk, V)
                 if needs_hidden:
-                    grad_hidden[start:start + ctx.chunk] = next(grads)
+                    grad_hidden[start:start + ctx.chunk] = grad_logits @ w
                 if needs_weight:
-                    grad_weight += next(grads)
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(grad_logits.T, h)
+                    else:
+                        grad_weight += grad_logits.T @ h
                 if needs_bias:
-                    grad_bias += next(grads)
+                    grad_bias += grad_logits.sum(0)
+                del grad_logits
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
-        return None
-    return True, torch.get_autocast_dtype(device_type)
+def _targets(labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows with a label, the label or 0 where there is none): indices ``gather`` can take."""
+    valid = labels != ignore_index
+    return valid, torch.where(valid, labels, 0)
 
 
-def _autocast(device_type: str, state: tuple[bool, torch.dtype] | None):
-    """The forward's autocast, again for the recomputation (backward runs outside it)."""
-    if state is None:
+def _exp_shifted_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and ``sum(exp(x - max))`` (n,), as ``log_softmax`` computes them, with ``logits``
+    itself left holding ``exp(x - max)``: no second (n, V) tensor."""
+    top = logits.amax(dim=1, keepdim=True)
+    return top.squeeze(1), logits.sub_(top).exp_().sum(dim=1)
+
+
+def _logits_gradient_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                      scale: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``scale * sum(cross_entropy(logits, labels))`` written over ``logits`` (fp32):
+    ``scale * (softmax - onehot(label))`` on rows with a label, 0 elsewhere."""
+    valid, target = _targets(labels, ignore_index)
+    _, sums = _exp_shifted_(logits)
+    weights = torch.where(valid, scale, 0.0)  # (n,)
+    logits.mul_((weights / sums)[:, None])
+    return logits.scatter_add_(1, target[:, None], -weights[:, None])
+
+
+def _no_autocast(device_type: str):
+    """Backward casts by itself; an autocast around ``loss.backward()`` must not recast it."""
+    if not torch.amp.is_autocast_available(device_type):
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=state[1])
+    return torch.autocast(device_type, enabled=False)
 
 
 def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -138,7 +182,7 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
         denominator = (labels != ignore_index).sum().clamp(min=1).to(torch.float32)
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=flat_hidden.device)
-    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], flat_hidden.shape[0])
     return TiledCrossEntropy.apply(flat_hidden, weight, bias, labels, denominator, int(chunk), ignore_index)
 
 
