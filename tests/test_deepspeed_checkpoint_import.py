@@ -16,16 +16,14 @@ What is compared, per resume:
   resume with Adam's moments dropped after the load (measured once, as a check of these bounds)
   misses by 1e-3 to 2e-3 on the losses and 0.64 on the weights, fp32 and bf16 alike.
 
-NVMe offload (slow tier: DeepSpeed's aio op is built on first use): stage-2 and stage-3 runs with
-``offload_optimizer`` on NVMe and a stage-3 run with ``offload_param`` there too, resumed at zero2
-and zero3 on 1 and 2 ranks as the runs above; the stage-3 runs' swapped sub-group is read from the
-swap files DeepSpeed copies into the checkpoint, and a copy that lacks one is refused naming it.
+Runs offloaded to NVMe: tests/test_deepspeed_nvme_checkpoint_import.py; Lightning's ``fit(ckpt_path=...)``
+on a DeepSpeedStrategy directory: tests/test_lightning_deepspeed_resume.py (each its own module, so
+its DeepSpeed runs go to another pytest worker than these).
 
 The fp16 loss scale (DeepSpeed's own scaler state in a real checkpoint: DeepSpeed has no fp16 on
 this CPU), an LR scheduler of DeepSpeed's engine resumed with ``lr_scheduler=``, the HF Trainer's
 ``resume_from_checkpoint`` on a DeepSpeed run's checkpoint-N, Accelerate's ``load_state`` on what
-its DeepSpeed plugin saves and Lightning's ``fit(ckpt_path=...)`` on a DeepSpeedStrategy checkpoint
-directory (all slow tier).
+its DeepSpeed plugin saves (all slow tier).
 
 Out again (item 3 of issue 42): one run resumed by us, saved, and exported as a DeepSpeed universal
 checkpoint; DeepSpeed resumes the export (``load_universal``) and continues as it continues its own
@@ -48,6 +46,7 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
+from _deepspeed_import import FP32_TOL, same, setup_tiny, snapshot
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -69,7 +68,6 @@ DS_RUNS = [
 #: runs whose engine had an LR scheduler (a LambdaLR it steps): resumed with ``lr_scheduler=`` too
 SCHEDULED = {"s1_fp32_scheduler"}
 BF16 = {n: b for n, _, b, *_ in DS_RUNS}
-FP32_TOL = 1e-5
 BF16_LOSS_TOL, BF16_WEIGHT_TOL = 1e-3, 2e-2
 
 
@@ -136,113 +134,6 @@ def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_runs, run, stage, 
     assert [g["lr"] for g in results[0]["hyper"]] == pytest.approx(ref["lr"], rel=1e-12)
 
 
-# ------------------------------------------------------------------ NVMe offload
-#: DeepSpeed runs with NVMe offload: (name, stage, offload, vocab). DeepSpeed swaps a stage-3 sub-group
-#: to NVMe only where a rank's part of it reaches 1 MiB, so the stage-3 runs' embedding is made that
-#: large (vocab 24576: 294912 fp32 elements a rank); their small second group stays in memory, so a
-#: checkpoint holds both kinds. Stage 2 has no swapper (NVMe means CPU memory there).
-NVME_RUNS = [("s2_nvme", 2, "nvme-optimizer", 37), ("s3_nvme", 3, "nvme-optimizer", 24576),
-             ("s3_nvme_param", 3, "nvme-optimizer+param", 24576)]
-NVME_VOCAB = {n: v for n, _, _, v in NVME_RUNS}
-
-
-@pytest.fixture(scope="module")
-def nvme_runs(tmp_path_factory) -> dict[str, Path]:
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if not AsyncIOBuilder().is_compatible():  # DeepSpeed's NVMe swapper needs its aio op (libaio)
-        pytest.skip("DeepSpeed's async_io op cannot be built here (libaio-dev missing)")
-    root = tmp_path_factory.mktemp("deepspeed_nvme")
-    cases = [dict(name=n, stage=s, bf16=False, offload=o, vocab=v, dir=str(root / n), nvme_path=str(root / f"swap_{n}"))
-             for n, s, o, v in NVME_RUNS]
-    for c in cases:
-        Path(c["nvme_path"]).mkdir()
-    # DeepSpeed's aio op is built on first use (minutes, once per environment): See [Note: DeepSpeed's
-    # compiled ops in the tests] in workers/deepspeed_checkpoint.py
-    launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=1200)
-    return {n: root / n for n, *_ in NVME_RUNS}
-
-
-@functools.lru_cache(maxsize=None)
-def _ours_nvme(world: int, dirs: tuple) -> tuple[dict, Path]:
-    """Every NVMe run resumed at zero2 and zero3 on ``world`` ranks, in one launch."""
-    out = Path(dirs[0][1]).parent / f"ours_w{world}"
-    out.mkdir(exist_ok=True)
-    cases = [dict(name=f"{name}-zero{stage}", stage=stage, precision="fp32", dir=d, vocab=NVME_VOCAB[name])
-             for name, d in dirs for stage in (2, 3)]
-    reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=300, out=out)
-    by_name: dict = {}
-    for rep in reports:
-        for res in rep["results"]:
-            by_name.setdefault(res["name"], []).append(res)
-    return by_name, out
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_deepspeeds_stage3_nvme_checkpoints_keep_the_swapped_state_beside_the_rank_files(nvme_runs):
-    """What the resume below reads (See [Note: NVMe-swapped sub-groups] in checkpoint/_deepspeed.py):
-    the stage-3 runs' rank files hold the swapped sub-group empty, its elements in the tag's
-    ``offloaded_tensors/rank<NN>/``; the stage-2 run's files are complete."""
-    from zero_strategy.checkpoint._deepspeed import safe_load
-
-    for name, stage, *_ in NVME_RUNS:
-        tag = nvme_runs[name] / (nvme_runs[name] / "latest").read_text().strip()
-        for rank in range(2):
-            flat = safe_load(tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
-            groups = flat["fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"]
-            if stage == 3:
-                assert [t.numel() == 0 for t in groups] == [True, False], "the embedding's sub-group was not swapped"
-                swapped = sorted(p.name for p in (tag / "offloaded_tensors" / f"rank{rank:02d}").iterdir())
-                assert swapped == sorted(f"{k}{groups[0].ds_id}.tensor.swp" for k in ("", "exp_avg-", "exp_avg_sq-"))
-            else:
-                assert all(t.numel() > 0 for t in groups) and not (tag / "offloaded_tensors").exists()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("run", [n for n, *_ in NVME_RUNS])
-def test_resumes_an_nvme_offloaded_deepspeed_run_as_deepspeed_continues_it(nvme_runs, run, stage, world):
-    """As the test above it for the other runs: the weights right after the load equal DeepSpeed's fp32
-    masters at its save bit for bit, the frozen parameter comes over, the continued losses and the
-    final weights equal DeepSpeed continuing its own run (fp32: FP32_TOL; measured 0 on 2 ranks)."""
-    by_name, out = _ours_nvme(world, tuple(sorted((n, str(d)) for n, d in nvme_runs.items())))
-    name = f"{run}-zero{stage}"
-    results = by_name.get(name, [])
-    for res in results:
-        assert "error" not in res, res["error"]
-    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
-    ref = torch.load(nvme_runs[run] / "reference.pt", weights_only=True)
-    ours = torch.load(out / f"{name}.pt", weights_only=True)
-    for k, want in ref["at_save"].items():
-        assert torch.equal(ours["at_load"][k], want), f"{k} after the load differs from DeepSpeed's fp32 master at its save"
-    assert torch.equal(ours["at_load"]["frozen_mix"], ref["frozen"]), "the frozen parameter was not loaded"
-    rel = [abs(a - b) / abs(b) for a, b in zip(results[0]["losses"], ref["losses"])]
-    assert max(rel) < FP32_TOL, f"losses {results[0]['losses']} vs DeepSpeed's {ref['losses']}"
-    worst, where = worst_rel_diff(ours["final"], ref["final"])
-    assert worst < FP32_TOL, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_an_nvme_checkpoint_copied_without_its_swap_files_is_refused_naming_them(nvme_runs, tmp_path):
-    import zero_strategy as zs
-
-    copy = tmp_path / "s3_nvme"
-    shutil.copytree(nvme_runs["s3_nvme"], copy)
-    tag = copy / (copy / "latest").read_text().strip()
-    next((tag / "offloaded_tensors" / "rank01").glob("exp_avg_sq-*.tensor.swp")).unlink()
-    model, zopt = _setup_tiny()
-    before = _snapshot(model, zopt)
-    with pytest.raises(zs.CheckpointError, match=r"rank01/exp_avg_sq-\d+_\d+\.tensor\.swp is missing: DeepSpeed swapped "
-                       r"rank 1's exp_avg_sq of sub-group 0 to NVMe.*copy the checkpoint with that folder, or resume it "
-                       r"in DeepSpeed and save it again with offload_optimizer.device 'cpu'"):
-        zs.load_checkpoint(copy, model, zopt)
-    assert _same(before, _snapshot(model, zopt))
-
-
 # ------------------------------------------------------------------ fp16: the loss scale
 def test_an_fp16_runs_loss_scale_comes_over_and_moves_as_deepspeeds(ds_runs, tmp_path, monkeypatch):
     """How the checkpoint was made: DeepSpeed 0.19.8's CPU accelerator has no fp16
@@ -291,7 +182,7 @@ def test_an_fp16_runs_loss_scale_comes_over_and_moves_as_deepspeeds(ds_runs, tmp
 def test_a_scheduler_is_refused_where_the_checkpoint_has_none_or_another_classs(ds_runs):
     import zero_strategy as zs
 
-    model, zopt = _setup_tiny()
+    model, zopt = setup_tiny()
     sched = torch.optim.lr_scheduler.LambdaLR(zopt.optimizer, lambda step: 1.0)
     with pytest.raises(zs.CheckpointError, match="holds no LR scheduler state to restore lr_scheduler from"):
         zs.load_checkpoint(_ds_dir(ds_runs, "s2_bf16"), model, zopt, lr_scheduler=sched)
@@ -307,7 +198,7 @@ def test_our_checkpoints_carry_a_scheduler_in_extra_state_and_into_the_universal
     import zero_strategy as zs
     from zero_strategy.checkpoint._deepspeed import safe_load
 
-    model, zopt = _setup_tiny()
+    model, zopt = setup_tiny()
     sched = torch.optim.lr_scheduler.LambdaLR(zopt.optimizer, lambda step: 1.0 / (1.0 + step))
     tokens = torch.randint(0, 37, (2, 8))
     for _ in range(2):
@@ -320,7 +211,7 @@ def test_our_checkpoints_carry_a_scheduler_in_extra_state_and_into_the_universal
     with pytest.raises(zs.CheckpointError, match="holds no LR scheduler state"):
         zs.load_checkpoint(tmp_path / "bare", model, zopt, lr_scheduler=sched)
 
-    model2, zopt2 = _setup_tiny()
+    model2, zopt2 = setup_tiny()
     sched2 = torch.optim.lr_scheduler.LambdaLR(zopt2.optimizer, lambda step: 1.0 / (1.0 + step))
     zs.load_checkpoint(tmp_path / "ckpt", model2, zopt2, lr_scheduler=sched2)
     assert sched2.last_epoch == 2 and sched2.get_last_lr() == pytest.approx(sched.get_last_lr(), rel=1e-12)
@@ -337,7 +228,7 @@ def test_a_universal_checkpoint_naming_a_folder_outside_zero_is_refused(tmp_path
     """A parameter name is a folder under ``zero/``: one that would lead out of it is refused by name."""
     import zero_strategy as zs
 
-    model, zopt = _setup_tiny()
+    model, zopt = setup_tiny()
     zs.save_checkpoint(tmp_path / "ckpt", model, zopt)
     zs.checkpoint.export_checkpoint(tmp_path / "ckpt", tmp_path / "ds", format="deepspeed-universal")
     f = tmp_path / "ds" / "global_step0_universal" / "mp_rank_00_model_states.pt"
@@ -403,59 +294,6 @@ def test_the_hf_trainer_resumes_a_deepspeed_runs_checkpoint_n_as_deepspeed_conti
     worst, where = worst_rel_diff(got["final"], ref["final"])
     assert worst < FP32_TOL, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
     assert torch.equal(got["frozen"], ref["frozen"])
-
-
-@pytest.fixture(scope="module")
-def lightning_ds_runs(tmp_path_factory) -> dict[int, Path]:
-    """Lightning DeepSpeedStrategy checkpoint directories of stage 2 and 3 (2 ranks), made as
-    tests/workers/lightning_deepspeed_resume.py says, each with DeepSpeed's continued run."""
-    root = tmp_path_factory.mktemp("lightning_deepspeed")
-    cases = [dict(name=f"s{stage}", stage=stage, dir=str(root / f"s{stage}")) for stage in (2, 3)]
-    launch("lightning_deepspeed_resume.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=400)
-    return {stage: root / f"s{stage}" for stage in (2, 3)}
-
-
-@functools.lru_cache(maxsize=None)
-def _lightning_resumed(world: int, dirs: tuple) -> tuple[dict, Path]:
-    """Every directory resumed by ``Trainer(strategy="zero2"/"zero3").fit(ckpt_path=...)`` on ``world`` ranks."""
-    out = Path(dirs[0][1]).parent / f"ours_w{world}"
-    out.mkdir(exist_ok=True)
-    cases = [dict(name=f"s{stage}-{preset}", strategy=preset, dir=d) for stage, d in dirs for preset in ("zero2", "zero3")]
-    reports = launch("lightning_deepspeed_resume.py", world, {"mode": "ours", "cases": cases}, timeout=400, out=out)
-    by_name: dict = {}
-    for rep in reports:
-        for res in rep["results"]:
-            by_name.setdefault(res["name"], []).append(res)
-    return by_name, out
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("preset", ["zero2", "zero3"])
-@pytest.mark.parametrize("ds_stage", [2, 3])
-def test_lightning_fit_resumes_a_deepspeed_strategy_checkpoint_as_deepspeed_continues(lightning_ds_runs, ds_stage,
-                                                                                      preset, world):
-    """``Trainer(strategy=preset).fit(module, ckpt_path=dir)`` on the directory Lightning's
-    DeepSpeedStrategy saves (DeepSpeed's ZeRO files, Lightning's checkpoint dict as their
-    client_state, tag ``checkpoint``): Lightning's loops resume at global step 3 and run to 6, the
-    LR scheduler goes on from its saved state, and each continued loss and the final fp32 weights
-    equal DeepSpeed continuing its own run (whose first 3 steps were those of an uninterrupted
-    Lightning run: See the worker)."""
-    by_name, out = _lightning_resumed(world, tuple(sorted((s, str(d)) for s, d in lightning_ds_runs.items())))
-    name = f"s{ds_stage}-{preset}"
-    results = by_name.get(name, [])
-    for res in results:
-        assert "error" not in res, res["error"]
-    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
-    ref = torch.load(lightning_ds_runs[ds_stage] / "reference.pt", weights_only=True)
-    assert ref["client_state"]["global_step"] == 3
-    for res in results:
-        assert res["started"]["global_step"] == 3 and res["ended"]["global_step"] == 6
-        assert res["losses"] == pytest.approx(ref["losses"], rel=FP32_TOL)
-        assert res["lr"] == pytest.approx(ref["lr"], rel=1e-12)  # the scheduler went on from its saved state
-    worst, where = worst_rel_diff(torch.load(out / f"{name}.pt", weights_only=True)["final"], ref["final"])
-    assert worst < FP32_TOL, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
 
 
 @pytest.mark.slow
@@ -590,31 +428,6 @@ def test_a_universal_checkpoint_resumes_as_deepspeed_continues(ds_runs, kind, st
 
 
 # ------------------------------------------------------------------ refusals (one process)
-def _setup_tiny():
-    import zero_strategy as zs
-    from _models import TinyLM, param_groups
-
-    torch.manual_seed(0)
-    model = TinyLM(layers=2)
-    opt = torch.optim.AdamW(param_groups(model), betas=(0.9, 0.95))
-    return zs.setup(model, opt, zs.ZeroConfig(stage=2, param_persistence_threshold=0))
-
-
-def _snapshot(model, zopt) -> dict:
-    import zero_strategy as zs
-    return {"weights": zs.full_state_dict(model, dtype=None),
-            "state": {k: v.clone() if torch.is_tensor(v) else v for st in zopt.optimizer.state.values()
-                      for k, v in st.items()},
-            "lr": [pg["lr"] for pg in zopt.optimizer.param_groups]}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return (all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"]) and a["lr"] == b["lr"]
-            and a["state"].keys() == b["state"].keys()
-            and all(torch.equal(v, b["state"][k]) if torch.is_tensor(v) else v == b["state"][k]
-                    for k, v in a["state"].items()))
-
-
 class Hostile:
     """What an attacker would pickle: unpickling it would call os.system (here: create ``marker``)."""
 
@@ -637,13 +450,13 @@ def test_a_pickled_object_outside_the_allowlist_is_refused(ds_runs, tmp_path):
     sd["epoch_hook"] = Hostile(tmp_path / "hostile-ran")
     torch.save(sd, model_file)
 
-    model, zopt = _setup_tiny()
-    before = _snapshot(model, zopt)
+    model, zopt = setup_tiny()
+    before = snapshot(model, zopt)
     with pytest.raises(zs.CheckpointError, match=r"mp_rank_00_model_states\.pt holds a pickled object of type "
                        r"posix\.system.*not one of the types a DeepSpeed checkpoint holds: refused"):
         zs.load_checkpoint(bad, model, zopt)
     assert not (tmp_path / "hostile-ran").exists()
-    assert _same(before, _snapshot(model, zopt))
+    assert same(before, snapshot(model, zopt))
 
 
 def _damaged(src: Path, dst: Path, damage) -> Path:
@@ -716,7 +529,7 @@ def test_a_deepspeed_run_of_another_model_is_refused_naming_the_difference(ds_ru
 def test_a_directory_of_neither_format_says_so(tmp_path):
     import zero_strategy as zs
 
-    model, zopt = _setup_tiny()
+    model, zopt = setup_tiny()
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(zs.CheckpointError, match="is not a zero_strategy checkpoint: it has no metadata.json .*"
                        "nor is it a DeepSpeed checkpoint"):
@@ -726,7 +539,7 @@ def test_a_directory_of_neither_format_says_so(tmp_path):
 def test_unsupported_deepspeed_forms_are_refused_with_the_workaround(ds_runs, tmp_path):
     import zero_strategy as zs
 
-    model, zopt = _setup_tiny()
+    model, zopt = setup_tiny()
     universal = tmp_path / "universal"
     (universal / "global_step3_universal" / "zero").mkdir(parents=True)
     (universal / "latest_universal").write_text("global_step3_universal")
@@ -741,13 +554,13 @@ def test_lightning_refuses_a_deepspeed_run_of_its_own_naming_what_its_restore_ne
     client_state (DeepSpeedStrategy's save): a plain DeepSpeed run's is refused, nothing changed."""
     from zero_strategy.lightning import _checkpoint
 
-    model, zopt = _setup_tiny()
-    before = _snapshot(model, zopt)
+    model, zopt = setup_tiny()
+    before = snapshot(model, zopt)
     with pytest.raises(ValueError, match=r"not saved by Lightning's DeepSpeedStrategy \(its client_state lacks "
                        r"\['pytorch-lightning_version', 'loops', 'global_step'\]\): resume it with "
                        "zero_strategy.load_checkpoint"):
         _checkpoint.load(_ds_dir(ds_runs, "s1_fp32"), model, [zopt])
-    assert _same(before, _snapshot(model, zopt))
+    assert same(before, snapshot(model, zopt))
 
 
 def test_allowlisted_stand_ins_run_no_deepspeed_code(ds_runs):
@@ -766,7 +579,7 @@ def test_a_tag_directory_loads_and_optimizer_none_takes_the_weights_alone(ds_run
     import zero_strategy as zs
 
     run = _ds_dir(ds_runs, "s3_fp32_offload")
-    model, zopt = _setup_tiny()
+    model, zopt = setup_tiny()
     zs.load_checkpoint(run / (run / "latest").read_text().strip(), model)  # global_step3/ itself
     ref = torch.load(run / "reference.pt", weights_only=True)
     got = zs.full_state_dict(model, dtype=None)
@@ -779,7 +592,7 @@ def test_a_tag_directory_loads_and_optimizer_none_takes_the_weights_alone(ds_run
 def test_latest_must_name_a_tag_inside_the_directory(tmp_path):
     import zero_strategy as zs
 
-    model, zopt = _setup_tiny()
+    model, zopt = setup_tiny()
     (tmp_path / "latest").write_text("../elsewhere")
     with pytest.raises(zs.CheckpointError, match=r"latest names '\.\./elsewhere', not a checkpoint tag inside"):
         zs.load_checkpoint(tmp_path, model, zopt)
