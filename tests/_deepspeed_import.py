@@ -12,6 +12,15 @@ import torch
 FP32_TOL = 1e-5
 
 
+def results_by_name(reports: list[dict]) -> dict[str, list[dict]]:
+    """Every rank's result of a ``run_cases`` worker's launch, by case name, in rank order."""
+    by_name: dict[str, list[dict]] = {}
+    for rep in reports:
+        for res in rep["results"]:
+            by_name.setdefault(res["name"], []).append(res)
+    return by_name
+
+
 def setup_tiny():
     import zero_strategy as zs
     from _models import TinyLM, param_groups

@@ -38,6 +38,7 @@ import traceback
 from pathlib import Path
 
 import _launch
+from _zygote_shim import recv_exact
 
 SHIM = str(Path(__file__).resolve().parent / "_zygote_shim.py")
 ADDRESS = "ZS_TEST_ZYGOTE"  # the environment variable that tells the shim where the zygote listens
@@ -76,16 +77,6 @@ def _address() -> str:
             raise RuntimeError("the zygote did not start")
         _STARTED["path"] = path
     return _STARTED["path"]
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
 
 
 def _serve(path: str) -> None:
@@ -140,7 +131,7 @@ def with_group_killed(pid: int) -> None:
 def _start(server: socket.socket, running: dict) -> None:
     conn, _ = server.accept()
     head, fds, _, _ = socket.recv_fds(conn, 4, 3)
-    request = json.loads(_recv_exact(conn, struct.unpack("!I", head + _recv_exact(conn, 4 - len(head)))[0]))
+    request = json.loads(recv_exact(conn, struct.unpack("!I", head + recv_exact(conn, 4 - len(head)))[0]))
     pid = os.fork()
     if pid == 0:
         server.close()

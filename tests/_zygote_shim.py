@@ -12,12 +12,13 @@ import struct
 import sys
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def recv_exact(conn: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``conn``; ConnectionError if it closes first. Also the zygote's (tests/_zygote.py)."""
     data = b""
     while len(data) < n:
         chunk = conn.recv(n - len(data))
         if not chunk:
-            raise SystemExit("the test session's zygote closed the connection")
+            raise ConnectionError("the other end closed the connection")
         data += chunk
     return data
 
@@ -37,10 +38,10 @@ def main() -> None:
             streams.append(os.open(os.devnull, os.O_RDWR))
     socket.send_fds(conn, [struct.pack("!I", len(request))], streams)
     conn.sendall(request)
-    (pid,) = struct.unpack("!i", _recv_exact(conn, 4))
+    (pid,) = struct.unpack("!i", recv_exact(conn, 4))
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda s, _frame: os.kill(pid, s))
-    (code,) = struct.unpack("!i", _recv_exact(conn, 4))
+    (code,) = struct.unpack("!i", recv_exact(conn, 4))
     if code < 0:  # killed by a signal: so is the shim, as its launcher would see it
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
@@ -48,4 +49,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConnectionError as e:
+        raise SystemExit(f"the test session's zygote: {e}") from None

@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
-from _deepspeed_import import FP32_TOL, same, setup_tiny, snapshot
+from _deepspeed_import import FP32_TOL, results_by_name, same, setup_tiny, snapshot
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -97,10 +97,7 @@ def _ours(world: int, dirs: tuple) -> tuple[dict, Path]:
                   offload=stage >= 2 and name.endswith("offload"), scheduler=name in SCHEDULED)
              for name, d in dirs for stage in (1, 2, 3)]
     reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=300, out=out)
-    by_name: dict = {}
-    for rep in reports:
-        for res in rep["results"]:
-            by_name.setdefault(res["name"], []).append(res)
+    by_name = results_by_name(reports)
     return by_name, out
 
 
@@ -362,11 +359,8 @@ def _universal_round_trip(src: str) -> tuple[dict, dict, Path]:
                    env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=240)
     cases = [dict(name=f"deepspeed{s}", stage=s, bf16=False, offload="optimizer" if s > 1 else "", dir=str(uni),
                   set_hyper=GROUPS if s == 3 else None, unshare_step=s == 3) for s in (1, 2, 3)]
-    by_name: dict = {}
-    for rep in launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed_universal", "cases": cases}, timeout=300,
-                      out=work):
-        for res in rep["results"]:
-            by_name.setdefault(res["name"], []).append(res)
+    by_name = results_by_name(launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed_universal", "cases": cases},
+                                     timeout=300, out=work))
     cases = [dict(name=f"{kind}-zero{s}", stage=s, precision="fp32", dir=str(d))
              for kind, d in (("exported", uni), ("converted", converted)) for s in (1, 3)]
     for rep in launch("deepspeed_checkpoint.py", 1, {"mode": "ours", "cases": cases}, timeout=240, out=work):
@@ -488,10 +482,7 @@ def test_two_ranks_refuse_a_damaged_deepspeed_checkpoint_alike_and_change_nothin
              dir=str(_damaged(src, tmp_path / "truncated", lambda t: _truncate(t, "zero_pp_rank_1_*optim*")))),
     ]
     reports = launch("deepspeed_checkpoint.py", 2, {"mode": "refused", "cases": cases}, timeout=240)
-    by_name: dict = {}
-    for rep in reports:
-        for res in rep["results"]:
-            by_name.setdefault(res["name"], []).append(res)
+    by_name = results_by_name(reports)
     for case in cases:
         got = by_name[case["name"]]
         assert len(got) == 2 and all("error" not in r for r in got), got

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
-from _deepspeed_import import FP32_TOL, same, setup_tiny, snapshot
+from _deepspeed_import import FP32_TOL, results_by_name, same, setup_tiny, snapshot
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -62,10 +62,7 @@ def _ours_nvme(world: int, dirs: tuple) -> tuple[dict, Path]:
     cases = [dict(name=f"{name}-zero{stage}", stage=stage, precision="fp32", dir=d, vocab=NVME_VOCAB[name])
              for name, d in dirs for stage in (2, 3)]
     reports = launch("deepspeed_checkpoint.py", world, {"mode": "ours", "cases": cases}, timeout=300, out=out)
-    by_name: dict = {}
-    for rep in reports:
-        for res in rep["results"]:
-            by_name.setdefault(res["name"], []).append(res)
+    by_name = results_by_name(reports)
     return by_name, out
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
-from _deepspeed_import import FP32_TOL
+from _deepspeed_import import FP32_TOL, results_by_name
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -41,10 +41,7 @@ def _lightning_resumed(world: int, dirs: tuple) -> tuple[dict, Path]:
     out.mkdir(exist_ok=True)
     cases = [dict(name=f"s{stage}-{preset}", strategy=preset, dir=d) for stage, d in dirs for preset in ("zero2", "zero3")]
     reports = launch("lightning_deepspeed_resume.py", world, {"mode": "ours", "cases": cases}, timeout=400, out=out)
-    by_name: dict = {}
-    for rep in reports:
-        for res in rep["results"]:
-            by_name.setdefault(res["name"], []).append(res)
+    by_name = results_by_name(reports)
     return by_name, out
 
 
