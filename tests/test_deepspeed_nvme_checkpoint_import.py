@@ -6,9 +6,10 @@ resumes the others, and must equal DeepSpeed continuing its own run. The stage-3
 sub-group is read from the swap files DeepSpeed copies into the checkpoint, and a copy that lacks
 one is refused naming it.
 
-Slow tier, and only where DeepSpeed's aio op can be built (libaio-dev): it is built on first use,
-minutes of both cores once per environment. A module of its own, so its runs go to another pytest
-worker than the other DeepSpeed runs.
+Slow tier, and only where DeepSpeed's aio op can be built (libaio-dev). `.ci/run` builds it at install
+where libaio's header exists; a DeepSpeed installed without it builds it on first use, minutes of both
+cores once per environment. A module of its own, so its runs go to another pytest worker than the
+other DeepSpeed runs.
 """
 
 from __future__ import annotations
