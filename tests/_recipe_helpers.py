@@ -11,6 +11,7 @@ import pytest
 
 import _procs
 from _procs import ROOT, free_port  # noqa: F401 - the recipe tests import it from here
+from _zygote import rank_entry, warm_command
 
 
 def _char_tokenizer(path: Path):
@@ -55,11 +56,26 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-def run(cmd: list[str], timeout: float) -> tuple[int, str]:
-    """``cmd`` offline, killed with all it started if it outlives ``timeout``; (exit code, combined log)."""
+def run(cmd: list[str], timeout: float, cold: bool = False) -> tuple[int, str]:
+    """``cmd`` offline, killed with all it started if it outlives ``timeout``; (exit code, combined log).
+
+    Warm unless ``cold`` (tests/_zygote.py, [Note: warm processes behind a launcher]): the command
+    and, where a launcher runs a recipe (``torch.distributed.run``, ``accelerate launch``), each of
+    its ranks start from the warm zygote instead of importing torch, transformers and Lightning
+    afresh. The launcher, its arguments and what it does per rank are those a user types. The README's
+    own recipe (tests/test_recipe_smoke.py) runs ``cold``: one launch exactly as on a fresh machine."""
     env = _procs.child_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if not cold:
+        if cmd[1] == "-m":  # a launcher: the recipe script it runs per rank goes through the shim
+            cmd = [a2 for a in cmd for a2 in (rank_entry(a) if _is_recipe(a) else [a])]
+        cmd, env = warm_command(cmd, env)
     proc = _procs.run(cmd, timeout, env=env, merge_stderr=True)
     return proc.returncode, proc.stdout
+
+
+def _is_recipe(arg: str) -> bool:
+    path = Path(arg)
+    return path.suffix == ".py" and path.parent == ROOT / "recipes"
 
 
 def require_recipe_deps(framework: str) -> None:

@@ -49,7 +49,7 @@ def test_finetune_two_ranks_saves_a_model_that_reloads(tiny_model, tmp_path):
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RECIPE),
            "--model", str(tiny_model), "--preset", "zero3", "--max-steps", "3", "--batch-size", "8",
            "--accum", "2", "--lr", "1e-3", "--log-every", "1", "--output-dir", str(out_dir)]
-    rc, log = run(cmd, timeout=150)
+    rc, log = run(cmd, timeout=150, cold=True)
     final = re.search(r"^final: held-out accuracy ([0-9.]+) \((\d+)/(\d+); chance ([0-9.]+)\), (\d+) steps", log, re.M)
     assert final, f"no final line (exit code {rc}):\n{log[-4000:]}"
     acc, correct, total, _, steps = final.groups()
