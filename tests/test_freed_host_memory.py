@@ -24,8 +24,10 @@ steps, 363 after the evaluation (bound 419 with the logits), 290 after the save;
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,9 +49,13 @@ SLACK = 64 * MiB
 STEADY_SLACK = 96 * MiB
 
 
-def _samples(preset: str, release: bool, tmp_path) -> dict[str, dict]:
+@functools.lru_cache(maxsize=None)
+def _samples(preset: str, release: bool) -> dict[str, dict]:
+    """One fresh process per (preset, release), shared by the tests that read it (zero2 and
+    zero3_offload serve two tests each): its samples are the same whichever test asks."""
+    ckpt = Path(tempfile.mkdtemp(prefix="zs_freed_host_")) / "ckpt"
     done = run([sys.executable, str(HERE / "workers" / "freed_host_memory.py"), preset, "1" if release else "0",
-                str(tmp_path / "ckpt")], timeout=240)
+                str(ckpt)], timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {s["phase"]: s for s in json.loads(done.stdout.strip().splitlines()[-1])}
 
@@ -68,16 +74,16 @@ def _where(preset: str, s: dict) -> str:
 
 
 @pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "zero3_offload"])
-def test_where_a_phase_ends_the_process_holds_the_engines_accounting(preset, tmp_path):
-    samples = _samples(preset, True, tmp_path)
+def test_where_a_phase_ends_the_process_holds_the_engines_accounting(preset):
+    samples = _samples(preset, True)
     for phase in ("eval", "save_checkpoint"):
         print(_where(preset, samples[phase]))
         assert samples[phase]["growth"] <= _bound(samples[phase]), _where(preset, samples[phase])
 
 
 @pytest.mark.parametrize("preset", ["zero2", "zero3_offload"])
-def test_training_does_not_grow_from_step_to_step(preset, tmp_path):
-    samples = _samples(preset, True, tmp_path)
+def test_training_does_not_grow_from_step_to_step(preset):
+    samples = _samples(preset, True)
     # the least of three (after the first step, which creates the optimizer state): glibc's free
     # lists move a single sample by up to 60 MiB either way, what leaks raises the floor
     early = min(samples[f"step {k}"]["growth"] for k in (1, 2, 3))
@@ -87,10 +93,10 @@ def test_training_does_not_grow_from_step_to_step(preset, tmp_path):
         f"steps 6-8")
 
 
-def test_without_the_release_the_phase_end_bound_is_exceeded(tmp_path):
+def test_without_the_release_the_phase_end_bound_is_exceeded():
     """The bound above tells the two apart: without the release (glibc keeps what training freed)
     the same evaluation holds more than the engine's accounting allows."""
-    samples = _samples("zero3_offload", False, tmp_path)
+    samples = _samples("zero3_offload", False)
     assert samples["eval"]["growth"] > _bound(samples["eval"]), _where("zero3_offload", samples["eval"])
 
 
