@@ -30,11 +30,11 @@ With the step's shape instead (``choose_preset(model, seq_len=..., batch_size=..
 Llama-style transformers model), the activations are estimated per candidate (See [Note: activation
 memory of a Llama-style decoder] in _estimate_activations.py), at the config's
 ``sequence_parallel_size`` and tiling, with or without checkpointing as the model is set
-(``model.is_gradient_checkpointing``). When they do not fit beside a preset's model states, the
-activation tools are tried at that preset before the next preset, each adding to the one before:
-the tiled loss, then the tiled MLP, then (checkpointing on and a GPU present) activation offload.
-Tiling recomputes the head or the MLP once in backward, which costs less than the next preset's
-traffic or an offloaded step; activation offload moves L layer inputs over PCIe each way. The
+(``model.is_activation_checkpointing``; ``is_gradient_checkpointing`` before transformers 5). When
+they do not fit beside a preset's model states, the activation tools are tried at that preset before
+the next preset, each adding to the one before: the tiled loss, then the tiled MLP, then
+(checkpointing on and a GPU present) activation offload. Tiling recomputes the head or the MLP once
+in backward, which costs less than the next preset's traffic or an offloaded step; activation offload moves L layer inputs over PCIe each way. The
 sequence-parallel degree is never changed: at sp N, N ranks share each sample, so a step trains on
 other data; when nothing fits and a larger degree would, the error says which. Setup does the same
 when the config names the shape (``{"preset": "zero_auto", "seq_len": 32768}``, with ``batch_size``
@@ -203,7 +203,10 @@ class Workload:
             hf_config = getattr(module, "config", None)
             if getattr(hf_config, "model_type", None):
                 text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-                checkpointing = bool(getattr(module, "is_gradient_checkpointing", False))
+                # transformers 5 renamed the flag and warns on the old name; 4.x has only the old one
+                flag = ("is_activation_checkpointing" if hasattr(type(module), "is_activation_checkpointing")
+                        else "is_gradient_checkpointing")
+                checkpointing = bool(getattr(module, flag, False))
                 return cls(text, batch_size, seq_len, checkpointing)
         raise ZeroConfigError("seq_len", f"the activation estimate needs a Hugging Face transformers model; "
                               f"{type(model).__name__} holds none",
