@@ -26,19 +26,19 @@ estimate does not count. Activations can be estimated with ``zero-strategy estim
 quarter of the device should pass them to ``choose_preset(model, activations=...)``, which counts
 them on the device beside the model states, and set up with the preset it returns.
 
-With the step's shape instead (``choose_preset(model, seq_len=..., batch_size=...)``, a
-Llama-style transformers model), the activations are estimated per candidate (See [Note: activation
-memory of a Llama-style decoder] in _estimate_activations.py), at the config's
-``sequence_parallel_size`` and tiling, with or without checkpointing as the model is set
-(``model.is_activation_checkpointing``; ``is_gradient_checkpointing`` before transformers 5). When
-they do not fit beside a preset's model states, the activation tools are tried at that preset before
-the next preset, each adding to the one before: the tiled loss, then the tiled MLP, then
-(checkpointing on and a GPU present) activation offload. Tiling recomputes the head or the MLP once
-in backward, which costs less than the next preset's traffic or an offloaded step; activation offload moves L layer inputs over PCIe each way. The
-sequence-parallel degree is never changed: at sp N, N ranks share each sample, so a step trains on
-other data; when nothing fits and a larger degree would, the error says which. Setup does the same
-when the config names the shape (``{"preset": "zero_auto", "seq_len": 32768}``, with ``batch_size``
-sequences per rank); without it, activations are left to the headroom.
+With the step's shape instead (``choose_preset(model, seq_len=..., batch_size=...)``, a Llama-style
+transformers model), the activations are estimated per candidate (See [Note: activation memory of a
+Llama-style decoder] in _estimate_activations.py), at the config's ``sequence_parallel_size`` and
+tiling, with or without checkpointing as the model is set (``model.is_activation_checkpointing``;
+``is_gradient_checkpointing`` before transformers 5). When they do not fit beside a preset's model
+states, the activation tools are tried at that preset before the next preset, each adding to the one
+before: the tiled loss, then the tiled MLP, then (checkpointing on and a GPU present) activation
+offload. Tiling recomputes the head or the MLP once in backward, which costs less than the next
+preset's traffic or an offloaded step; activation offload moves L layer inputs over PCIe each way.
+The sequence-parallel degree is never changed: at sp N, N ranks share each sample, so a step trains
+on other data; when nothing fits and a larger degree would, the error says which. Setup does the
+same when the config names the shape (``{"preset": "zero_auto", "seq_len": 32768}``, with
+``batch_size`` sequences per rank); without it, activations are left to the headroom.
 
 Order (the first that fits is chosen): zero2, zero3, zero2_offload, zero3_offload,
 zero3_offload_nvme. No offload first: offload runs the optimizer step on the CPU and
