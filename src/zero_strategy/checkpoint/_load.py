@@ -18,7 +18,7 @@ every rank (SECURITY.md): a user who catches the error and trains on must train 
 they had, not one half from the checkpoint. So a load has two phases. *Prepare*
 (:func:`prepare_load`) copies nothing into the model: it reads the metadata, compares
 names, shapes and the saved optimizer state with the running ones, checks the
-hyperparameters and the buffers' shapes, verifies every file this rank will read (sha256
+hyperparameters and the buffers' shapes, verifies every file this rank will read (digest
 and size, then its safetensors header against the metadata) and opens it, and reads the
 extra state. Its errors are agreed on across ranks (one ``all_gather_object`` of each
 rank's error or None), so either every rank goes on or every rank raises the same
@@ -105,13 +105,13 @@ class _Reader:
         self.buffer_header: dict[str, tuple[str, list[int]]] = {}
 
     def verify(self, names: set[str]) -> None:
-        """Check each file against the metadata (sha256, size, header) and open it. See [Note: verify,
+        """Check each file against the metadata (digest, size, header) and open it. See [Note: verify,
         agree, then copy]."""
         from safetensors import safe_open
 
         for name in sorted(names):
             rec = self.meta.file(name)
-            verify_file(self.dir / name, rec.sha256, rec.bytes)
+            verify_file(self.dir / name, rec.digest, rec.bytes)
             if name == BUFFERS_FILE:
                 self.buffer_header = check_buffers_file(self.dir / name, self.meta)
             elif self.meta.experts is not None and name in expert_files(self.meta.experts):
@@ -643,7 +643,7 @@ def _extra_state(reader: _Reader, meta: Metadata) -> Any:
         return extra["value"]
     rec = meta.file(extra["file"])
     path = reader.dir / rec.name
-    verify_file(path, rec.sha256, rec.bytes)
+    verify_file(path, rec.digest, rec.bytes)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - pickle refusals come in several types

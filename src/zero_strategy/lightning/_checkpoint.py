@@ -6,7 +6,7 @@ the weights and optimizer state are the sharded files (resumable on any number o
 ranks and any stage); everything else Lightning puts in its checkpoint dict (epoch,
 global_step, loops, callbacks, LR schedulers, hyper_parameters, datamodule state,
 whatever ``on_save_checkpoint`` added) travels in ``extra_state`` as one serialized
-blob. The blob is a uint8 tensor so the engine's integrity checks (sha256, the
+blob. The blob is a uint8 tensor so the engine's integrity checks (per-file digests, the
 ``weights_only`` load of ``extra_state.pt``) cover it, while the blob itself is read
 with Lightning's own ``weights_only`` semantics, as a ``.ckpt`` file would be.
 """
