@@ -5,7 +5,7 @@ The running model's flat groups need not match the saved ones (other world size,
 stage, persistence threshold or frozen set). For each running group, each rank
 walks the slots intersecting its own shard, looks the parameter up by name in the
 checkpoint layout, and reads just the elements it owns from the one or more saved
-rank files that hold them (``safe_open(...).get_slice(name)[a:b]``): memory stays
+rank files that hold them (``readinto`` at the element range; See [Note: one copy into the shard]): memory stays
 at one shard, and no rank reads what it does not keep. Master shards, frozen
 shards and elementwise optimizer state all move this way; scalar optimizer state
 (``step``) and hyperparameters come from the metadata. Afterwards the compute-dtype
@@ -63,7 +63,7 @@ from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
 from ._deepspeed_universal import UniversalCheckpoint, is_universal
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
-from ._safetensors_stream import verify_file
+from ._safetensors_stream import StreamReader, verify_file
 from ._sync import agree, describe
 from ._experts import expert_files, experts_to_read, fill_flat_from_experts, load_experts, local_state_dict
 from ._validate import check_buffers_file, check_experts_file, check_rank_file
@@ -101,6 +101,8 @@ class _Reader:
     def __init__(self, ckpt_dir: Path, meta: Metadata):
         self.dir, self.meta = ckpt_dir, meta
         self._open: dict[str, Any] = {}
+        #: rank files opened for plain reads straight into the shards (See [Note: one copy into the shard])
+        self._streams: dict[str, StreamReader] = {}
         #: buffer name -> (dtype name, shape) from the buffers file's header, once verified
         self.buffer_header: dict[str, tuple[str, list[int]]] = {}
 
@@ -118,6 +120,7 @@ class _Reader:
                 check_experts_file(self.dir / name, self.meta)
             else:
                 check_rank_file(self.dir / name, self.meta)
+                self._streams[name] = StreamReader(self.dir / name)
             try:
                 self._open[name] = safe_open(str(self.dir / name), framework="pt")
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
@@ -130,11 +133,23 @@ class _Reader:
             raise CheckpointError(f"internal error: {name} is read but was not verified first") from None
 
     def fill(self, dst: torch.Tensor, fqn: str, lo: int, hi: int, tensor_of) -> None:
-        """dst[0:hi-lo] <- elements [lo, hi) of parameter ``fqn``; ``tensor_of(group)`` names the tensor."""
+        """dst[0:hi-lo] <- elements [lo, hi) of parameter ``fqn``; ``tensor_of(group)`` names the tensor.
+
+        [Note: one copy into the shard]
+        Elements are read with ``readinto`` through the rank file's descriptor opened when it was
+        verified, straight into ``dst`` where it is a contiguous CPU tensor of the stored dtype (a
+        master shard, a CPU optimizer state): one copy from the page cache the verification
+        filled. Through ``safe_open``'s memory map it was a page fault per 4 KiB, a new tensor and
+        a second copy (0.6-1.4 s of a 1.3 GB rank file's load on the benchmark machine).
+        Elsewhere (a GPU shard, another dtype) a fresh buffer is read and copied.
+        """
         group = self.meta.groups[self.meta.params[fqn].group]
         for rank, a, b, at in self.meta.pieces(fqn, lo, hi):
-            piece = self.handle(self.meta.rank_file(rank)).get_slice(tensor_of(group))[a:b]
-            dst[at:at + b - a].copy_(piece)
+            name = self.meta.rank_file(rank)
+            stream = self._streams.get(name)
+            if stream is None:  # _files_to_read missed it: a bug, never a file read unverified
+                raise CheckpointError(f"internal error: {name} is read but was not verified first")
+            stream.read_into(tensor_of(group), a, b, dst[at:at + b - a])
 
     def tensor(self, rank: int, name: str) -> torch.Tensor:
         """The whole tensor ``name`` of rank file ``rank`` (per-parameter optimizer state)."""
@@ -142,6 +157,9 @@ class _Reader:
 
     def close(self) -> None:
         self._open.clear()
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
 
 
 @torch.no_grad()

@@ -42,6 +42,8 @@ from ._validate import header as library_header
 
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 HASH_CHUNK = 8 << 20  # bytes read at a time when hashing
+#: how far ahead of the hashing the kernel is asked to read (See [Note: reading ahead of the hash])
+PREFETCH_BYTES = 256 << 20
 
 
 class StreamWriter(_Writer):
@@ -110,24 +112,61 @@ class StreamReader:
             raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
         return out.view(dtype)
 
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """``out`` <- flat elements [start, stop) of tensor ``name``: read straight into ``out`` where it is
+        a contiguous CPU tensor of the stored dtype (See [Note: one copy into the shard] in _load.py)."""
+        dtype = self.dtype(name)
+        if out.numel() != stop - start:
+            raise CheckpointError(f"{self.path}: {out.numel()} elements asked for [{start}, {stop}) of {name!r}")
+        if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous() or not out.numel():
+            out.copy_(self.read(name, start, stop).view(out.shape))
+            return
+        entry = self._entry(name)
+        size = _element_size(dtype)
+        begin, end = entry["data_offsets"]
+        if not 0 <= start <= stop <= (end - begin) // size:
+            raise CheckpointError(f"{self.path}: elements [{start}, {stop}) of {name!r} out of range "
+                                  f"{(end - begin) // size}")
+        self._file.seek(self._data_start + begin + start * size)
+        got = self._file.readinto(out.detach().view(torch.uint8).reshape(-1).numpy())
+        if got != out.numel() * size:
+            raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
+
     def close(self) -> None:
         self._file.close()
 
 
 def file_digest(path: Path, algorithm: str, chunk: int = HASH_CHUNK) -> str:
     """``"<algorithm>:<hex>"`` of the file at ``path``; See [Note: file digests] in
-    _mechanisms/safetensors_writer.py."""
+    _mechanisms/safetensors_writer.py.
+
+    [Note: reading ahead of the hash]
+    A load reads each file twice, once to verify it and once to copy from it (See [Note: verify,
+    agree, then copy] in _load.py); the first read comes from the disk, the second from the
+    page cache it filled. The kernel is asked for ``PREFETCH_BYTES`` ahead of the hash
+    (``POSIX_FADV_WILLNEED``: it reads them without making the hash wait), a window sliding
+    with it, so the read-ahead of a file larger than memory cannot evict the pages the hash
+    has not reached. Both ranks' files read at once on the benchmark machine (a shared virtual
+    disk, figures spread 3x between runs): medians 0.99 GB/s with the window, 0.53 with the
+    kernel's own read-ahead, 0.63 with ``POSIX_FADV_SEQUENTIAL``, 0.36 with the whole file
+    advised at once; ``O_DIRECT`` in 64 MiB pieces 0.90.
+    """
     h = DIGESTS[algorithm]()
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with open(path, "rb") as f:
-        if hasattr(os, "posix_fadvise"):  # read once, front to back: a larger read-ahead
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    advise = getattr(os, "posix_fadvise", None)
+    with open(path, "rb", buffering=0) as f:
+        if advise is not None:
+            advise(f.fileno(), 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+        done = 0
         while True:
             n = f.readinto(buf)
             if not n:
                 break
+            if advise is not None:
+                advise(f.fileno(), done + PREFETCH_BYTES, n, os.POSIX_FADV_WILLNEED)
             h.update(view[:n])
+            done += n
     return f"{algorithm}:{h.hexdigest()}"
 
 
