@@ -577,12 +577,16 @@ def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
     state: dict[str, Any] = {}
     device = g.master.device
     for key, dname in first.state_tensors.items():
-        t = torch.zeros(g.shard_numel, dtype=dtype_from_name(dname), device=device)
+        # zeros only where no saved element lands (padding, parameters the checkpoint lacks): zeroing
+        # the whole shard first took 0.3-0.5 s of a 1.3 GB rank file's load on the benchmark machine
+        t = torch.empty(g.shard_numel, dtype=dtype_from_name(dname), device=device)
+        filled = []
         for s, lo, hi, where in g.slot_ranges_in_shard():
             fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
             if fqn is not None:
-                dst = t[where]
-                reader.fill(dst, fqn, lo, hi, lambda grp, key=key: grp.state_tensor(key))
+                reader.fill(t[where], fqn, lo, hi, lambda grp, key=key: grp.state_tensor(key))
+                filled.append((where.start, where.stop))
+        _zero_outside(t, filled)
         state[key] = t
     for key, sc in first.state_scalars.items():
         if sc["tensor"]:
@@ -591,6 +595,17 @@ def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
         else:
             state[key] = sc["value"]
     zopt.optimizer.state[g.master] = state
+
+
+def _zero_outside(t: torch.Tensor, filled: list[tuple[int, int]]) -> None:
+    """Zero the elements of the 1-D ``t`` outside the ``[start, stop)`` ranges in ``filled``."""
+    at = 0
+    for start, stop in sorted(filled):
+        if start > at:
+            t[at:start].zero_()
+        at = max(at, stop)
+    if at < t.numel():
+        t[at:].zero_()
 
 
 def _layout_changed(fqn: str, saved: str, here: str) -> CheckpointError:
