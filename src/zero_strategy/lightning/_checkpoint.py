@@ -73,7 +73,7 @@ def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None
     """
     from ..checkpoint import load_metadata
 
-    if _is_deepspeed(path):
+    if is_deepspeed(path):
         return _load_deepspeed(path, model, zero_optimizers, strict)
     meta = load_metadata(path)
     has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
@@ -102,7 +102,8 @@ def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None
 _LIGHTNING_KEYS = ("pytorch-lightning_version", "loops", "global_step", "epoch")
 
 
-def _is_deepspeed(path) -> bool:
+def is_deepspeed(path) -> bool:
+    """A DeepSpeed checkpoint directory (not ours): Lightning's and Fabric's DeepSpeedStrategy write them."""
     from ..checkpoint._deepspeed import find_deepspeed_checkpoint
     from ..checkpoint._layout import METADATA_FILE
 
