@@ -69,3 +69,19 @@ def test_fabric_load_of_a_deepspeed_strategy_checkpoint_goes_on_as_deepspeed(fab
         assert res["lr"] == pytest.approx(ref["lr"], rel=1e-12)  # the scheduler went on from its saved state
     worst, where = worst_rel_diff(torch.load(out / f"{name}.pt", weights_only=True)["final"], ref["final"])
     assert worst < FP32_TOL, f"final weights differ from DeepSpeed's by {worst:.2e} ({where})"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fabric_load_refuses_a_key_the_client_state_lacks_and_changes_nothing(fabric_ds_runs, tmp_path):
+    """strict: a key of ``state`` DeepSpeed's client_state lacks is Fabric's KeyError, raised before
+    anything of the checkpoint is copied, on every rank."""
+    cases = [dict(name="absent", strategy="zero3", dir=str(fabric_ds_runs[3]), absent=True)]
+    reports = launch("fabric_deepspeed_resume.py", 2, {"mode": "ours", "cases": cases}, timeout=400, out=tmp_path)
+    results = results_by_name(reports)["absent"]
+    assert len(results) == 2
+    for res in results:
+        assert "error" not in res, res["error"]
+        assert res["raised"] == ("KeyError: \"The requested state contains a key 'absent' that does not exist in the "
+                                 "loaded checkpoint. To disable strict loading, set `strict=False`.\"")
+        assert res["changed"] == [] and res["step"] == 0

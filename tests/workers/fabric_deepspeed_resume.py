@@ -14,7 +14,9 @@ each group's lr at the end.
 args["mode"] == "ours": for each case {name, strategy, dir}, a fresh model and optimizer set up by
 ``Fabric(strategy=...)``, ``fabric.load(dir, state)`` as Fabric's docs write it, then steps
 [state["step"], END); reports the losses, the restored step, what ``fabric.load`` returned and each
-group's lr at the end; rank 0 saves the final fp32 weights to ``<out>/<name>.pt``.
+group's lr at the end; rank 0 saves the final fp32 weights to ``<out>/<name>.pt``. A case with
+"absent" instead loads a state with a key the client_state lacks and reports the error and every
+value that changed (tests/_refused_load.py).
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def run_ours(case: dict, out) -> dict:
     scheduler = ds_worker.scheduler(optimizer.optimizer.optimizer)  # over the torch AdamW the ZeroOptimizer steps
 
     state = {"model": model, "optimizer": optimizer, "step": 0, "scheduler": scheduler}
+    if case.get("absent"):
+        return {"name": case["name"], **refused_strict_load(fabric, case, state)}
     remainder = fabric.load(case["dir"], state)
 
     def backward_step(loss):
@@ -91,6 +95,22 @@ def run_ours(case: dict, out) -> dict:
         torch.save({"final": final}, out / f"{case['name']}.pt")
     return {"name": case["name"], "losses": losses, "step": state["step"], "remainder": sorted(remainder),
             "lr": [pg["lr"] for pg in optimizer.param_groups]}
+
+
+def refused_strict_load(fabric, case: dict, state: dict) -> dict:
+    """``fabric.load`` of a state with a key the client_state lacks (strict): Fabric's KeyError, and
+    nothing of the checkpoint loaded before it."""
+    from _refused_load import differences, snapshot
+
+    model, optimizer = state["model"], state["optimizer"]
+    before = snapshot(model._forward_module, optimizer)
+    try:
+        fabric.load(case["dir"], {**state, "absent": 1})
+        raised = None
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        raised = f"{type(err).__name__}: {err}"
+    return {"raised": raised, "changed": differences(before, snapshot(model._forward_module, optimizer)),
+            "step": state["step"]}
 
 
 def main() -> None:
