@@ -12,7 +12,7 @@ rotated each round, so a neighbour's load falls on every system alike):
 * ``save``: ``zero_strategy.checkpoint.save_checkpoint`` (every byte hashed, fsynced, metadata,
   atomic replacement of the previous round's checkpoint);
 * ``raw_read``: each rank reads the file ``raw_write`` left with ``O_DIRECT``;
-* ``load``: ``zero_strategy.checkpoint.load_checkpoint`` (every file's sha256 checked first, then
+* ``load``: ``zero_strategy.checkpoint.load_checkpoint`` (every file's digest checked first, then
   copied into the shards), after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the checkpoint's files
   so they come from the disk, not the page cache (only our own files are dropped: the disk is
   shared, and ``drop_caches`` would change other jobs' figures).
@@ -232,10 +232,10 @@ def profiled(kind: str, ckpt, model, optimizer, rank) -> dict | None:
         return None
     prof.disable()
     total = time.perf_counter() - t
-    split = {"sha256": 0.0, "write": 0.0, "read": 0.0, "fsync": 0.0, "lock waits": 0.0}
+    split = {"hash": 0.0, "write": 0.0, "read": 0.0, "fsync": 0.0, "lock waits": 0.0}
     for (_, _, func), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
-        if "HASH" in func:
-            split["sha256"] += tottime
+        if "HASH" in func or "xxhash" in func:  # hashlib's sha256, xxhash's xxh3_128
+            split["hash"] += tottime
         elif func in ("<method 'write' of '_io.BufferedWriter' objects>", "<built-in method posix.write>"):
             split["write"] += tottime
         elif "readinto" in func or func in ("<method 'get_slice' of 'builtins.safe_open' objects>",

@@ -64,7 +64,7 @@ def differences(before: dict, after: dict) -> list[str]:
 
 
 def flip_a_byte(path: Path) -> None:
-    """Damage a file in the middle of its data (its sha256 no longer matches the metadata)."""
+    """Damage a file in the middle of its data (its digest no longer matches the metadata)."""
     data = bytearray(path.read_bytes())
     data[len(data) // 2 + 3] ^= 0xFF
     path.write_bytes(bytes(data))

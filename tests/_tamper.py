@@ -3,14 +3,13 @@
 Each case edits a copy of one intact checkpoint: ``meta(d)`` edits the parsed
 metadata.json (re-signed with a fresh checksum unless ``sign=False``, so the
 validation behind the checksum is what must refuse it), ``files(dir)`` damages files
-on disk (updating their recorded sha256 and size, so the header checks are what must
+on disk (updating their recorded digest and size, so the header checks are what must
 refuse it). ``load`` is the message ``load_checkpoint`` must raise, ``consolidate``
 the one ``consolidate`` must raise (None: not applicable, e.g. optimizer fields).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import xxhash
 
 import zero_strategy as zs
 from zero_strategy.checkpoint._validate import digest
@@ -53,11 +53,11 @@ def write_meta(d: Path, meta: dict, sign: bool = True) -> None:
 
 
 def rewrite_file(d: Path, name: str, data: bytes) -> None:
-    """Replace a file and record its new sha256 and size (a consistent, re-signed forgery)."""
+    """Replace a file and record its new digest and size (a consistent, re-signed forgery)."""
     (d / name).write_bytes(data)
     meta = read_meta(d)
     rec = next(f for f in meta["files"] if f["name"] == name)
-    rec["sha256"], rec["bytes"] = hashlib.sha256(data).hexdigest(), len(data)
+    rec["digest"], rec["bytes"] = "xxh3_128:" + xxhash.xxh3_128(data).hexdigest(), len(data)
     write_meta(d, meta)
 
 
@@ -235,7 +235,7 @@ CASES = [
          meta=lambda m: m["files"].pop(0)),
     Case("world_size_changed", r"groups\[0\]\.world_size: 1, but the checkpoint's world_size is 2",
          meta=_set("world_size", 2)),
-    # file damage with a matching (re-recorded) sha256: the header checks must refuse it
+    # file damage with a matching (re-recorded) digest: the header checks must refuse it
     Case("header_negative_offset", rf"{RANK} is not a valid safetensors file", files=_negative_offset),
     Case("header_extra_tensor", rf"{RANK} holds tensor 'smuggled', which metadata\.json does not describe",
          files=_extra_tensor),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
 import torch
+import xxhash
 
 import zero_strategy as zs
 from _models import TinyLM, param_groups
@@ -61,9 +63,68 @@ def test_corrupted_shard_is_named(ckpt):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted"):
+    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted: its xxh3_128 digest"):
         _load(ckpt)
-    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted"):
+    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted: its xxh3_128 digest"):
+        zs.checkpoint.consolidate(ckpt, ckpt.parent / "out")
+    assert not (ckpt.parent / "out").exists()
+
+
+def _as_version_1(ckpt) -> None:
+    """Rewrite a checkpoint's metadata as a version-1 save recorded it (each file's bare sha256 hex
+    under ``sha256``, the only difference of that format), re-signed as that version signed it."""
+    from zero_strategy.checkpoint._validate import digest
+
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    meta["version"] = 1
+    for rec in meta["files"]:
+        del rec["digest"]
+        rec["sha256"] = hashlib.sha256((ckpt / rec["name"]).read_bytes()).hexdigest()
+    meta["checksum"] = digest(meta)
+    (ckpt / "metadata.json").write_text(json.dumps(meta, indent=1))
+
+
+def test_new_files_record_an_xxh3_digest(ckpt):
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert meta["version"] == 2
+    for rec in meta["files"]:
+        assert rec["digest"] == "xxh3_128:" + xxhash.xxh3_128((ckpt / rec["name"]).read_bytes()).hexdigest()
+
+
+def test_version_1_checkpoint_with_sha256_digests_loads_and_consolidates(ckpt):
+    _as_version_1(ckpt)
+    test_intact_checkpoint_loads_what_was_saved(ckpt)
+    assert zs.checkpoint.consolidate(ckpt, ckpt.parent / "out").is_dir()
+
+
+def test_version_1_corrupted_file_is_refused_by_its_sha256(ckpt):
+    _as_version_1(ckpt)
+    f = ckpt / RANK_FILE
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted: its sha256 digest"):
+        _load(ckpt)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda rec: rec.update(digest="md5:" + "0" * 32), r"files\[0\]\.digest: unknown digest algorithm 'md5'"),
+    (lambda rec: rec.update(digest="0" * 32), r"files\[0\]\.digest: '0{32}' is not '<algorithm>:<hex digest>'"),
+    (lambda rec: rec.update(digest="xxh3_128:" + "0" * 64), r"files\[0\]\.digest: '0{64}' is not a xxh3_128 hex"),
+    (lambda rec: rec.update(sha256=rec.pop("digest")), r"files\[0\]: unknown key\(s\) \['sha256'\]"),
+])
+def test_a_digest_that_cannot_be_checked_is_refused_by_name(ckpt, edit, message):
+    """Re-signed metadata whose file digest names an algorithm this version does not verify, or
+    is malformed, is refused before any file is read: never skipped, never guessed."""
+    from zero_strategy.checkpoint._validate import digest
+
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    edit(meta["files"][0])
+    meta["checksum"] = digest(meta)
+    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(zs.CheckpointError, match=message):
+        _load(ckpt)
+    with pytest.raises(zs.CheckpointError, match=message):
         zs.checkpoint.consolidate(ckpt, ckpt.parent / "out")
     assert not (ckpt.parent / "out").exists()
 

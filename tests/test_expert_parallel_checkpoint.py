@@ -43,7 +43,7 @@ pytestmark = pytest.mark.multiprocess
 
 TOL = 1e-5
 REFUSED = {
-    "tamper": "sha256",
+    "tamper": "is corrupted: its xxh3_128 digest",
     "missing": "experts00001-of-00002.safetensors",
     "into_dense": "only its weights load yet: pass optimizer=None",
     "dense_into_ep": "was saved without expert parallelism",
@@ -257,7 +257,7 @@ def test_export_reads_back_in_transformers_with_the_runs_logits(first, base, tmp
 
 
 def test_consolidate_of_a_tampered_experts_file_is_refused(first, base, tmp_path):
-    """A flipped byte in an experts file: refused by name (its sha256) before anything is written."""
+    """A flipped byte in an experts file: refused by name (its digest) before anything is written."""
     import shutil
 
     import zero_strategy as zs
@@ -270,7 +270,7 @@ def test_consolidate_of_a_tampered_experts_file_is_refused(first, base, tmp_path
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0x40
     victim.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="sha256"):
+    with pytest.raises(CheckpointError, match="is corrupted: its xxh3_128 digest"):
         zs.checkpoint.consolidate(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]

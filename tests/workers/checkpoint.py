@@ -59,7 +59,7 @@ def _arm_crash(kind: str) -> None:
 
         def write(self, name, piece):
             original(self, name, piece)
-            self._file.flush()
+            self._flush_staged()  # what it staged reaches the file before the crash
             if kind == "peer_write":
                 os.kill(os.getpid(), signal.SIGKILL)  # a peer dies while the others go on saving
             os._exit(17)  # a rank killed after part of its file is on disk

@@ -10,24 +10,73 @@ units, so neither holds the whole model.
 Format (https://github.com/huggingface/safetensors): 8-byte little-endian header
 length, a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
 "__metadata__": {str: str}}`` padded with spaces to a multiple of 8, then the data.
+
+[Note: file digests]
+A digest is written ``<algorithm>:<hex>``, so a reader knows how to check it without
+guessing from its length. New files get ``xxh3_128`` (the ``xxhash`` library): a
+checksum against damage (a flipped bit, a truncated copy, an edit by a tool), which is
+what the per-file digests of a checkpoint are for; the metadata that lists them carries
+its own sha256 (_validate.py). Nothing is lost against a forger: one who can rewrite a
+file could always rewrite its recorded sha256 too and re-sign the metadata (SECURITY.md).
+Measured on the 2-core benchmark machine: sha256 1.58 GB/s, zlib.crc32 4 GB/s, xxh3_128
+14.7 GB/s; at sha256's rate, hashing a rank's file took longer than the disk took to
+write both ranks' files. ``sha256`` stays readable: checkpoints of format version 1
+(a bare sha256 hex per file) still verify. An algorithm not in ``DIGESTS`` is refused
+by name, never skipped.
+
+[Note: direct writes]
+Where the filesystem allows ``O_DIRECT`` (Linux ext4, xfs...; not macOS), the
+writer copies the bytes it is given into an aligned staging buffer of ``STAGING_BYTES`` and
+writes each full buffer straight to the disk, bypassing the page cache: a save is one copy
+per byte, as a buffered write is, but it does not leave gigabytes of dirty pages for the
+kernel to write back and then evict (a save's buffered writes plus its final fsync ran at
+0.3 of the disk's O_DIRECT rate on the benchmark machine). The last bytes that do not fill
+a whole block are written after ``O_DIRECT`` is cleared on the descriptor; ``close`` still
+fsyncs (the file's size and blocks). Where ``open`` refuses ``O_DIRECT`` (EINVAL: a
+filesystem without it) the writer falls back to buffered writes.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
+import xxhash
 
 ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
+
+
+#: digest algorithms a checkpoint may name; See [Note: file digests]
+DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+#: the hex length of each algorithm's digest
+DIGEST_HEX = {"xxh3_128": 32, "sha256": 64}
+DIGEST = "xxh3_128"  # what new files get
+#: bytes staged per direct write; See [Note: direct writes]
+STAGING_BYTES = 16 << 20
+_BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page; covers 512-byte disks)
+
+
+def split_digest(digest: str) -> tuple[str, str]:
+    """``"<algorithm>:<hex>"`` -> (algorithm, hex); raises ValueError naming what is wrong."""
+    algorithm, sep, hexdigest = digest.partition(":") if isinstance(digest, str) else ("", "", "")
+    if not sep:
+        raise ValueError(f"{digest!r} is not '<algorithm>:<hex digest>'")
+    if algorithm not in DIGESTS:
+        raise ValueError(f"unknown digest algorithm {algorithm!r} (this zero_strategy verifies "
+                         f"{', '.join(sorted(DIGESTS))})")
+    if len(hexdigest) != DIGEST_HEX[algorithm] or hexdigest.strip("0123456789abcdef"):
+        raise ValueError(f"{hexdigest!r} is not a {algorithm} hex digest ({DIGEST_HEX[algorithm]} hex digits)")
+    return algorithm, hexdigest
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -44,7 +93,8 @@ class StreamWriter:
     """Write one safetensors file: ``write(name, piece)`` in header order, then ``close()``.
 
     ``specs``: (name, dtype, shape) of every tensor, in the order they will be written.
-    ``close`` flushes and fsyncs and returns (sha256 hex digest, size in bytes). Misuse and
+    ``close`` flushes and fsyncs and returns (``"xxh3_128:<hex>"``, size in bytes): See [Note: file
+    digests] and [Note: direct writes]. Misuse and
     dtypes safetensors cannot store raise ``error`` (a subclass names its own: checkpoints
     raise ``CheckpointError``).
     """
@@ -69,17 +119,47 @@ class StreamWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.path = Path(path)
-        self._hash = hashlib.sha256()
-        self._file: BinaryIO = open(self.path, "wb")
+        self._hash = DIGESTS[DIGEST]()
+        self._fd, self._direct = _open_for_writing(self.path)
+        self._closed = False
+        # See [Note: direct writes]: the staging buffer (page-aligned: an anonymous map) and its fill
+        self._stage = mmap.mmap(-1, STAGING_BYTES) if self._direct else None
+        self._staged = 0
         self._size = 0
         self._index = 0        # tensor being written
         self._written = 0      # bytes of it written so far
-        self._emit(struct.pack("<Q", len(raw)) + raw)
+        self._emit(memoryview(struct.pack("<Q", len(raw)) + raw))
 
-    def _emit(self, data) -> None:
-        self._file.write(data)
+    def _emit(self, data: memoryview) -> None:
         self._hash.update(data)
         self._size += len(data)
+        if self._stage is None:
+            _write_all(self._fd, data)
+            return
+        view = memoryview(self._stage)
+        while len(data):
+            n = min(len(data), STAGING_BYTES - self._staged)
+            view[self._staged:self._staged + n] = data[:n]
+            self._staged += n
+            data = data[n:]
+            if self._staged == STAGING_BYTES:
+                _write_all(self._fd, view)
+                self._staged = 0
+
+    def _flush_staged(self) -> None:
+        """Write what is staged: whole blocks directly, the rest after clearing O_DIRECT."""
+        if self._stage is None:
+            return
+        view = memoryview(self._stage)
+        whole = self._staged - self._staged % _BLOCK
+        if whole:
+            _write_all(self._fd, view[:whole])
+        if whole < self._staged:
+            import fcntl  # only here: O_DIRECT exists where fcntl does
+
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _write_all(self._fd, view[whole:self._staged])
+        self._staged = 0
 
     def write(self, name: str, piece: torch.Tensor) -> None:
         """Append ``piece`` (all or the next part of tensor ``name``, any shape, its dtype)."""
@@ -88,7 +168,7 @@ class StreamWriter:
         if self._index >= len(self._sizes) or self._sizes[self._index][0] != name:
             expected = self._sizes[self._index][0] if self._index < len(self._sizes) else "nothing"
             raise self.error(f"{self.path}: wrote {name!r} where {expected!r} was expected")
-        data = tensor_bytes(piece)
+        data = tensor_bytes(piece).cast("B")
         if self._written + len(data) > self._sizes[self._index][1]:
             raise self.error(f"{self.path}: more bytes for {name!r} than its shape holds")
         self._emit(data)
@@ -99,14 +179,28 @@ class StreamWriter:
         if done != sum(n for _, n in self._sizes):
             self.abort()
             raise self.error(f"{self.path}: closed before all tensors were written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        return self._hash.hexdigest(), self._size
+        try:
+            self._flush_staged()
+            os.fsync(self._fd)
+        except BaseException:
+            self.abort()
+            raise
+        self._release()
+        return f"{DIGEST}:{self._hash.hexdigest()}", self._size
 
     def abort(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._release()
+
+    def _release(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self._fd)
+            stage, self._stage = self._stage, None
+            if stage is not None:
+                try:
+                    stage.close()
+                except BufferError:  # a view of it held by an error's traceback: freed with it
+                    pass
 
     def __enter__(self) -> "StreamWriter":
         return self
@@ -114,6 +208,25 @@ class StreamWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+
+
+def _open_for_writing(path: Path) -> tuple[int, bool]:
+    """A descriptor for a new file at ``path`` and whether it writes directly (See [Note: direct writes])."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            return os.open(path, flags | direct, 0o644), True
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
 
 
 def numel_of(shape) -> int:

@@ -4,7 +4,7 @@
 safetensors file per rank (its master/frozen shards and elementwise optimizer
 state), ``buffers.safetensors`` and ``metadata.json`` (format version, per-parameter
 layout by fully qualified name, optimizer class, hyperparameters and scalar state,
-loss scale, per-file sha256). ``load_checkpoint`` re-shards by name onto the running
+loss scale, per-file xxh3_128 digests). ``load_checkpoint`` re-shards by name onto the running
 world size and stage; ``consolidate`` streams a full state dict out in one process.
 ``load_checkpoint`` also reads a DeepSpeed ZeRO checkpoint (``_deepspeed.py``), DeepSpeed's universal
 checkpoint (``_deepspeed_universal.py``) and a torch.distributed.checkpoint directory of an

@@ -25,7 +25,7 @@ next run to the same ``out`` (see [Note: what a save may delete] in _owned.py).
 
 [Note: a lying checkpoint cannot grow memory]
 Before anything is written, the metadata is validated (_validate.py) and every file's
-sha256 and safetensors header are checked against it, so every element count the
+digest and safetensors header are checked against it, so every element count the
 metadata claims is backed by bytes on disk. The streamed formats then hold at most
 a few ``CHUNK_BYTES`` pieces; ``torch`` needs the whole output in memory, which is
 computed from the validated layout and refused up front when it exceeds the memory
@@ -149,11 +149,11 @@ def _source(key: str, kind: str, name: str, meta: Metadata, readers):
 
 
 def verify_checkpoint_files(ckpt: Path, meta: Metadata) -> None:
-    """Every file of the checkpoint against its metadata (sha256, size, header), before any output is
+    """Every file of the checkpoint against its metadata (digest, size, header), before any output is
     written (See [Note: a lying checkpoint cannot grow memory]); export_checkpoint checks the same."""
     experts = expert_files(meta.experts) if meta.experts is not None else {}
     for rec in meta.files:
-        verify_file(ckpt / rec.name, rec.sha256, rec.bytes)
+        verify_file(ckpt / rec.name, rec.digest, rec.bytes)
         if rec.name in experts:
             check_experts_file(ckpt / rec.name, meta)
         elif rec.rank is not None:

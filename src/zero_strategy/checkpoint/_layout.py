@@ -47,7 +47,10 @@ import torch
 from .._optim.optimizer import ZeroOptimizer
 
 FORMAT_NAME = "zero_strategy.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: versions this zero_strategy reads: 1 recorded each file's bare sha256 hex (``sha256``), 2 its
+#: ``digest`` as ``<algorithm>:<hex>`` (See [Note: file digests] in _mechanisms/safetensors_writer.py)
+READABLE_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 BUFFERS_FILE = "buffers.safetensors"
 EXTRA_STATE_FILE = "extra_state.pt"
@@ -131,7 +134,7 @@ class ParamLayout:
 @dataclass
 class FileRecord:
     name: str
-    sha256: str
+    digest: str                # "<algorithm>:<hex>" (a version-1 file's sha256 reads as "sha256:<hex>")
     bytes: int
     rank: int | None = None
 

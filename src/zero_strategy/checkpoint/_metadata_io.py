@@ -13,8 +13,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ._layout import (FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, CheckpointError, FileRecord, GroupLayout, Metadata,
-                      ParamLayout)
+from ._layout import (FORMAT_NAME, METADATA_FILE, READABLE_VERSIONS, CheckpointError, FileRecord,
+                      GroupLayout, Metadata, ParamLayout)
 from ._validate import check_checksum, check_metadata, check_raw, digest
 
 
@@ -33,19 +33,29 @@ def parse_metadata(d: dict, where: str, path: Path | None = None) -> Metadata:
         raise CheckpointError(f"{where} is not a zero_strategy checkpoint (its metadata is not a mapping)")
     if d.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{where} is not a zero_strategy checkpoint (format {d.get('format')!r})")
-    if d.get("version") != FORMAT_VERSION:
+    if d.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{where}: unknown checkpoint format version {d.get('version')!r}; this zero_strategy "
-            f"reads version {FORMAT_VERSION} (upgrade zero_strategy to read newer checkpoints)")
+            f"reads versions {', '.join(map(str, READABLE_VERSIONS))} (upgrade zero_strategy to read newer "
+            "checkpoints)")
     path = path if path is not None else Path(where) / METADATA_FILE
     check_raw(d, path)
     d = dict(d)
     d["groups"] = [GroupLayout(**g) for g in d["groups"]]
     d["params"] = {k: ParamLayout(**p) for k, p in d["params"].items()}
-    d["files"] = [FileRecord(**f) for f in d["files"]]
+    d["files"] = [FileRecord(**_file_entry(f)) for f in d["files"]]
     meta = Metadata(**d)
     check_metadata(meta, path)
     return meta
+
+
+def _file_entry(f: dict) -> dict:
+    """A version-1 entry's bare sha256 hex as the digest it is (checked by check_raw and check_metadata)."""
+    if "sha256" not in f:
+        return f
+    f = dict(f)
+    f["digest"] = f"sha256:{f.pop('sha256')}" if isinstance(f["sha256"], str) else f.pop("sha256")
+    return f
 
 
 def read_metadata(ckpt_dir: Path) -> Metadata:
@@ -59,6 +69,6 @@ def read_metadata(ckpt_dir: Path) -> Metadata:
         d = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8
         raise CheckpointError(f"{path} is unreadable or corrupted: {err}") from None
-    if isinstance(d, dict) and d.get("format") == FORMAT_NAME and d.get("version") == FORMAT_VERSION:
+    if isinstance(d, dict) and d.get("format") == FORMAT_NAME and d.get("version") in READABLE_VERSIONS:
         check_checksum(d, path)
     return parse_metadata(d, str(ckpt_dir), path)

@@ -24,7 +24,6 @@ length, a JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]},
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -33,6 +32,7 @@ from typing import BinaryIO
 
 import torch
 
+from .._mechanisms.safetensors_writer import DIGESTS, split_digest
 from .._mechanisms.safetensors_writer import ST_DTYPES as _ST_DTYPES
 from .._mechanisms.safetensors_writer import StreamWriter as _Writer
 from .._mechanisms.safetensors_writer import element_size as _element_size
@@ -41,7 +41,9 @@ from ._layout import CheckpointError
 from ._validate import header as library_header
 
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
-HASH_CHUNK = 1 << 20  # bytes read at a time when hashing
+HASH_CHUNK = 8 << 20  # bytes read at a time when hashing
+#: how far ahead of the hashing the kernel is asked to read (See [Note: reading ahead of the hash])
+PREFETCH_BYTES = 256 << 20
 
 
 class StreamWriter(_Writer):
@@ -110,25 +112,71 @@ class StreamReader:
             raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
         return out.view(dtype)
 
+    def read_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """``out`` <- flat elements [start, stop) of tensor ``name``: read straight into ``out`` where it is
+        a contiguous CPU tensor of the stored dtype (See [Note: one copy into the shard] in _load.py)."""
+        dtype = self.dtype(name)
+        if out.numel() != stop - start:
+            raise CheckpointError(f"{self.path}: {out.numel()} elements asked for [{start}, {stop}) of {name!r}")
+        if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous() or not out.numel():
+            out.copy_(self.read(name, start, stop).view(out.shape))
+            return
+        entry = self._entry(name)
+        size = _element_size(dtype)
+        begin, end = entry["data_offsets"]
+        if not 0 <= start <= stop <= (end - begin) // size:
+            raise CheckpointError(f"{self.path}: elements [{start}, {stop}) of {name!r} out of range "
+                                  f"{(end - begin) // size}")
+        self._file.seek(self._data_start + begin + start * size)
+        got = self._file.readinto(out.detach().view(torch.uint8).reshape(-1).numpy())
+        if got != out.numel() * size:
+            raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
+
     def close(self) -> None:
         self._file.close()
 
 
-def sha256_file(path: Path, chunk: int = HASH_CHUNK) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path, algorithm: str, chunk: int = HASH_CHUNK) -> str:
+    """``"<algorithm>:<hex>"`` of the file at ``path``; See [Note: file digests] in
+    _mechanisms/safetensors_writer.py.
+
+    [Note: reading ahead of the hash]
+    A load reads each file twice, once to verify it and once to copy from it (See [Note: verify,
+    agree, then copy] in _load.py); the first read comes from the disk, the second from the
+    page cache it filled. The kernel is asked for ``PREFETCH_BYTES`` ahead of the hash
+    (``POSIX_FADV_WILLNEED``: it reads them without making the hash wait), a window sliding
+    with it, so the read-ahead of a file larger than memory cannot evict the pages the hash
+    has not reached. Both ranks' files read at once on the benchmark machine (a shared virtual
+    disk, figures spread 3x between runs): medians 0.99 GB/s with the window, 0.53 with the
+    kernel's own read-ahead, 0.63 with ``POSIX_FADV_SEQUENTIAL``, 0.36 with the whole file
+    advised at once; ``O_DIRECT`` in 64 MiB pieces 0.90.
+    """
+    h = DIGESTS[algorithm]()
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with open(path, "rb") as f:
+    advise = getattr(os, "posix_fadvise", None)
+    with open(path, "rb", buffering=0) as f:
+        if advise is not None:
+            advise(f.fileno(), 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+        done = 0
         while True:
             n = f.readinto(buf)
             if not n:
                 break
+            if advise is not None:
+                advise(f.fileno(), done + PREFETCH_BYTES, n, os.POSIX_FADV_WILLNEED)
             h.update(view[:n])
-    return h.hexdigest()
+            done += n
+    return f"{algorithm}:{h.hexdigest()}"
 
 
-def verify_file(path: Path, sha256: str, nbytes: int) -> None:
-    """Refuse a missing, truncated or corrupted file, naming it."""
+def verify_file(path: Path, digest: str, nbytes: int) -> None:
+    """Refuse a missing, truncated or corrupted file, naming it. ``digest``: ``"<algorithm>:<hex>"``
+    as the metadata records it (its algorithm was checked when the metadata was validated)."""
+    try:
+        algorithm, _ = split_digest(digest)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint file {path}: its recorded digest cannot be checked: {err}") from None
     if path.is_symlink():
         raise CheckpointError(f"checkpoint file {path} is a symbolic link; checkpoint files are plain files "
                               "inside the checkpoint directory, refusing to follow it")
@@ -138,7 +186,8 @@ def verify_file(path: Path, sha256: str, nbytes: int) -> None:
     if size != nbytes:
         raise CheckpointError(f"checkpoint file {path} is truncated or has the wrong size: "
                               f"{size} bytes, metadata says {nbytes}")
-    digest = sha256_file(path)
-    if digest != sha256:
-        raise CheckpointError(f"checkpoint file {path} is corrupted: its sha256 {digest[:16]}... does not "
-                              f"match the {sha256[:16]}... recorded when it was saved")
+    got = file_digest(path, algorithm)
+    if got != digest:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: its {algorithm} digest "
+                              f"{got.partition(':')[2][:16]}... does not match the {digest.partition(':')[2][:16]}... "
+                              "recorded when it was saved")

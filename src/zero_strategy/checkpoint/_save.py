@@ -5,7 +5,7 @@
    token of this save, see [Note: what a save may delete] in _owned.py) and broadcasts
    the token;
    every rank writes its file there, hashing it on the way, and fsyncs it;
-2. ranks all-gather (file, sha256, size) or their error: any error aborts on all
+2. ranks all-gather (file, digest, size) or their error: any error aborts on all
    ranks and removes the temporary directory;
 3. rank 0 writes ``metadata.json`` last and fsyncs the directory, then renames an
    existing ``path`` to ``<path>.old-<token>``, the temporary directory to ``path``,
@@ -82,7 +82,8 @@ from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, SKIP, Check
 from ._experts import describe_experts, experts_file_entries, local_state_dict
 from ._metadata_io import metadata_json
 from ._owned import SAVE_PREFIX, OwnedDir, leftover_prefixes, remove_leftovers, save_dir
-from ._safetensors_stream import StreamWriter, sha256_file
+from .._mechanisms.safetensors_writer import DIGEST, DIGESTS
+from ._safetensors_stream import StreamWriter
 from ._sync import agree, describe
 
 _rename = os.rename  # module-level so tests can interrupt a save between the renames
@@ -399,7 +400,7 @@ def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> Fil
         for n, piece in _rank_file_pieces(engine, zopts, groups, streamed):
             w.write(n, piece)
         digest, size = w.close()
-    return FileRecord(name=name, sha256=digest, bytes=size, rank=engine.comm.rank)
+    return FileRecord(name=name, digest=digest, bytes=size, rank=engine.comm.rank)
 
 
 def _write_experts_file(tmp: Path, engine, name: str, specs: list, entries: list) -> FileRecord:
@@ -408,7 +409,7 @@ def _write_experts_file(tmp: Path, engine, name: str, specs: list, entries: list
         for n, t in entries:
             w.write(n, t)
         digest, size = w.close()
-    return FileRecord(name=name, sha256=digest, bytes=size, rank=engine.comm.rank)
+    return FileRecord(name=name, digest=digest, bytes=size, rank=engine.comm.rank)
 
 
 def _managed_ids(engine) -> set[int]:
@@ -440,7 +441,7 @@ def _write_buffers(tmp: Path, model, engine) -> FileRecord:
         for k, t in entries:
             w.write(k, t)
         digest, size = w.close()
-    return FileRecord(name=BUFFERS_FILE, sha256=digest, bytes=size)
+    return FileRecord(name=BUFFERS_FILE, digest=digest, bytes=size)
 
 
 def _write_extra_state(tmp: Path, extra_state: Any) -> tuple[dict | None, FileRecord | None]:
@@ -469,7 +470,8 @@ def _write_bytes(target: Path, data: bytes) -> FileRecord:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return FileRecord(name=target.name, sha256=sha256_file(target), bytes=target.stat().st_size)
+    return FileRecord(name=target.name, digest=f"{DIGEST}:{DIGESTS[DIGEST](data).hexdigest()}",
+                      bytes=target.stat().st_size)
 
 
 def _metadata(model, engine, zopts, groups, files, extra_meta) -> Metadata:
@@ -673,7 +675,7 @@ def _close(writer, rank) -> list[FileRecord]:
     if writer is None:
         return []
     digest, size = writer.close()
-    return [FileRecord(name=writer.path.name, sha256=digest, bytes=size, rank=rank)]
+    return [FileRecord(name=writer.path.name, digest=digest, bytes=size, rank=rank)]
 
 
 def _rank_of(channel) -> int:

@@ -39,11 +39,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .._mechanisms.safetensors_writer import split_digest
 from ._experts import expert_files, wanted_header
 from ._layout import (BUFFERS_FILE, EXTRA_STATE_FILE, METADATA_FILE, CheckpointError, GroupLayout, Metadata,
                       rank_file_name)
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _STATE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 #: dtypes a stored weight shard can have (fp32 masters; frozen shards in the compute dtype, or a
 #: 4-bit base's packed codes in bitsandbytes' default uint8 storage: See [Note: opaque groups] in
@@ -70,7 +70,8 @@ _GROUP_KEYS = {"index", "name", "trainable", "optimizer_group", "shard_params", 
 _PARAM_STATE_KEYS = {"rank", "slot", "tensors", "scalars"}
 _PARAM_TENSOR_KEYS = {"dtype", "shape", "on_param_device"}
 _PARAM_KEYS = {"fqn", "names", "shape", "group", "offset", "numel"}
-_FILE_KEYS = {"name", "sha256", "bytes", "rank"}
+#: a file entry's keys by format version: version 1 recorded a bare sha256 hex digest
+_FILE_KEYS = {1: {"name", "sha256", "bytes", "rank"}, 2: {"name", "digest", "bytes", "rank"}}
 _SCALER_KEYS = {"scale", "good_steps", "hysteresis_left"}
 
 
@@ -151,8 +152,9 @@ def check_raw(d: Any, path: Path) -> None:
                                                            "param_state"})
     for fqn, p in d["params"].items():
         w.keys(f"params[{fqn!r}]", p, _PARAM_KEYS, _PARAM_KEYS)
+    keys = _FILE_KEYS[d["version"]]
     for i, f in enumerate(d["files"]):
-        w.keys(f"files[{i}]", f, _FILE_KEYS, _FILE_KEYS - {"rank"})
+        w.keys(f"files[{i}]", f, keys, keys - {"rank"})
 
 
 def check_metadata(meta: Metadata, path: Path) -> None:
@@ -383,8 +385,10 @@ def _check_files(w: _Where, meta: Metadata) -> None:
         seen.add(f.name)
         if f.rank != expected[f.name]:
             raise w.fail(f"{at}.rank", f"{f.rank!r}, but {f.name} belongs to rank {expected[f.name]}")
-        if not isinstance(f.sha256, str) or not _HEX64.fullmatch(f.sha256):
-            raise w.fail(f"{at}.sha256", f"{f.sha256!r} is not a sha256 hex digest")
+        try:  # See [Note: file digests] in _mechanisms/safetensors_writer.py
+            split_digest(f.digest)
+        except ValueError as err:
+            raise w.fail(f"{at}.digest", f"{err}; refusing a file that cannot be verified") from None
         w.int_(f"{at}.bytes", f.bytes, 8, 1 << 50)
     missing = sorted(set(expected) - seen)
     if missing:

@@ -6,7 +6,7 @@ the weights and optimizer state are the sharded files (resumable on any number o
 ranks and any stage); everything else Lightning puts in its checkpoint dict (epoch,
 global_step, loops, callbacks, LR schedulers, hyper_parameters, datamodule state,
 whatever ``on_save_checkpoint`` added) travels in ``extra_state`` as one serialized
-blob. The blob is a uint8 tensor so the engine's integrity checks (sha256, the
+blob. The blob is a uint8 tensor so the engine's integrity checks (per-file digests, the
 ``weights_only`` load of ``extra_state.pt``) cover it, while the blob itself is read
 with Lightning's own ``weights_only`` semantics, as a ``.ckpt`` file would be.
 """
@@ -73,7 +73,7 @@ def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None
     """
     from ..checkpoint import load_metadata
 
-    if _is_deepspeed(path):
+    if is_deepspeed(path):
         return _load_deepspeed(path, model, zero_optimizers, strict)
     meta = load_metadata(path)
     has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
@@ -102,7 +102,8 @@ def load(path, model, zero_optimizers: list, weights_only: Optional[bool] = None
 _LIGHTNING_KEYS = ("pytorch-lightning_version", "loops", "global_step", "epoch")
 
 
-def _is_deepspeed(path) -> bool:
+def is_deepspeed(path) -> bool:
+    """A DeepSpeed checkpoint directory (not ours): Lightning's and Fabric's DeepSpeedStrategy write them."""
     from ..checkpoint._deepspeed import find_deepspeed_checkpoint
     from ..checkpoint._layout import METADATA_FILE
 

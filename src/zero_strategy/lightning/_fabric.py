@@ -179,14 +179,21 @@ class ZeroFabricStrategy(DDPStrategy):
             raise ValueError("ZeroFabricStrategy loads sharded checkpoints in place: pass the state to restore, "
                              "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})")
         module, module_key, optimizer_keys, _ = _split_state(state)
-        meta = load_metadata(path)
-        has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
-        if optimizer_keys and not has_optimizer:
-            raise KeyError(f"{path} was saved without optimizer state; leave the optimizer out of the state")
+        if _checkpoint.is_deepspeed(path):  # See [Note: a DeepSpeedStrategy checkpoint in Fabric]
+            read_saved = _deepspeed_client_state
+        else:
+            meta = load_metadata(path)
+            has_optimizer = bool(meta.get("optimizer") or meta.get("optimizers"))
+            if optimizer_keys and not has_optimizer:
+                raise KeyError(f"{path} was saved without optimizer state; leave the optimizer out of the state")
+
+            def read_saved(extra):
+                saved = _checkpoint.unpack(extra, weights_only)
+                saved.pop(_KEYS, None)
+                return saved
 
         def accept(extra):  # before anything is copied: a refusal here changes nothing
-            saved = _checkpoint.unpack(extra, weights_only)
-            saved.pop(_KEYS, None)
+            saved = read_saved(extra)
             missing = [k for k in state if k != module_key and k not in optimizer_keys and k not in saved]
             if strict and missing:
                 raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the "
@@ -208,6 +215,24 @@ class ZeroFabricStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         register_into(strategy_registry, cls, "fabric")
+
+
+# [Note: a DeepSpeedStrategy checkpoint in Fabric]
+# Fabric's DeepSpeedStrategy.save_checkpoint(path, state) gives the engine and its optimizer to
+# DeepSpeed's ``engine.save_checkpoint(path, client_state=<the rest of state, stateful objects as their
+# state_dict()>, tag="checkpoint")``. ``fabric.load(path, state)`` reads such a directory as its own
+# DeepSpeedStrategy.load_checkpoint would: the weights and optimizer state through the DeepSpeed reader
+# of checkpoint/ (See [Note: DeepSpeed's layout] in checkpoint/_deepspeed.py), at any world size and
+# stage; every other key of ``state`` from the client_state (a stateful object through its
+# load_state_dict), the rest of the client_state returned. Unlike Fabric's DeepSpeedStrategy, a key of
+# ``state`` the client_state lacks is refused under ``strict``, as for our own checkpoints, and before
+# anything is copied (DeepSpeed's reader checks the files first too: See [Note: verify, agree, then
+# copy] in checkpoint/_load.py).
+def _deepspeed_client_state(client_state: Any) -> dict[str, Any]:
+    if not isinstance(client_state, dict):
+        raise ValueError(f"this DeepSpeed checkpoint's client_state is a {type(client_state).__name__}, not the "
+                         "dict Fabric's DeepSpeedStrategy saves; load it with zero_strategy.load_checkpoint")
+    return dict(client_state)
 
 
 def _split_state(state: dict) -> tuple[torch.nn.Module, str, list[str], dict]:
