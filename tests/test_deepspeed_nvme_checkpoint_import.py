@@ -6,9 +6,9 @@ resumes the others, and must equal DeepSpeed continuing its own run. The stage-3
 sub-group is read from the swap files DeepSpeed copies into the checkpoint, and a copy that lacks
 one is refused naming it.
 
-Slow tier, and only where DeepSpeed's aio op can be built (libaio-dev). `.ci/run` builds it at install
-where libaio's header exists; a DeepSpeed installed without it builds it on first use, minutes of both
-cores once per environment. A module of its own, so its runs go to another pytest worker than the
+Slow tier, and only where DeepSpeed's aio op can be built (libaio-dev): it is built on first use,
+minutes of both cores once per environment (DeepSpeed 0.19.8's prebuilt CPU aio op does not load, so
+`.ci/run` cannot build it at install as it does CPUAdam's). A module of its own, so its runs go to another pytest worker than the
 other DeepSpeed runs.
 """
 
@@ -51,7 +51,9 @@ def nvme_runs(tmp_path_factory) -> dict[str, Path]:
         Path(c["nvme_path"]).mkdir()
     # DeepSpeed's aio op is built on first use (minutes, once per environment): See [Note: DeepSpeed's
     # compiled ops in the tests] in workers/deepspeed_checkpoint.py
-    launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=1200)
+    reports = launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=1200)
+    errors = [res["error"] for rep in reports for res in rep["results"] if "error" in res]
+    assert not errors, f"DeepSpeed's own NVMe run failed, so there is nothing to resume:\n{errors[0]}"
     return {n: root / n for n, *_ in NVME_RUNS}
 
 
