@@ -9,6 +9,7 @@ run's temporary directory is removed afterwards (the logs travel in the error me
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -109,11 +110,18 @@ PRELOADED = ["torch", "torch._dynamo", "transformers.modeling_utils", "transform
 
 
 def _as_if_imported_here() -> None:
-    """In a forked rank, after its environment is set: redo what a preloaded module read at import from
-    a variable a launch sets per rank. Only Lightning's rank does (see [Note: warm worker start])."""
+    """In a forked process, after its environment is set: redo what a preloaded module read at import
+    from a variable the launch sets (see [Note: warm worker start]): Lightning's rank, and
+    huggingface_hub's settings (``HF_HUB_OFFLINE``, ``HF_HOME`` and the cache paths), which a recipe's
+    or a user's command sets for itself. ``huggingface_hub.constants`` is re-run in place, so the
+    functions that read its globals (``is_offline_mode``, used by transformers) and every
+    ``constants.X`` read see the command's values."""
     rank_zero = sys.modules.get("lightning.fabric.utilities.rank_zero")
     if rank_zero is not None:
         rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0
+    hub_constants = sys.modules.get("huggingface_hub.constants")
+    if hub_constants is not None:
+        importlib.reload(hub_constants)
 _FORKSERVER = None
 
 

@@ -24,12 +24,13 @@ pytestmark = [pytest.mark.multiprocess,
 SLEEPER = "import os, sys, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n"
 
 
-def _both(code: str) -> list[subprocess.CompletedProcess]:
-    """``python -c code`` run plainly and through the zygote."""
+def _both(code: str, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """``python -c code`` run plainly and through the zygote, both with ``env`` (default: the children's)."""
+    env = env or _procs.child_env()
     plain = [sys.executable, "-c", code]
-    warm, env = warm_command(plain, _procs.child_env())
+    warm, warm_env = warm_command(plain, env)
     return [subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=60)
-            for cmd, e in ((plain, _procs.child_env()), (warm, env))]
+            for cmd, e in ((plain, env), (warm, warm_env))]
 
 
 def test_exit_codes_and_output_are_an_interpreters():
@@ -40,6 +41,21 @@ def test_exit_codes_and_output_are_an_interpreters():
         assert warm.stdout == plain.stdout, code
         last = [p.stderr.strip().splitlines()[-1:] for p in (plain, warm)]  # the message, or nothing
         assert last[0] == last[1], (code, last)
+
+
+def test_the_hub_settings_are_the_commands_not_the_zygotes(tmp_path):
+    """huggingface_hub reads ``HF_HUB_OFFLINE`` and ``HF_HOME`` once, at import, and the zygote imported it
+    with the test's environment: a command's own settings (the recipes run offline) must win, as in a
+    fresh interpreter."""
+    code = ("from huggingface_hub import constants, is_offline_mode; "
+            "print(is_offline_mode(), constants.HF_HOME, constants.HF_HUB_CACHE)")
+    for offline in ("1", "0"):
+        env = _procs.child_env(HF_HUB_OFFLINE=offline, HF_HOME=str(tmp_path / f"home{offline}"))
+        env.pop("HF_HUB_CACHE", None)
+        plain, warm = _both(code, env)
+        assert plain.returncode == 0, plain.stderr[-2000:]
+        assert plain.stdout.split()[0] == ("True" if offline == "1" else "False"), plain.stdout
+        assert warm.stdout == plain.stdout, (offline, plain.stdout, warm.stdout, warm.stderr[-2000:])
 
 
 def _sleeping(**popen) -> tuple[subprocess.Popen, int]:
