@@ -58,11 +58,15 @@ def test_intact_checkpoint_loads_what_was_saved(ckpt):
             assert torch.equal(state[i][name], t), (i, name)
 
 
-def test_corrupted_shard_is_named(ckpt):
-    f = ckpt / RANK_FILE
+def _flip_a_byte(f) -> None:
+    """One bit pattern changed in the middle of file ``f``: damage a size check cannot see."""
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
+
+
+def test_corrupted_shard_is_named(ckpt):
+    _flip_a_byte(ckpt / RANK_FILE)
     with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted: its xxh3_128 digest"):
         _load(ckpt)
     with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted: its xxh3_128 digest"):
@@ -99,10 +103,7 @@ def test_version_1_checkpoint_with_sha256_digests_loads_and_consolidates(ckpt):
 
 def test_version_1_corrupted_file_is_refused_by_its_sha256(ckpt):
     _as_version_1(ckpt)
-    f = ckpt / RANK_FILE
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    f.write_bytes(bytes(data))
+    _flip_a_byte(ckpt / RANK_FILE)
     with pytest.raises(zs.CheckpointError, match=f"{RANK_FILE} is corrupted: its sha256 digest"):
         _load(ckpt)
 
