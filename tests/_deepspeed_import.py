@@ -21,6 +21,22 @@ def results_by_name(reports: list[dict]) -> dict[str, list[dict]]:
     return by_name
 
 
+def finished_on_every_rank(by_name: dict[str, list[dict]], name: str, world: int) -> list[dict]:
+    """Case ``name``'s result from each of the ``world`` ranks, none of them an error."""
+    results = by_name.get(name, [])
+    for res in results:
+        assert "error" not in res, res["error"]
+    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
+    return results
+
+
+def deepspeed_runs_succeeded(reports: list[dict], what: str) -> None:
+    """A fixture's DeepSpeed runs all finished: otherwise every test that resumes them would fail on a
+    missing directory, far from the cause; this fails with DeepSpeed's own traceback."""
+    errors = [res["error"] for rep in reports for res in rep["results"] if "error" in res]
+    assert not errors, f"{what} failed, so there is nothing to resume:\n{errors[0]}"
+
+
 def setup_tiny():
     import zero_strategy as zs
     from _models import TinyLM, param_groups

@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
-from _deepspeed_import import FP32_TOL, results_by_name, same, setup_tiny, snapshot
+from _deepspeed_import import FP32_TOL, finished_on_every_rank, results_by_name, same, setup_tiny, snapshot
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -108,10 +108,7 @@ def test_resumes_a_deepspeed_run_as_deepspeed_continues_it(ds_runs, run, stage, 
     _ds_dir(ds_runs, run)
     by_name, out = _ours(world, tuple(sorted((n, str(d)) for n, d in ds_runs[0].items())))
     name = f"{run}-zero{stage}"
-    results = by_name.get(name, [])
-    for res in results:
-        assert "error" not in res, res["error"]
-    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
+    results = finished_on_every_rank(by_name, name, world)
     ref = torch.load(_ds_dir(ds_runs, run) / "reference.pt", weights_only=True)
     ours = torch.load(out / f"{name}.pt", weights_only=True)
     loss_tol, weight_tol = (BF16_LOSS_TOL, BF16_WEIGHT_TOL) if BF16[run] else (FP32_TOL, FP32_TOL)
@@ -371,10 +368,7 @@ def _universal_round_trip(src: str) -> tuple[dict, dict, Path]:
 
 def _round_trip_result(ds_runs, name: str, ranks: int) -> tuple[dict, dict, dict]:
     by_name, ref, work = _universal_round_trip(str(_ds_dir(ds_runs, UNIVERSAL_FROM)))
-    results = by_name.get(name, [])
-    for res in results:
-        assert "error" not in res, res["error"]
-    assert len(results) == ranks, f"{name} finished on {len(results)} of {ranks} ranks"
+    results = finished_on_every_rank(by_name, name, ranks)
     return results[0], ref, torch.load(work / f"{name}.pt", weights_only=True)
 
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
-from _deepspeed_import import FP32_TOL, results_by_name, same, setup_tiny, snapshot
+from _deepspeed_import import (FP32_TOL, deepspeed_runs_succeeded, finished_on_every_rank, results_by_name, same,
+                              setup_tiny, snapshot)
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -52,8 +53,7 @@ def nvme_runs(tmp_path_factory) -> dict[str, Path]:
     # DeepSpeed's aio op is built on first use (minutes, once per environment): See [Note: DeepSpeed's
     # compiled ops in the tests] in workers/deepspeed_checkpoint.py
     reports = launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=1200)
-    errors = [res["error"] for rep in reports for res in rep["results"] if "error" in res]
-    assert not errors, f"DeepSpeed's own NVMe run failed, so there is nothing to resume:\n{errors[0]}"
+    deepspeed_runs_succeeded(reports, "DeepSpeed's own NVMe run")
     return {n: root / n for n, *_ in NVME_RUNS}
 
 
@@ -101,10 +101,7 @@ def test_resumes_an_nvme_offloaded_deepspeed_run_as_deepspeed_continues_it(nvme_
     final weights equal DeepSpeed continuing its own run (fp32: FP32_TOL; measured 0 on 2 ranks)."""
     by_name, out = _ours_nvme(world, tuple(sorted((n, str(d)) for n, d in nvme_runs.items())))
     name = f"{run}-zero{stage}"
-    results = by_name.get(name, [])
-    for res in results:
-        assert "error" not in res, res["error"]
-    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
+    results = finished_on_every_rank(by_name, name, world)
     ref = torch.load(nvme_runs[run] / "reference.pt", weights_only=True)
     ours = torch.load(out / f"{name}.pt", weights_only=True)
     for k, want in ref["at_save"].items():

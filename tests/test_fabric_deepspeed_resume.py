@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
-from _deepspeed_import import FP32_TOL, results_by_name
+from _deepspeed_import import FP32_TOL, deepspeed_runs_succeeded, finished_on_every_rank, results_by_name
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -31,7 +31,8 @@ def fabric_ds_runs(tmp_path_factory) -> dict[int, Path]:
     DeepSpeed's continued run."""
     root = tmp_path_factory.mktemp("fabric_deepspeed")
     cases = [dict(name=f"s{stage}", stage=stage, dir=str(root / f"s{stage}")) for stage in (2, 3)]
-    launch("fabric_deepspeed_resume.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=400)
+    deepspeed_runs_succeeded(launch("fabric_deepspeed_resume.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=400),
+                             "Fabric's DeepSpeedStrategy run")
     return {stage: root / f"s{stage}" for stage in (2, 3)}
 
 
@@ -58,10 +59,7 @@ def test_fabric_load_of_a_deepspeed_strategy_checkpoint_goes_on_as_deepspeed(fab
     weights equal DeepSpeed continuing its own run."""
     by_name, out = _fabric_loaded(world, tuple(sorted((s, str(d)) for s, d in fabric_ds_runs.items())))
     name = f"s{ds_stage}-{preset}"
-    results = by_name.get(name, [])
-    for res in results:
-        assert "error" not in res, res["error"]
-    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
+    results = finished_on_every_rank(by_name, name, world)
     ref = torch.load(fabric_ds_runs[ds_stage] / "reference.pt", weights_only=True)
     for res in results:
         assert res["step"] == 3 and res["remainder"] == []

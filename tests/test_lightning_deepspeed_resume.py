@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _compare import worst_rel_diff
-from _deepspeed_import import FP32_TOL, results_by_name
+from _deepspeed_import import FP32_TOL, deepspeed_runs_succeeded, finished_on_every_rank, results_by_name
 from _launch import launch
 
 pytest.importorskip("deepspeed")
@@ -30,7 +30,8 @@ def lightning_ds_runs(tmp_path_factory) -> dict[int, Path]:
     tests/workers/lightning_deepspeed_resume.py says, each with DeepSpeed's continued run."""
     root = tmp_path_factory.mktemp("lightning_deepspeed")
     cases = [dict(name=f"s{stage}", stage=stage, dir=str(root / f"s{stage}")) for stage in (2, 3)]
-    launch("lightning_deepspeed_resume.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=400)
+    deepspeed_runs_succeeded(launch("lightning_deepspeed_resume.py", 2, {"mode": "deepspeed", "cases": cases}, timeout=400),
+                             "Lightning's DeepSpeedStrategy run")
     return {stage: root / f"s{stage}" for stage in (2, 3)}
 
 
@@ -60,10 +61,7 @@ def test_lightning_fit_resumes_a_deepspeed_strategy_checkpoint_as_deepspeed_cont
     Lightning run: See the worker)."""
     by_name, out = _lightning_resumed(world, tuple(sorted((s, str(d)) for s, d in lightning_ds_runs.items())))
     name = f"s{ds_stage}-{preset}"
-    results = by_name.get(name, [])
-    for res in results:
-        assert "error" not in res, res["error"]
-    assert len(results) == world, f"{name} finished on {len(results)} of {world} ranks"
+    results = finished_on_every_rank(by_name, name, world)
     ref = torch.load(lightning_ds_runs[ds_stage] / "reference.pt", weights_only=True)
     assert ref["client_state"]["global_step"] == 3
     for res in results:
