@@ -25,6 +25,7 @@ and both re-sharding and streaming consolidation are a few lines over it.
 """
 
 from . import _dcp_load  # noqa: F401 - registers the DCP reader with load_checkpoint
+from . import _deepspeed_load  # noqa: F401 - registers the DeepSpeed reader, after DCP's
 from ._consolidate import consolidate, parse_size
 from ._dcp_save import export_checkpoint, save_dcp
 from ._deepspeed import deepspeed_lr_scheduler_state

@@ -32,7 +32,7 @@ from it, as before (a file used to be hashed when first opened, half way through
 A DeepSpeed checkpoint (See [Note: DeepSpeed's layout] in _deepspeed.py) goes through the same
 two phases: prepare reads every rank file (memory-mapped, through the allowlisted unpickler),
 checks its layout and the model, optimizer and hyperparameters against it, and
-:class:`DeepSpeedLoad` only copies. So does a torch.distributed.checkpoint (DCP) directory of an
+``DeepSpeedLoad`` (_deepspeed_load.py) only copies. So does a torch.distributed.checkpoint (DCP) directory of an
 FSDP2 run (See [Note: DCP's layout] in _dcp.py, [Note: other systems' formats]): prepare reads
 every chunk this rank will copy from, once, and ``DCPLoad`` (_dcp_load.py) copies.
 
@@ -59,8 +59,6 @@ from .._mechanisms import nvme_stream
 from .._model.gather import whole_model_pass
 from .._optim.chunked_step import stopped_part_way
 from ..api import _engine_of
-from ._deepspeed import DeepSpeedCheckpoint, find_deepspeed_checkpoint
-from ._deepspeed_universal import UniversalCheckpoint, is_universal
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
 from ._safetensors_stream import StreamReader, verify_file
@@ -278,7 +276,6 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
         ours = (ckpt_dir / METADATA_FILE).exists()
         other = None if ours else next((prepare for recognizes, prepare in _OTHER_FORMATS if recognizes(ckpt_dir)),
                                        None)
-        tag_dir = None if ours or other else find_deepspeed_checkpoint(ckpt_dir)
         if engine.expert_parallel is not None and not ours:  # See [Note: experts in a checkpoint] in _experts.py
             raise CheckpointError(
                 f"{ckpt_dir} is not a zero_strategy checkpoint (a DeepSpeed or torch.distributed.checkpoint "
@@ -286,7 +283,7 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
                 "is not supported; resume it without expert_parallel_size")
         if other is not None:  # See [Note: other systems' formats]
             reader, buffers, hyper, extra, kind = other(ckpt_dir, names, buffers, model, engine, zopts, strict)
-        elif tag_dir is None:
+        else:
             meta = read_metadata(ckpt_dir)
             experts = experts_to_read(meta, model, engine, zopts, ckpt_dir)  # See [Note: experts in a checkpoint]
             _check_compatible(meta, names, buffers, engine, zopts, strict, ckpt_dir)
@@ -299,13 +296,11 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
             reader.verify(_files_to_read(meta, names, engine, zopts) | experts | ({BUFFERS_FILE} if buffers else set()))
             _check_buffer_shapes(reader, model, buffers)
             extra, kind = _extra_state(reader, meta), PreparedLoad
-        else:  # See [Note: DeepSpeed's layout] in _deepspeed.py
-            reader = UniversalCheckpoint(tag_dir) if is_universal(tag_dir) else DeepSpeedCheckpoint(tag_dir)
-            buffers, hyper = _check_deepspeed(reader, names, buffers, model, engine, zopts, strict)
-            extra, kind = reader.client_state(), DeepSpeedLoad
         scheduler_state = None
         if lr_scheduler is not None:
-            saved = reader.lr_scheduler_state() if tag_dir is not None and other is None else \
+            # a format that keeps the scheduler apart from its extra state (DeepSpeed's) reads it itself
+            own_scheduler = getattr(reader, "lr_scheduler_state", None)
+            saved = own_scheduler() if own_scheduler is not None else \
                 (extra.get("lr_scheduler") if isinstance(extra, dict) else None)
             scheduler_state = (lr_scheduler, _check_scheduler_state(lr_scheduler, saved, ckpt_dir))
         if accept_extra is not None:
@@ -762,59 +757,6 @@ def load_metadata(path: str | Path) -> dict:
     return json.loads((ckpt_dir / "metadata.json").read_text())
 
 
-# ------------------------------------------------------------------ DeepSpeed checkpoints
-# DeepSpeed's param-group fields that say how the optimizer runs, not what it computes: the running
-# optimizer keeps its own
-_DEEPSPEED_IMPLEMENTATION_FIELDS = frozenset({"foreach", "fused", "capturable", "differentiable", "step"})
-
-
-class DeepSpeedLoad(PreparedLoad):
-    """A DeepSpeed checkpoint's load, every check passed (See [Note: DeepSpeed's layout] in _deepspeed.py):
-    the same phases as our own format's, copying out of DeepSpeed's memory-mapped rank files. Each
-    group comes in whole (not yet streamed as our format's are)."""
-
-    streams_groups = False
-
-    def _copy(self) -> None:
-        ds: DeepSpeedCheckpoint = self.reader
-        for g in self.engine.groups:
-            with g.resident(write_back=True):  # NVMe-swapped state comes in, and goes back loaded
-                _load_deepspeed_group(ds, g, self.zopts, self.names)
-        sd = self.model.state_dict(keep_vars=True)
-        for key in self.buffers:
-            sd[key].data.copy_(ds.buffer(key))
-
-
-def _load_deepspeed_group(ds: DeepSpeedCheckpoint, g, zopts, names) -> None:
-    target = g.weight_shard
-    sources = []
-    for s, lo, hi, where in g.slot_ranges_in_shard():
-        name = ds.name_of(names[id(s.param)])
-        if name is None:
-            continue  # missing: allowed by strict=False, keeps its current value
-        sources.append((name, lo, hi, where))
-        if name in ds.params:
-            ds.fill(target[where], name, lo, hi, None)
-        else:
-            ds.fill_frozen(target[where], name, lo, hi)
-    if not (zopts and g.trainable):
-        return
-    zopt = zopts[g.optimizer_index]
-    zopt.optimizer.state.pop(g.master, None)
-    step = _deepspeed_step(ds, g, names)
-    if step is None:
-        return  # saved before the first step
-    state: dict[str, Any] = {"step": _step_tensor(zopt.optimizer, g.master, step)}
-    for key in ds.state_keys:
-        t = torch.zeros(g.shard_numel, dtype=torch.float32, device=g.master.device)
-        for name, lo, hi, where in sources:
-            ds.fill(t[where], name, lo, hi, key)
-        state[key] = t
-    zopt.optimizer.state[g.master] = state
-    # the rebuilt state tensors rest where the master does from now on (NVMe: the swap file)
-    g.masters.track_optimizer_state(state, replace=True)
-
-
 def _step_tensor(optimizer, master: torch.Tensor, step: float) -> torch.Tensor:
     """``step`` as torch's Adam keeps it: a scalar on the parameter's device when fused or capturable,
     else on the CPU (what ``Optimizer.load_state_dict`` makes of a saved step)."""
@@ -822,109 +764,3 @@ def _step_tensor(optimizer, master: torch.Tensor, step: float) -> torch.Tensor:
     on_device = bool(pg.get("fused")) or bool(pg.get("capturable"))
     dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     return torch.tensor(step, dtype=dtype, device=master.device if on_device else "cpu")
-
-
-def _deepspeed_step(ds: DeepSpeedCheckpoint, g, names) -> float | None:
-    """The one step count DeepSpeed saved for the trainable parameters of running group ``g``."""
-    steps = {ds.steps[ds.params[n].flat] for n in (ds.name_of(names[id(s.param)]) for s in g.slots)
-             if n is not None and n in ds.params}
-    if len(steps) > 1:
-        raise CheckpointError(f"{ds.dir}: the parameters of {g.name} were saved at different step counts "
-                              f"{sorted(steps, key=str)}")
-    return steps.pop() if steps else None
-
-
-def _check_deepspeed(ds: DeepSpeedCheckpoint, names, buffers: list[str], model, engine, zopts,
-                     strict: bool) -> tuple[list[str], list]:
-    """Everything a DeepSpeed load checks before the copy; returns (buffers to load, hyperparameter updates)."""
-    missing, mismatched, used = [], [], set()
-    for g in engine.groups:
-        for s in g.slots:
-            name = ds.name_of(names[id(s.param)])
-            if name is None:
-                missing.append(s.fqn)
-                continue
-            used.add(name)
-            if tuple(ds.shape_of(name)) != tuple(s.shape):
-                mismatched.append(f"{s.fqn}: checkpoint {tuple(ds.shape_of(name))}, model {tuple(s.shape)}")
-            elif zopts and g.trainable and name not in ds.params:
-                raise _frozen_in_checkpoint(s.fqn)
-            elif zopts and g.trainable and ds.params[name].param_group != g.optimizer_group:
-                raise CheckpointError(f"{s.fqn} is in optimizer param group {g.optimizer_group} here but was in "
-                                      f"param group {ds.params[name].param_group} in the DeepSpeed run")
-        if zopts and g.trainable:
-            _deepspeed_step(ds, g, names)
-    if mismatched:
-        raise CheckpointError(f"{ds.dir}: parameter shapes differ: {mismatched}")
-    saved_buffers = set(ds.buffer_names)
-    missing += [k for k in buffers if k not in saved_buffers]
-    unexpected = sorted((set(ds.params) | set(ds.frozen)) - used) + sorted(saved_buffers - set(buffers))
-    _refuse_or_warn_unmatched(ds.dir, sorted(missing), unexpected, strict)
-    buffers = [k for k in buffers if k in saved_buffers]
-    sd = model.state_dict(keep_vars=True)
-    for key in buffers:
-        saved = ds.buffer(key)
-        if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(sd[key].shape):
-            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-            raise CheckpointError(f"buffer {key}: checkpoint shape {got}, model {tuple(sd[key].shape)}")
-    ds.load_frozen_files()
-    if not zopts:
-        return buffers, []
-    scaler = zopts[0].scaler  # See [Note: DeepSpeed's loss scale, carried over] in _deepspeed.py
-    scale = ds.loss_scale_state(scaler.state_dict(), scaler.cfg.growth_interval) if scaler.enabled else None
-    return buffers, [(_deepspeed_hyperparameters(ds, zopts, engine), scale)]
-
-
-def _deepspeed_hyperparameters(ds: DeepSpeedCheckpoint, zopts, engine) -> list:
-    """The checks of the optimizer a DeepSpeed run's state goes into; its hyperparameter updates."""
-    if len(zopts) != 1:
-        raise CheckpointError(f"{ds.dir} holds the state of one optimizer, but {len(zopts)} were given")
-    zopt = zopts[0]
-    if any(g.owned for g in engine.groups if g.trainable):
-        raise _layout_changed("the model", "flat shards (DeepSpeed)", "whole parameters (the ownership layout)")
-    opt = zopt.optimizer
-    if ds.state_keys and not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        raise CheckpointError(f"{ds.dir} holds Adam state {ds.state_keys}, but the optimizer is "
-                              f"{type(opt).__name__}: resume it with torch.optim.AdamW or Adam")
-    expected = set(_ADAM_TENSORS) | ({"max_exp_avg_sq"} if any(pg.get("amsgrad") for pg in ds.param_groups) else set())
-    if ds.state_keys and set(ds.state_keys) != expected:
-        raise CheckpointError(f"{ds.dir} holds optimizer state {ds.state_keys}; Adam state {sorted(expected)} is read")
-    if len(ds.param_groups) != len(opt.param_groups):
-        raise CheckpointError(f"{ds.dir} has {len(ds.param_groups)} optimizer param groups, the optimizer "
-                              f"{len(opt.param_groups)}")
-    for j, saved in enumerate(ds.param_groups):
-        if saved.get("bias_correction") is False:
-            raise CheckpointError(f"{ds.dir}: param group {j} was stepped without Adam's bias correction "
-                                  "(bias_correction: false), which torch's Adam always applies")
-        was = _saved_decoupled(ds, saved)
-        here = bool(opt.param_groups[j].get("decoupled_weight_decay", isinstance(opt, torch.optim.AdamW)))
-        if was is not None and was != here and "decoupled_weight_decay" not in saved and saved.get("weight_decay"):
-            raise CheckpointError(
-                f"{ds.dir}: param group {j} was stepped with {'decoupled (AdamW)' if was else 'L2 (Adam)'} weight "
-                f"decay, but the optimizer is {type(opt).__name__} with {'decoupled' if here else 'L2'} weight decay: "
-                f"resume it with torch.optim.{'AdamW' if was else 'Adam'}")
-    saved = {"param_groups": [{k: list(v) if isinstance(v, tuple) else v for k, v in pg.items()}
-                              for pg in ds.param_groups]}
-    skip = _DEEPSPEED_IMPLEMENTATION_FIELDS | {"params", "adam_w_mode", "bias_correction"}
-    return _hyperparameter_updates(saved, zopt, ds.optim_files[0], 0, skip=skip)
-
-
-_ADAM_TENSORS = ("exp_avg", "exp_avg_sq")
-
-
-def _saved_decoupled(ds: DeepSpeedCheckpoint, saved: dict) -> bool | None:
-    """Whether the DeepSpeed run's Adam decayed weights decoupled (AdamW); None where nothing says.
-
-    torch's Adam/AdamW as the client optimizer record it in the param group (restored with the other
-    fields); FusedAdam records ``adam_w_mode``; DeepSpeedCPUAdam nothing, so it comes from the
-    config's optimizer section as DeepSpeed reads it (engine.py: type AdamW, or ``adam_w_mode``,
-    default true)."""
-    if "decoupled_weight_decay" in saved:
-        return bool(saved["decoupled_weight_decay"])
-    if "adam_w_mode" in saved:
-        return bool(saved["adam_w_mode"])
-    section = ds.config.get("optimizer") or {}
-    kind, params = str(section.get("type", "")).lower(), section.get("params") or {}
-    if kind in ("adam", "adamw"):
-        return kind == "adamw" or bool(params.get("adam_w_mode", True))
-    return None
