@@ -127,10 +127,10 @@ class PeakMeter:
     Writing 5 to /proc/self/clear_refs sets ``VmHWM`` to the resident set now; the kernel raises it
     before every unmap (each freed block, with the mallopt of :func:`worker`), so read afterwards it
     is the peak of the resident set in between, however briefly it was held (to the slack of the
-    kernel's per-CPU counters, under a MiB). ``VmHWM`` counts
-    file pages too: the peak of the anonymous part is at most ``VmHWM`` minus the file and shared
-    pages at the start (``file_growth`` says by how much that can overstate it: the file pages
-    mapped in between, a few MiB of code at most). The 5 ms polling thread this replaced
+    kernel's per-CPU counters, under a MiB). ``VmHWM`` counts file pages too: the peak of the
+    anonymous part is at most ``VmHWM`` minus the file and shared pages at the start
+    (``file_growth`` says by how much that can overstate it: the file pages mapped in between, a
+    few MiB of code at most). The 5 ms polling thread this replaced
     (:class:`PeakSampler`, ``--rss-sampler``) missed peaks shorter than its period and took the
     interpreter's lock 200 times a second from the step it measured."""
 
