@@ -87,7 +87,7 @@ def deepspeed_run(args, length: int, sp: int, tiled: bool) -> dict:
         return total.item()
 
     batches = [next(loader) for _ in range(args.steps + 1)]
-    row = measure(step, batches)
+    row = measure(step, batches, args.rss_sampler)
     engine.destroy()
     del engine, module, model, loader, batches
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
