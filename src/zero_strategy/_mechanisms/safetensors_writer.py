@@ -33,7 +33,11 @@ kernel to write back and then evict (a save's buffered writes plus its final fsy
 0.3 of the disk's O_DIRECT rate on the benchmark machine). The last bytes that do not fill
 a whole block are written after ``O_DIRECT`` is cleared on the descriptor; ``close`` still
 fsyncs (the file's size and blocks). Where ``open`` refuses ``O_DIRECT`` (EINVAL: a
-filesystem without it) the writer falls back to buffered writes.
+filesystem without it) the writer falls back to buffered writes. A filesystem may also take
+the flag at ``open`` and refuse the aligned write itself with EINVAL (some FUSE and network
+filesystems): a write that fails so has written nothing, so the writer clears ``O_DIRECT`` on
+the descriptor and writes the same bytes again, buffered, as it does every later byte of that
+file (See :meth:`StreamWriter._write`).
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ class StreamWriter:
         self._hash.update(data)
         self._size += len(data)
         if self._stage is None:
-            _write_all(self._fd, data)
+            self._write(data)
             return
         view = memoryview(self._stage)
         while len(data):
@@ -143,7 +147,7 @@ class StreamWriter:
             self._staged += n
             data = data[n:]
             if self._staged == STAGING_BYTES:
-                _write_all(self._fd, view)
+                self._write(view)
                 self._staged = 0
 
     def _flush_staged(self) -> None:
@@ -153,13 +157,33 @@ class StreamWriter:
         view = memoryview(self._stage)
         whole = self._staged - self._staged % _BLOCK
         if whole:
-            _write_all(self._fd, view[:whole])
+            self._write(view[:whole])
         if whole < self._staged:
+            self._buffered()
+            self._write(view[whole:self._staged])
+        self._staged = 0
+
+    def _write(self, data: memoryview) -> None:
+        """Append ``data`` to the file. A direct write the filesystem refuses (EINVAL) wrote nothing:
+        the same bytes go again through the page cache, as does the rest of the file (See [Note:
+        direct writes])."""
+        while len(data):
+            try:
+                n = os.write(self._fd, data)
+            except OSError as err:
+                if err.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._buffered()
+                continue
+            data = data[n:]
+
+    def _buffered(self) -> None:
+        """Clear ``O_DIRECT`` on the descriptor: the following writes go through the page cache."""
+        if self._direct:
             import fcntl  # only here: O_DIRECT exists where fcntl does
 
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            _write_all(self._fd, view[whole:self._staged])
-        self._staged = 0
+            self._direct = False
 
     def write(self, name: str, piece: torch.Tensor) -> None:
         """Append ``piece`` (all or the next part of tensor ``name``, any shape, its dtype)."""
@@ -221,12 +245,6 @@ def _open_for_writing(path: Path) -> tuple[int, bool]:
             if err.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
                 raise
     return os.open(path, flags, 0o644), False
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while len(data):
-        n = os.write(fd, data)
-        data = data[n:]
 
 
 def numel_of(shape) -> int:
