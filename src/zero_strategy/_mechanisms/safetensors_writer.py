@@ -45,13 +45,15 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import mmap
 import os
 import struct
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xxhash
+
+from .aligned import aligned_empty
 
 ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -68,6 +70,14 @@ DIGEST = "xxh3_128"  # what new files get
 #: bytes staged per direct write; See [Note: direct writes]
 STAGING_BYTES = 16 << 20
 _BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page; covers 512-byte disks)
+
+
+class HoldsBuffers(Protocol):
+    """Who counts a writer's staging buffer while the file is open (a model's ``BackgroundSave``)."""
+
+    def hold(self, t: torch.Tensor) -> None: ...
+
+    def release(self, t: torch.Tensor) -> None: ...
 
 
 def split_digest(digest: str) -> tuple[str, str]:
@@ -106,7 +116,7 @@ class StreamWriter:
     error: type[Exception] = ValueError
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, held_by: "HoldsBuffers | None" = None):
         header: dict = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -126,8 +136,12 @@ class StreamWriter:
         self._hash = DIGESTS[DIGEST]()
         self._fd, self._direct = _open_for_writing(self.path)
         self._closed = False
-        # See [Note: direct writes]: the staging buffer (page-aligned: an anonymous map) and its fill
-        self._stage = mmap.mmap(-1, STAGING_BYTES) if self._direct else None
+        # See [Note: direct writes]: the staging buffer (page-aligned) and its fill; ``held_by`` counts
+        # it while the file is open (a model's save: memory_report's "staging")
+        self._stage = aligned_empty(STAGING_BYTES, pin=False) if self._direct else None
+        self._held_by = held_by if self._stage is not None else None
+        if self._held_by is not None:
+            self._held_by.hold(self._stage)
         self._staged = 0
         self._size = 0
         self._index = 0        # tensor being written
@@ -140,7 +154,7 @@ class StreamWriter:
         if self._stage is None:
             self._write(data)
             return
-        view = memoryview(self._stage)
+        view = memoryview(self._stage.numpy())
         while len(data):
             n = min(len(data), STAGING_BYTES - self._staged)
             view[self._staged:self._staged + n] = data[:n]
@@ -154,7 +168,7 @@ class StreamWriter:
         """Write what is staged: whole blocks directly, the rest after clearing O_DIRECT."""
         if self._stage is None:
             return
-        view = memoryview(self._stage)
+        view = memoryview(self._stage.numpy())
         whole = self._staged - self._staged % _BLOCK
         if whole:
             self._write(view[:whole])
@@ -220,11 +234,8 @@ class StreamWriter:
             self._closed = True
             os.close(self._fd)
             stage, self._stage = self._stage, None
-            if stage is not None:
-                try:
-                    stage.close()
-                except BufferError:  # a view of it held by an error's traceback: freed with it
-                    pass
+            if self._held_by is not None:
+                self._held_by.release(stage)
 
     def __enter__(self) -> "StreamWriter":
         return self
