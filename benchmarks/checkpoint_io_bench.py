@@ -249,7 +249,8 @@ def profiled(kind: str, ckpt, model, optimizer, rank) -> dict | None:
             split["hash"] += tottime
         elif func in ("<method 'write' of '_io.BufferedWriter' objects>", "<built-in method posix.write>"):
             split["write"] += tottime
-        elif "readinto" in func or func in ("<method 'get_slice' of 'builtins.safe_open' objects>",
+        elif "readinto" in func or func in ("<built-in method posix.preadv>",
+                                            "<method 'get_slice' of 'builtins.safe_open' objects>",
                                             "<method 'get_tensor' of 'builtins.safe_open' objects>"):
             split["read"] += tottime
         elif "fsync" in func:

@@ -91,6 +91,7 @@ def test_a_refused_resume_installs_none_of_the_state_it_read(tmp_path):
 def test_hashing_while_reading_into_place_gives_the_files_digest_and_bytes(direct, tmp_path, monkeypatch):
     if not direct:
         monkeypatch.setattr(_one_pass, "_open_direct", lambda fd: None)
+    monkeypatch.setattr(_one_pass, "DIRECT_CHUNK", 3 * 4096)  # many direct pieces, each hashed as the next is read
     data = torch.randint(0, 256, (3 * _one_pass.CHUNK + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     path = tmp_path / "f"
     path.write_bytes(data.numpy().tobytes())

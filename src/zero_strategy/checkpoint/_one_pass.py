@@ -2,22 +2,24 @@
 
 [Note: one pass over the optimizer state]
 A load verifies every file before it copies anything (See [Note: verify, agree, then copy] in
-_load.py). It used to read each file twice: once to hash it, from the disk, and once to copy
-its tensors into place, from the page cache the first read filled. On the benchmark machine
-(2 cores shared with other jobs) the load ran at 0.25-0.70 of the disk's raw ``O_DIRECT`` read:
-the disk was not the bound, the two copies through the page cache were (``readinto`` is a
-kernel memcpy per byte, paid on a CPU the other jobs also want).
+_load.py). It used to read each file twice: once to
+hash it, from the disk, and once to copy its tensors into place, from the page cache the first
+read filled. On the benchmark machine (2 cores shared with other jobs) the load ran at
+0.25-0.70 of the disk's raw ``O_DIRECT`` read: the disk was not the bound, the two copies
+through the page cache were (``readinto`` is a kernel memcpy per byte, paid on a CPU the other
+jobs also want).
 
 The optimizer state of a resume goes into *fresh* tensors that nothing sees until the commit
 installs them, so those bytes can be read into their final place during the verification
 itself, and hashed from there: a refused load drops the fresh tensors and has changed nothing.
 Only where the optimizer holds no state for the group yet (a resume: See ``_ReadAhead`` in
-_load.py), so the load's peak memory stays what it was.
-Where a fresh tensor takes one contiguous run of the file, it is allocated so that its bytes
-sit at the file offset's alignment modulo 4 KiB (:func:`aligned_like`), with a block of slack
-on each side, and read with ``O_DIRECT``: the disk's DMA writes straight into the tensor and
-the CPU only hashes (xxh3 at ~15 GB/s). A run that cannot be aligned (one of several pieces
-of a re-sharded tensor) is read with a plain ``preadv`` into place: still one copy, not two.
+_load.py), so the load's peak memory stays what it was. Where a fresh tensor takes one
+contiguous run of the file, it is allocated so that its bytes sit at the file offset's
+alignment modulo 4 KiB (:func:`aligned_like`), with a block of slack on each side, and read
+with ``O_DIRECT``: the disk's DMA writes straight into the tensor and the CPU only hashes (xxh3
+at ~15 GB/s), each 64 MiB piece while the next one is read. A run that cannot be aligned (one
+of several pieces of a re-sharded tensor) is read with a plain ``preadv`` into place: still one
+copy, not two.
 
 Everything else (the master shard, which lives in the model; padding; headers) is read into a
 scratch buffer through the page cache, with the kernel asked to read ahead of the hash (See
@@ -31,6 +33,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import torch
 
@@ -187,24 +190,31 @@ def _direct_run(fd: int, h, run: Run) -> bool:
     if base < storage.data_ptr() or top > storage.data_ptr() + storage.nbytes():
         return False
     whole = torch.empty(0, dtype=torch.uint8).set_(storage, base - storage.data_ptr(), (top - base,)).numpy()
-    done, file_at = 0, lo - head
-    while done < len(whole):
-        want = min(DIRECT_CHUNK, len(whole) - done)
-        try:
-            n = os.preadv(fd, [memoryview(whole[done:done + want])], file_at + done)
-        except OSError as err:
-            if err.errno != errno.EINVAL or done:
-                raise
-            return False  # this filesystem takes O_DIRECT at open but not this read
-        if not n:
-            break
-        # hash only the run's own bytes: the aligned edges belong to the plain bytes around it
-        a, b = max(done, head), min(done + n, head + dst.numel())
-        if a < b:
-            h.update(memoryview(whole[a:b]))
-        done += n
-        if n < want:
-            break
+    file_at = lo - head
+    spans = [(at, min(DIRECT_CHUNK, len(whole) - at)) for at in range(0, len(whole), DIRECT_CHUNK)]
+
+    def read(at: int, want: int) -> int:
+        return os.preadv(fd, [memoryview(whole[at:at + want])], file_at + at)
+
+    try:
+        n = read(*spans[0])
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        return False  # this filesystem takes O_DIRECT at open but not this read
+    done = 0
+    # the next piece is read while this one is hashed: the disk does not wait for the CPU
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_strategy load") as pool:
+        for i, (at, want) in enumerate(spans):
+            ahead = pool.submit(read, *spans[i + 1]) if n == want and i + 1 < len(spans) else None
+            # hash only the run's own bytes: the aligned edges belong to the plain bytes around it
+            a, b = max(at, head), min(at + n, head + dst.numel())
+            if a < b:
+                h.update(memoryview(whole[a:b]))
+            done = at + n
+            if ahead is None:
+                break
+            n = ahead.result()
     if done < head + dst.numel():
         raise CheckpointError(f"checkpoint file ended at byte {file_at + done} while it was verified "
                               "(truncated by another process)")
