@@ -2,7 +2,7 @@
 commit installs (issue 42; See [Note: one pass over the optimizer state] in checkpoint/_one_pass.py).
 
 Before, every file was read twice, once to verify its digest and once to copy it into place, and
-the load ran at 0.25-0.70 of the disk's raw read. The state read ahead must be exactly the saved
+the load ran at 0.14-0.70 of the disk's raw read. The state read ahead must be exactly the saved
 state (also where a tensor's run is read with ``O_DIRECT`` at its file offset's alignment, and
 where the filesystem refuses ``O_DIRECT``), and a refused load must still change nothing: the
 fresh tensors are never installed.

@@ -2,12 +2,11 @@
 
 [Note: one pass over the optimizer state]
 A load verifies every file before it copies anything (See [Note: verify, agree, then copy] in
-_load.py). It used to read each file twice: once to
-hash it, from the disk, and once to copy its tensors into place, from the page cache the first
-read filled. On the benchmark machine (2 cores shared with other jobs) the load ran at
-0.25-0.70 of the disk's raw ``O_DIRECT`` read: the disk was not the bound, the two copies
-through the page cache were (``readinto`` is a kernel memcpy per byte, paid on a CPU the other
-jobs also want).
+_load.py). It used to read each file twice: once to hash it, from the disk, and once to copy
+its tensors into place, from the page cache the first read filled. On the benchmark machine (2
+cores shared with other jobs) the load ran at 0.14-0.70 of the disk's raw ``O_DIRECT`` read:
+the disk was not the bound, the two copies through the page cache were (``readinto`` is a
+kernel memcpy per byte, paid on a CPU the other jobs also want).
 
 The optimizer state of a resume goes into *fresh* tensors that nothing sees until the commit
 installs them, so those bytes can be read into their final place during the verification
