@@ -45,6 +45,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -52,8 +53,6 @@ from typing import Protocol
 
 import torch
 import xxhash
-
-from .aligned import aligned_empty
 
 ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -136,9 +135,13 @@ class StreamWriter:
         self._hash = DIGESTS[DIGEST]()
         self._fd, self._direct = _open_for_writing(self.path)
         self._closed = False
-        # See [Note: direct writes]: the staging buffer (page-aligned) and its fill; ``held_by`` counts
-        # it while the file is open (a model's save: memory_report's "staging")
-        self._stage = aligned_empty(STAGING_BYTES, pin=False) if self._direct else None
+        # See [Note: direct writes]: the staging buffer and its fill. An anonymous map (page-aligned),
+        # unmapped at close, not a malloc'd tensor: freeing 16 MiB through malloc would raise glibc's
+        # mmap threshold for the whole process. ``held_by`` counts it while the file is open, as a
+        # tensor over the map (memory_report's "staging" reads its size; the view is dropped before
+        # the map is closed, and it does not keep the map alive: nothing may read its data).
+        self._map = mmap.mmap(-1, STAGING_BYTES) if self._direct else None
+        self._stage = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
         self._held_by = held_by if self._stage is not None else None
         if self._held_by is not None:
             self._held_by.hold(self._stage)
@@ -154,7 +157,7 @@ class StreamWriter:
         if self._stage is None:
             self._write(data)
             return
-        view = memoryview(self._stage.numpy())
+        view = memoryview(self._map)
         while len(data):
             n = min(len(data), STAGING_BYTES - self._staged)
             view[self._staged:self._staged + n] = data[:n]
@@ -168,7 +171,7 @@ class StreamWriter:
         """Write what is staged: whole blocks directly, the rest after clearing O_DIRECT."""
         if self._stage is None:
             return
-        view = memoryview(self._stage.numpy())
+        view = memoryview(self._map)
         whole = self._staged - self._staged % _BLOCK
         if whole:
             self._write(view[:whole])
@@ -236,6 +239,13 @@ class StreamWriter:
             stage, self._stage = self._stage, None
             if self._held_by is not None:
                 self._held_by.release(stage)
+            del stage  # the map's last export, unless a report holds it now
+            stage_map, self._map = self._map, None
+            if stage_map is not None:
+                try:
+                    stage_map.close()
+                except BufferError:  # a view of it still held (a report, an error's traceback): freed with it
+                    pass
 
     def __enter__(self) -> "StreamWriter":
         return self
