@@ -12,8 +12,10 @@ rotated each round, so a neighbour's load falls on every system alike):
 * ``save``: ``zero_strategy.checkpoint.save_checkpoint`` (every byte hashed, fsynced, metadata,
   atomic replacement of the previous round's checkpoint);
 * ``raw_read``: each rank reads the file ``raw_write`` left with ``O_DIRECT``;
-* ``load``: ``zero_strategy.checkpoint.load_checkpoint`` (every file's digest checked first, then
-  copied into the shards), after ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the checkpoint's files
+* ``load``: a resume: ``zero_strategy.checkpoint.load_checkpoint`` into a model and optimizer set
+  up afresh before the round, as a new process has them (no optimizer state yet; every file's
+  digest checked before anything is copied, the optimizer state read while it is hashed), after
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the checkpoint's files
   so they come from the disk, not the page cache (only our own files are dropped: the disk is
   shared, and ``drop_caches`` would change other jobs' figures).
 
@@ -171,9 +173,18 @@ def worker(args) -> None:
     dist.all_reduce(total_raw)
     total_raw = int(total_raw)
     raw_write(raw_path, raw_bytes, buf)
+    resumed: list = []  # the model and optimizer a load resumes, set up afresh for each
+
+    def fresh() -> tuple:
+        if resumed:
+            zs.teardown(resumed.pop()[0], keep_weights=False)
+        m = build(args)
+        resumed.append(zs.setup(m, torch.optim.AdamW(m.parameters(), lr=1e-4), zs.ZeroConfig(stage=3)))
+        return resumed[-1]
 
     def one(name: str) -> float:
         if name == "load":
+            target = fresh()
             if rank == 0:
                 drop_cached(files_of(ckpt))
         elif name == "raw_read":
@@ -187,7 +198,7 @@ def worker(args) -> None:
         elif name == "raw_read":
             assert raw_read(raw_path, buf) == raw_bytes
         else:
-            load_checkpoint(ckpt, model, optimizer)
+            load_checkpoint(ckpt, *target)
         took = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
@@ -238,7 +249,8 @@ def profiled(kind: str, ckpt, model, optimizer, rank) -> dict | None:
             split["hash"] += tottime
         elif func in ("<method 'write' of '_io.BufferedWriter' objects>", "<built-in method posix.write>"):
             split["write"] += tottime
-        elif "readinto" in func or func in ("<method 'get_slice' of 'builtins.safe_open' objects>",
+        elif "readinto" in func or func in ("<built-in method posix.preadv>",
+                                            "<method 'get_slice' of 'builtins.safe_open' objects>",
                                             "<method 'get_tensor' of 'builtins.safe_open' objects>"):
             split["read"] += tottime
         elif "fsync" in func:

@@ -53,3 +53,47 @@ def test_split_digest_names_what_it_refuses():
         split_digest("crc32:0000abcd")
     with pytest.raises(ValueError, match="is not a sha256 hex digest"):
         split_digest("sha256:" + "AB" * 32)
+
+
+def _write(path, tensors) -> tuple[str, int]:
+    specs = [(k, t.dtype, list(t.shape)) for k, t in tensors.items()]
+    with StreamWriter(path, specs, {"format": "pt"}) as w:
+        for k, t in tensors.items():
+            flat = t.reshape(-1)
+            for a in range(0, flat.numel(), 1234):
+                w.write(k, flat[a:a + 1234])
+        return w.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+@pytest.mark.parametrize("accepted", [0, 2], ids=["first_write_refused", "third_write_refused"])
+def test_a_filesystem_refusing_an_aligned_direct_write_gets_the_same_file_buffered(tmp_path, monkeypatch, accepted):
+    """``open`` takes O_DIRECT but the filesystem answers a 4 KiB-aligned write with EINVAL (some FUSE
+    and network filesystems): the file is written buffered from that byte on, none lost or doubled."""
+    import errno
+    import fcntl
+
+    monkeypatch.setattr(safetensors_writer, "STAGING_BYTES", 3 * 4096)
+    tensors = _tensors()
+    buffered = _write_buffered(tmp_path / "buffered.safetensors", tensors, monkeypatch)
+    real_write, direct_writes = os.write, []
+
+    def refusing(fd, data):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct_writes.append(len(data))
+            if len(direct_writes) > accepted:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", refusing)
+    got = _write(tmp_path / "refused.safetensors", tensors)
+    monkeypatch.setattr(os, "write", real_write)
+    assert len(direct_writes) == accepted + 1  # the refused one, then no direct write was tried again
+    assert got == buffered
+    assert (tmp_path / "refused.safetensors").read_bytes() == (tmp_path / "buffered.safetensors").read_bytes()
+
+
+def _write_buffered(path, tensors, monkeypatch) -> tuple[str, int]:
+    with monkeypatch.context() as m:
+        m.setattr(safetensors_writer.os, "O_DIRECT", 0, raising=False)
+        return _write(path, tensors)

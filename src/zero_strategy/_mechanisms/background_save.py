@@ -8,7 +8,11 @@ thread while training goes on. This object knows nothing of checkpoints: it hold
   overlap, so their files and their collectives come in one order on every rank);
 * the host buffers the job has staged and not yet written (``staging_tensors``, counted by
   ``memory_report`` under "staging"), which the job drops one by one as they reach the disk;
-* the job's exception, kept until someone waits (See [Note: no silent background failure]).
+* the job's exception, kept until someone waits (See [Note: no silent background failure]);
+* the staging buffer of each checkpoint file a save of this model is writing (its ``O_DIRECT``
+  block buffer: See [Note: direct writes] in safetensors_writer.py), synchronous saves' too, while
+  the file is open (``hold``/``release``): counted under "staging" as well, but not against
+  ``async_save_staging_bytes``, which bounds the copies a save stages, not its writer.
 
 [Note: staging buffers kept]
 Copying into freshly allocated host memory ran at ~1 GB/s here (each new page is faulted in and
@@ -57,6 +61,8 @@ class BackgroundSave:
         #: written buffers kept for the next save, by (dtype, numel, pinned): See [Note: staging buffers kept]
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._after_success: list[Callable[[], None]] = []
+        #: open file writers' staging buffers (See hold)
+        self._writing: list[torch.Tensor] = []
         self._accepting = False
         #: how many bytes are staged now and at most since the last job began (for tests and reports)
         self.staged_bytes = 0
@@ -175,10 +181,20 @@ class BackgroundSave:
             self.staged_bytes = 0
             self._lock.notify_all()
 
-    def staging_tensors(self) -> list[torch.Tensor]:
-        """Every host buffer held: staged and not yet written, and kept for the next save."""
+    def hold(self, t: torch.Tensor) -> None:
+        """``t``, an open checkpoint writer's staging buffer, is held until :meth:`release`."""
         with self._lock:
-            return list(self._staged) + [t for kept in self._free.values() for t in kept]
+            self._writing.append(t)
+
+    def release(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._writing = [w for w in self._writing if w is not t]
+
+    def staging_tensors(self) -> list[torch.Tensor]:
+        """Every host buffer held: staged and not yet written, kept for the next save, and the
+        staging buffers of the files being written."""
+        with self._lock:
+            return list(self._staged) + [t for kept in self._free.values() for t in kept] + list(self._writing)
 
 
 def _key(t: torch.Tensor) -> tuple:

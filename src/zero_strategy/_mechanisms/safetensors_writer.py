@@ -33,7 +33,11 @@ kernel to write back and then evict (a save's buffered writes plus its final fsy
 0.3 of the disk's O_DIRECT rate on the benchmark machine). The last bytes that do not fill
 a whole block are written after ``O_DIRECT`` is cleared on the descriptor; ``close`` still
 fsyncs (the file's size and blocks). Where ``open`` refuses ``O_DIRECT`` (EINVAL: a
-filesystem without it) the writer falls back to buffered writes.
+filesystem without it) the writer falls back to buffered writes. A filesystem may also take
+the flag at ``open`` and refuse the aligned write itself with EINVAL (some FUSE and network
+filesystems): a write that fails so has written nothing, so the writer clears ``O_DIRECT`` on
+the descriptor and writes the same bytes again, buffered, as it does every later byte of that
+file (See :meth:`StreamWriter._write`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xxhash
@@ -64,6 +69,14 @@ DIGEST = "xxh3_128"  # what new files get
 #: bytes staged per direct write; See [Note: direct writes]
 STAGING_BYTES = 16 << 20
 _BLOCK = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page; covers 512-byte disks)
+
+
+class HoldsBuffers(Protocol):
+    """Who counts a writer's staging buffer while the file is open (a model's ``BackgroundSave``)."""
+
+    def hold(self, t: torch.Tensor) -> None: ...
+
+    def release(self, t: torch.Tensor) -> None: ...
 
 
 def split_digest(digest: str) -> tuple[str, str]:
@@ -102,7 +115,7 @@ class StreamWriter:
     error: type[Exception] = ValueError
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, held_by: "HoldsBuffers | None" = None):
         header: dict = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -122,8 +135,16 @@ class StreamWriter:
         self._hash = DIGESTS[DIGEST]()
         self._fd, self._direct = _open_for_writing(self.path)
         self._closed = False
-        # See [Note: direct writes]: the staging buffer (page-aligned: an anonymous map) and its fill
-        self._stage = mmap.mmap(-1, STAGING_BYTES) if self._direct else None
+        # See [Note: direct writes]: the staging buffer and its fill. An anonymous map (page-aligned),
+        # unmapped at close, not a malloc'd tensor: freeing 16 MiB through malloc would raise glibc's
+        # mmap threshold for the whole process. ``held_by`` counts it while the file is open, as a
+        # tensor over the map (memory_report's "staging" reads its size; the view is dropped before
+        # the map is closed, and it does not keep the map alive: nothing may read its data).
+        self._map = mmap.mmap(-1, STAGING_BYTES) if self._direct else None
+        self._stage = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
+        self._held_by = held_by if self._stage is not None else None
+        if self._held_by is not None:
+            self._held_by.hold(self._stage)
         self._staged = 0
         self._size = 0
         self._index = 0        # tensor being written
@@ -134,32 +155,52 @@ class StreamWriter:
         self._hash.update(data)
         self._size += len(data)
         if self._stage is None:
-            _write_all(self._fd, data)
+            self._write(data)
             return
-        view = memoryview(self._stage)
+        view = memoryview(self._map)
         while len(data):
             n = min(len(data), STAGING_BYTES - self._staged)
             view[self._staged:self._staged + n] = data[:n]
             self._staged += n
             data = data[n:]
             if self._staged == STAGING_BYTES:
-                _write_all(self._fd, view)
+                self._write(view)
                 self._staged = 0
 
     def _flush_staged(self) -> None:
         """Write what is staged: whole blocks directly, the rest after clearing O_DIRECT."""
         if self._stage is None:
             return
-        view = memoryview(self._stage)
+        view = memoryview(self._map)
         whole = self._staged - self._staged % _BLOCK
         if whole:
-            _write_all(self._fd, view[:whole])
+            self._write(view[:whole])
         if whole < self._staged:
+            self._buffered()
+            self._write(view[whole:self._staged])
+        self._staged = 0
+
+    def _write(self, data: memoryview) -> None:
+        """Append ``data`` to the file. A direct write the filesystem refuses (EINVAL) wrote nothing:
+        the same bytes go again through the page cache, as does the rest of the file (See [Note:
+        direct writes])."""
+        while len(data):
+            try:
+                n = os.write(self._fd, data)
+            except OSError as err:
+                if err.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._buffered()
+                continue
+            data = data[n:]
+
+    def _buffered(self) -> None:
+        """Clear ``O_DIRECT`` on the descriptor: the following writes go through the page cache."""
+        if self._direct:
             import fcntl  # only here: O_DIRECT exists where fcntl does
 
             fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            _write_all(self._fd, view[whole:self._staged])
-        self._staged = 0
+            self._direct = False
 
     def write(self, name: str, piece: torch.Tensor) -> None:
         """Append ``piece`` (all or the next part of tensor ``name``, any shape, its dtype)."""
@@ -196,10 +237,14 @@ class StreamWriter:
             self._closed = True
             os.close(self._fd)
             stage, self._stage = self._stage, None
-            if stage is not None:
+            if self._held_by is not None:
+                self._held_by.release(stage)
+            del stage  # the map's last export, unless a report holds it now
+            stage_map, self._map = self._map, None
+            if stage_map is not None:
                 try:
-                    stage.close()
-                except BufferError:  # a view of it held by an error's traceback: freed with it
+                    stage_map.close()
+                except BufferError:  # a view of it still held (a report, an error's traceback): freed with it
                     pass
 
     def __enter__(self) -> "StreamWriter":
@@ -221,12 +266,6 @@ def _open_for_writing(path: Path) -> tuple[int, bool]:
             if err.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT (tmpfs)
                 raise
     return os.open(path, flags, 0o644), False
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while len(data):
-        n = os.write(fd, data)
-        data = data[n:]
 
 
 def numel_of(shape) -> int:

@@ -10,8 +10,9 @@ types as well (identical placements on a CPU-only machine).
 Beside that resting state, the *working set* (See [Note: the working set] in
 _mechanisms/memory.py): stage-3 units gathered, full gradient buffers, staging
 buffers, as held now and at their peak since setup or the last ``reset_peak``. The
-staging pool's buffers, and an asynchronous checkpoint save's host copies (staged, or kept for
-the next save), are in both (they rest between steps), so add
+staging pool's buffers, an asynchronous checkpoint save's host copies (staged, or kept for
+the next save) and the 16 MiB ``O_DIRECT`` staging buffer of each checkpoint file being written
+(a synchronous save's too), are in both (they rest between steps), so add
 ``peak_working_set_bytes`` to ``total - by_category["staging"]`` for the worst moment.
 """
 
@@ -118,7 +119,7 @@ def measure(engine, optimizers=()) -> MemoryReport:
                     add("optimizer_state", offloaded, v)
     for t in engine.transfers.staging_tensors():
         add("staging", True, t)
-    for t in engine.background_save.staging_tensors():  # an asynchronous save's copies, until written
+    for t in engine.background_save.staging_tensors():  # a save's copies until written, its writers' buffers
         add("staging", True, t)
     if engine.swap is not None:  # NVMe: the slot pool is host staging, the rest is on disk
         for t in engine.swap.staging_tensors():

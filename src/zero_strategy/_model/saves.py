@@ -94,7 +94,8 @@ def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], direct
         for name, t in (convert(batch) if convert is not None and batch else batch).items():
             f = file_of[name]
             if f not in writers:
-                writers[f] = StreamWriter(os.path.join(directory, f), specs[f], {"format": "pt"})
+                writers[f] = StreamWriter(os.path.join(directory, f), specs[f], {"format": "pt"},
+                                          held_by=engine.background_save)
             writers[f].write(name, t.contiguous())
             left[f] -= 1
             if left[f] == 0:
@@ -110,7 +111,7 @@ def write_entries(engine: "ZeroEngine", entries: dict[str, torch.Tensor], direct
                 write({n: values[id(entries[n])] for n in by_unit[id(unit)]})
             del values  # See [Note: streamed save_pretrained]: one unit's copies at a time
         for f in (f for f, s in specs.items() if not s) if main else ():
-            writers[f] = StreamWriter(os.path.join(directory, f), [], {"format": "pt"})
+            writers[f] = StreamWriter(os.path.join(directory, f), [], {"format": "pt"}, held_by=engine.background_save)
             writers[f].close()
     except BaseException:
         for w in writers.values():

@@ -25,9 +25,11 @@ rank's error or None), so either every rank goes on or every rank raises the sam
 ``CheckpointError``, before any rank has copied a value: at the same world size rank 0
 never reads rank 1's file, and without the agreement it had loaded all of its own when
 rank 1 refused. *Commit* (:meth:`PreparedLoad.commit`) only copies, through the handles
-prepare opened (a file replaced since then is still read as verified). Nothing is staged:
-memory stays at one shard, and every file is read twice, once to hash it and once to copy
-from it, as before (a file used to be hashed when first opened, half way through the copy).
+prepare opened (a file replaced since then is still read as verified). Nothing the model or
+optimizer holds is staged: memory stays at one shard. A resume's optimizer state is read once,
+into the fresh tensors the commit installs, while its file is hashed (See [Note: one pass over
+the optimizer state] in _one_pass.py); the rest of a file is read twice, once to hash it and once
+to copy from the page cache it filled.
 
 A DeepSpeed checkpoint (See [Note: DeepSpeed's layout] in _deepspeed.py) goes through the same
 two phases: prepare reads every rank file (memory-mapped, through the allowlisted unpickler),
@@ -61,7 +63,8 @@ from .._optim.chunked_step import stopped_part_way
 from ..api import _engine_of
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
-from ._safetensors_stream import StreamReader, verify_file
+from ._one_pass import Run, aligned_like, hash_into
+from ._safetensors_stream import StreamReader, check_file, verify_file
 from ._sync import agree, describe
 from ._experts import expert_files, experts_to_read, fill_flat_from_experts, load_experts, local_state_dict
 from ._validate import check_buffers_file, check_experts_file, check_rank_file
@@ -103,26 +106,47 @@ class _Reader:
         self._streams: dict[str, StreamReader] = {}
         #: buffer name -> (dtype name, shape) from the buffers file's header, once verified
         self.buffer_header: dict[str, tuple[str, list[int]]] = {}
+        #: id(group) -> its optimizer state, read during the verification (See [Note: one pass over
+        #: the optimizer state] in _one_pass.py); installed by the commit, dropped by a refusal
+        self.read_ahead: dict[int, dict[str, Any]] = {}
 
-    def verify(self, names: set[str]) -> None:
+    def verify(self, names: set[str], plan: Callable[[dict[str, StreamReader]], dict[str, list[Run]]] | None = None
+               ) -> None:
         """Check each file against the metadata (digest, size, header) and open it. See [Note: verify,
-        agree, then copy]."""
+        agree, then copy]. ``plan(streams)``: the byte runs of each rank file to read into fresh
+        tensors while it is hashed (See [Note: one pass over the optimizer state] in _one_pass.py)."""
         from safetensors import safe_open
 
-        for name in sorted(names):
+        rank_files = [n for n in sorted(names) if n != BUFFERS_FILE and not self._experts_file(n)]
+        for name in rank_files:  # their headers first: the plan needs their offsets
             rec = self.meta.file(name)
-            verify_file(self.dir / name, rec.digest, rec.bytes)
-            if name == BUFFERS_FILE:
-                self.buffer_header = check_buffers_file(self.dir / name, self.meta)
-            elif self.meta.experts is not None and name in expert_files(self.meta.experts):
-                check_experts_file(self.dir / name, self.meta)
-            else:
+            check_file(self.dir / name, rec.digest, rec.bytes)
+            try:
                 check_rank_file(self.dir / name, self.meta)
                 self._streams[name] = StreamReader(self.dir / name)
+            except CheckpointError:
+                verify_file(self.dir / name, rec.digest, rec.bytes)  # a damaged file is called so first
+                raise
+        runs = plan(self._streams) if plan is not None else {}
+        for name in sorted(names):
+            rec = self.meta.file(name)
+            stream = self._streams.get(name)
+            if stream is None:
+                verify_file(self.dir / name, rec.digest, rec.bytes)
+            else:
+                verify_file(self.dir / name, rec.digest, rec.bytes,
+                            lambda algorithm, fd=stream.fileno(), r=runs.get(name, []): hash_into(fd, algorithm, r))
+            if name == BUFFERS_FILE:
+                self.buffer_header = check_buffers_file(self.dir / name, self.meta)
+            elif self._experts_file(name):
+                check_experts_file(self.dir / name, self.meta)
             try:
                 self._open[name] = safe_open(str(self.dir / name), framework="pt")
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
                 raise CheckpointError(f"checkpoint file {self.dir / name} is unreadable: {err}") from None
+
+    def _experts_file(self, name: str) -> bool:
+        return self.meta.experts is not None and name in expert_files(self.meta.experts)
 
     def handle(self, name: str):
         try:
@@ -155,6 +179,7 @@ class _Reader:
 
     def close(self) -> None:
         self._open.clear()
+        self.read_ahead.clear()
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()
@@ -293,7 +318,10 @@ def prepare_load(path: str | Path, model: torch.nn.Module, optimizer=None, stric
             saved_buffers = set(meta.buffer_keys())
             buffers = [k for k in buffers if k in saved_buffers]
             reader = _Reader(ckpt_dir, meta)
-            reader.verify(_files_to_read(meta, names, engine, zopts) | experts | ({BUFFERS_FILE} if buffers else set()))
+            ahead = _ReadAhead(reader, engine, zopts, names)  # See [Note: one pass over the optimizer state]
+            reader.verify(_files_to_read(meta, names, engine, zopts) | experts | ({BUFFERS_FILE} if buffers else set()),
+                          ahead)
+            ahead.finish()
             _check_buffer_shapes(reader, model, buffers)
             extra, kind = _extra_state(reader, meta), PreparedLoad
         scheduler_state = None
@@ -560,36 +588,114 @@ def _frozen_in_checkpoint(fqn: str) -> CheckpointError:
 
 def _load_optimizer_state(reader: _Reader, g, zopt, names, alias) -> None:
     """Rebuild ``optimizer.state[master]`` for one running group from the saved groups of its slots
-    (checked by :func:`_flat_state_sources` before the copy began)."""
-    meta = reader.meta
-    sources = _flat_state_sources(meta, g, names, alias)
-    zopt.optimizer.state.pop(g.master, None)
-    if not sources:
-        return
-    first = meta.groups[meta.params[sources[0][1]].group]
-    if not first.state_tensors and not first.state_scalars:
-        return  # saved before the first step
-    state: dict[str, Any] = {}
-    device = g.master.device
-    for key, dname in first.state_tensors.items():
+    (checked by :func:`_flat_state_sources` before the copy began), or install the state the
+    verification read (See [Note: one pass over the optimizer state] in _one_pass.py)."""
+    ahead = reader.read_ahead.pop(id(g), None)
+    zopt.optimizer.state.pop(g.master, None)  # first: the old state is freed before the new is read
+
+    def read(key: str, dtype: torch.dtype, ranges: list) -> torch.Tensor:
         # zeros only where no saved element lands (padding, parameters the checkpoint lacks): zeroing
         # the whole shard first took 0.3-0.5 s of a 1.3 GB rank file's load on the benchmark machine
-        t = torch.empty(g.shard_numel, dtype=dtype_from_name(dname), device=device)
-        filled = []
-        for s, lo, hi, where in g.slot_ranges_in_shard():
-            fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
-            if fqn is not None:
-                reader.fill(t[where], fqn, lo, hi, lambda grp, key=key: grp.state_tensor(key))
-                filled.append((where.start, where.stop))
-        _zero_outside(t, filled)
-        state[key] = t
+        t = torch.empty(g.shard_numel, dtype=dtype, device=g.master.device)
+        for fqn, lo, hi, where in ranges:
+            reader.fill(t[where], fqn, lo, hi, lambda grp: grp.state_tensor(key))
+        _zero_outside(t, [(where.start, where.stop) for *_, where in ranges])
+        return t
+
+    state = ahead if ahead is not None else _flat_state(reader.meta, g, names, alias, read)
+    if state is not None:
+        zopt.optimizer.state[g.master] = state
+
+
+def _flat_state(meta: Metadata, g, names, alias, tensor_for: Callable) -> dict[str, Any] | None:
+    """A flat group's optimizer state from the saved groups of its slots (None: the checkpoint has
+    none for it). ``tensor_for(key, dtype, ranges)`` makes the shard-sized state tensor ``key`` from
+    ``ranges``: (checkpoint fqn, lo, hi, where) of each slot the checkpoint has."""
+    sources = _flat_state_sources(meta, g, names, alias)
+    if not sources:
+        return None
+    first = meta.groups[meta.params[sources[0][1]].group]
+    if not first.state_tensors and not first.state_scalars:
+        return None  # saved before the first step
+    ranges = []
+    for s, lo, hi, where in g.slot_ranges_in_shard():
+        fqn = _fqn_in_checkpoint(alias, names[id(s.param)])
+        if fqn is not None:
+            ranges.append((fqn, lo, hi, where))
+    state: dict[str, Any] = {key: tensor_for(key, dtype_from_name(dname), ranges)
+                             for key, dname in first.state_tensors.items()}
+    device = g.master.device
     for key, sc in first.state_scalars.items():
         if sc["tensor"]:
             state[key] = torch.tensor(sc["value"], dtype=dtype_from_name(sc["dtype"]),
                                       device=device if sc["on_param_device"] else "cpu").reshape(sc["shape"])
         else:
             state[key] = sc["value"]
-    zopt.optimizer.state[g.master] = state
+    return state
+
+
+class _ReadAhead:
+    """The plan of a one-pass load: which optimizer-state tensors are read while their files are
+    hashed. See [Note: one pass over the optimizer state] in _one_pass.py.
+
+    Only flat groups in host memory whose optimizer holds no state for them yet (a resume) read
+    ahead: their state tensors would be allocated by the commit anyway, so the load's peak memory
+    is what it was. Where the optimizer has state (going back to an earlier checkpoint in the same
+    process), reading ahead would hold the old state and the new one at once until the commit,
+    so that state is read at the commit, from the page cache, as before.
+    """
+
+    def __init__(self, reader: _Reader, engine, zopts: list, names):
+        self.reader, self.engine, self.zopts, self.names = reader, engine, zopts, names
+        #: (tensor, filled ranges) to zero outside once read: an aligned read may write its edges
+        self._zero: list[tuple[torch.Tensor, list[tuple[int, int]]]] = []
+
+    @staticmethod
+    def applies(g, zopts: list) -> bool:
+        return (bool(zopts) and g.trainable and not g.owned and not g.master_streams and g.swap is None
+                and g.master is not None and g.master.device.type == "cpu"
+                and not zopts[g.optimizer_index].optimizer.state.get(g.master))
+
+    def __call__(self, streams: dict[str, StreamReader]) -> dict[str, list[Run]]:
+        """The runs of each rank file; the state tensors they fill go to ``reader.read_ahead``."""
+        meta, runs = self.reader.meta, {}
+        alias = meta.alias_map()
+        for g in self.engine.groups:
+            if self.applies(g, self.zopts):
+                state = _flat_state(meta, g, self.names, alias,
+                                    lambda key, dtype, ranges, g=g: self._place(g, key, dtype, ranges, streams, runs))
+                if state is not None:
+                    self.reader.read_ahead[id(g)] = state
+        return runs
+
+    def _place(self, g, key: str, dtype: torch.dtype, ranges: list, streams, runs: dict) -> torch.Tensor:
+        """A fresh state tensor, and the runs that will fill it. Where one contiguous run of one file
+        fills it, it is allocated at that run's alignment, for an ``O_DIRECT`` read in place."""
+        meta = self.reader.meta
+        size = torch.empty((), dtype=dtype).element_size()
+        pieces = []  # (file, byte offset in it, first element in the tensor, elements)
+        for fqn, lo, hi, where in ranges:
+            tensor = meta.groups[meta.params[fqn].group].state_tensor(key)
+            for rank, a, b, at in meta.pieces(fqn, lo, hi):
+                name = meta.rank_file(rank)
+                if name not in streams:  # _files_to_read missed it: a bug, never a file read unverified
+                    raise CheckpointError(f"internal error: {name} is read but was not verified first")
+                pieces.append((name, streams[name].byte_offset(tensor, a), where.start + at, b - a))
+        one = bool(pieces) and all(p[0] == q[0] and q[1] == p[1] + p[3] * size and q[2] == p[2] + p[3]
+                                   for p, q in zip(pieces, pieces[1:]))
+        t = aligned_like(g.shard_numel, dtype, pieces[0][1], pieces[0][2]) if one else \
+            torch.empty(g.shard_numel, dtype=dtype)
+        flat = t.view(torch.uint8)
+        for name, offset, at, count in pieces:
+            runs.setdefault(name, []).append(Run(offset, flat[at * size:(at + count) * size], slack=one))
+        self._zero.append((t, [(where.start, where.stop) for *_, where in ranges]))
+        return t
+
+    def finish(self) -> None:
+        """Zero what no saved element fills (padding, parameters the checkpoint lacks), after the reads."""
+        for t, filled in self._zero:
+            _zero_outside(t, filled)
+        self._zero.clear()
 
 
 def _zero_outside(t: torch.Tensor, filled: list[tuple[int, int]]) -> None:

@@ -28,7 +28,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import torch
 
@@ -132,6 +132,13 @@ class StreamReader:
         if got != out.numel() * size:
             raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def byte_offset(self, name: str, start: int) -> int:
+        """Where element ``start`` of tensor ``name`` lies in the file."""
+        return self._data_start + self._entry(name)["data_offsets"][0] + start * _element_size(self.dtype(name))
+
     def close(self) -> None:
         self._file.close()
 
@@ -142,7 +149,8 @@ def file_digest(path: Path, algorithm: str, chunk: int = HASH_CHUNK) -> str:
 
     [Note: reading ahead of the hash]
     A load reads each file twice, once to verify it and once to copy from it (See [Note: verify,
-    agree, then copy] in _load.py); the first read comes from the disk, the second from the
+    agree, then copy] in _load.py; a resume's optimizer state once: See [Note: one pass over the
+    optimizer state] in _one_pass.py); the first read comes from the disk, the second from the
     page cache it filled. The kernel is asked for ``PREFETCH_BYTES`` ahead of the hash
     (``POSIX_FADV_WILLNEED``: it reads them without making the hash wait), a window sliding
     with it, so the read-ahead of a file larger than memory cannot evict the pages the hash
@@ -170,9 +178,9 @@ def file_digest(path: Path, algorithm: str, chunk: int = HASH_CHUNK) -> str:
     return f"{algorithm}:{h.hexdigest()}"
 
 
-def verify_file(path: Path, digest: str, nbytes: int) -> None:
-    """Refuse a missing, truncated or corrupted file, naming it. ``digest``: ``"<algorithm>:<hex>"``
-    as the metadata records it (its algorithm was checked when the metadata was validated)."""
+def check_file(path: Path, digest: str, nbytes: int) -> str:
+    """Refuse a file that cannot be what the metadata records before reading a byte of it (a symbolic
+    link, missing, another size, a digest that cannot be checked); returns the digest's algorithm."""
     try:
         algorithm, _ = split_digest(digest)
     except ValueError as err:
@@ -186,7 +194,16 @@ def verify_file(path: Path, digest: str, nbytes: int) -> None:
     if size != nbytes:
         raise CheckpointError(f"checkpoint file {path} is truncated or has the wrong size: "
                               f"{size} bytes, metadata says {nbytes}")
-    got = file_digest(path, algorithm)
+    return algorithm
+
+
+def verify_file(path: Path, digest: str, nbytes: int, hashed: Callable[[str], str] | None = None) -> None:
+    """Refuse a missing, truncated or corrupted file, naming it. ``digest``: ``"<algorithm>:<hex>"``
+    as the metadata records it (its algorithm was checked when the metadata was validated).
+    ``hashed(algorithm)``: the file's digest computed another way (a pass that also reads it into
+    place: See [Note: one pass over the optimizer state] in _one_pass.py)."""
+    algorithm = check_file(path, digest, nbytes)
+    got = file_digest(path, algorithm) if hashed is None else hashed(algorithm)
     if got != digest:
         raise CheckpointError(f"checkpoint file {path} is corrupted: its {algorithm} digest "
                               f"{got.partition(':')[2][:16]}... does not match the {digest.partition(':')[2][:16]}... "

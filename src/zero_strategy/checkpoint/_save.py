@@ -396,7 +396,7 @@ def _rank_file_pieces(engine, zopts, groups: list[GroupLayout], streamed: dict[i
 def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> FileRecord:
     """Stream this rank's shards, one group at a time (see :func:`_rank_file_plan`)."""
     name, specs, streamed = _rank_file_plan(engine, zopts, groups)
-    with StreamWriter(tmp / name, specs, {"format": "pt"}) as w:
+    with StreamWriter(tmp / name, specs, {"format": "pt"}, held_by=engine.background_save) as w:
         for n, piece in _rank_file_pieces(engine, zopts, groups, streamed):
             w.write(n, piece)
         digest, size = w.close()
@@ -405,7 +405,7 @@ def _write_rank_file(tmp: Path, engine, zopts, groups: list[GroupLayout]) -> Fil
 
 def _write_experts_file(tmp: Path, engine, name: str, specs: list, entries: list) -> FileRecord:
     """This rank's experts, one tensor per expert (See [Note: experts in a checkpoint] in _experts.py)."""
-    with StreamWriter(tmp / name, specs, {"format": "pt"}) as w:
+    with StreamWriter(tmp / name, specs, {"format": "pt"}, held_by=engine.background_save) as w:
         for n, t in entries:
             w.write(n, t)
         digest, size = w.close()
@@ -437,7 +437,7 @@ def _buffers(model: torch.nn.Module, engine) -> list[tuple[str, torch.Tensor]]:
 def _write_buffers(tmp: Path, model, engine) -> FileRecord:
     entries = _buffers(model, engine)
     specs = [(k, t.dtype, list(t.shape)) for k, t in entries]
-    with StreamWriter(tmp / BUFFERS_FILE, specs, {"format": "pt"}) as w:
+    with StreamWriter(tmp / BUFFERS_FILE, specs, {"format": "pt"}, held_by=engine.background_save) as w:
         for k, t in entries:
             w.write(k, t)
         digest, size = w.close()
@@ -637,7 +637,7 @@ def _background_write(bg, queue: Queue, channel, path: Path, tmp: Path, owned: O
                 elif item[0] == "open":
                     records.extend(_close(writer, rank))
                     _, name, specs, rank = item
-                    writer = StreamWriter(tmp / name, specs, {"format": "pt"})
+                    writer = StreamWriter(tmp / name, specs, {"format": "pt"}, held_by=bg)
                 elif item[0] == "bytes":
                     records.extend(_close(writer, rank))
                     writer = None
