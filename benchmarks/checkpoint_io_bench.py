@@ -210,7 +210,8 @@ def worker(args) -> None:
         for name in order:
             loads[name].append(os.getloadavg()[0])
             secs[name].append(one(name))
-    profile = None if args.no_profile else {k: profiled(k, ckpt, model, optimizer, rank) for k in ("save", "load")}
+    profile = None if args.no_profile else {
+        "save": profiled("save", ckpt, model, optimizer, rank), "load": profiled("load", ckpt, *fresh(), rank)}
     if rank == 0:
         report(args, n_params, ckpt_bytes, total_raw, secs, loads, profile)
     dist.barrier()
@@ -223,7 +224,8 @@ def worker(args) -> None:
 
 def profiled(kind: str, ckpt, model, optimizer, rank) -> dict | None:
     """Rank 0's time in one save or load (its files dropped from the page cache first), split by
-    where cProfile finds it; both ranks run it, only rank 0 profiles."""
+    where cProfile finds it; both ranks run it, only rank 0 profiles. A load is a resume, as in
+    the rounds: ``model`` and ``optimizer`` freshly set up."""
     import torch.distributed as dist
 
     from zero_strategy.checkpoint import load_checkpoint, save_checkpoint
