@@ -34,6 +34,7 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
 import torch
 
 from .._mechanisms.aligned import ALIGN
