@@ -32,18 +32,16 @@ from typing import BinaryIO, Callable
 
 import torch
 
-from .._mechanisms.safetensors_writer import DIGESTS, split_digest
+from .._mechanisms.safetensors_writer import split_digest
 from .._mechanisms.safetensors_writer import ST_DTYPES as _ST_DTYPES
 from .._mechanisms.safetensors_writer import StreamWriter as _Writer
 from .._mechanisms.safetensors_writer import element_size as _element_size
 from .._mechanisms.safetensors_writer import numel_of as _numel
 from ._layout import CheckpointError
+from ._one_pass import hash_into
 from ._validate import header as library_header
 
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
-HASH_CHUNK = 8 << 20  # bytes read at a time when hashing
-#: how far ahead of the hashing the kernel is asked to read (See [Note: reading ahead of the hash])
-PREFETCH_BYTES = 256 << 20
 
 
 class StreamWriter(_Writer):
@@ -143,39 +141,12 @@ class StreamReader:
         self._file.close()
 
 
-def file_digest(path: Path, algorithm: str, chunk: int = HASH_CHUNK) -> str:
+def file_digest(path: Path, algorithm: str) -> str:
     """``"<algorithm>:<hex>"`` of the file at ``path``; See [Note: file digests] in
-    _mechanisms/safetensors_writer.py.
-
-    [Note: reading ahead of the hash]
-    A load reads each file twice, once to verify it and once to copy from it (See [Note: verify,
-    agree, then copy] in _load.py; a resume's optimizer state once: See [Note: one pass over the
-    optimizer state] in _one_pass.py); the first read comes from the disk, the second from the
-    page cache it filled. The kernel is asked for ``PREFETCH_BYTES`` ahead of the hash
-    (``POSIX_FADV_WILLNEED``: it reads them without making the hash wait), a window sliding
-    with it, so the read-ahead of a file larger than memory cannot evict the pages the hash
-    has not reached. Both ranks' files read at once on the benchmark machine (a shared virtual
-    disk, figures spread 3x between runs): medians 0.99 GB/s with the window, 0.53 with the
-    kernel's own read-ahead, 0.63 with ``POSIX_FADV_SEQUENTIAL``, 0.36 with the whole file
-    advised at once; ``O_DIRECT`` in 64 MiB pieces 0.90.
-    """
-    h = DIGESTS[algorithm]()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    advise = getattr(os, "posix_fadvise", None)
+    _mechanisms/safetensors_writer.py. Read as a load's verification reads a file with nothing to
+    place on the way: See [Note: reading ahead of the hash] in _one_pass.py."""
     with open(path, "rb", buffering=0) as f:
-        if advise is not None:
-            advise(f.fileno(), 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-        done = 0
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            if advise is not None:
-                advise(f.fileno(), done + PREFETCH_BYTES, n, os.POSIX_FADV_WILLNEED)
-            h.update(view[:n])
-            done += n
-    return f"{algorithm}:{h.hexdigest()}"
+        return hash_into(f.fileno(), algorithm, [])
 
 
 def check_file(path: Path, digest: str, nbytes: int) -> str:
