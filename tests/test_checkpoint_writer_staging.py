@@ -35,9 +35,9 @@ def _staging(model) -> int:
     return zs.memory_report(model).by_category["staging"]
 
 
-def _nbytes(buffer) -> int:
-    """The writer's staging buffer's own size (a tensor's storage; before, an anonymous map)."""
-    return buffer.untyped_storage().nbytes() if isinstance(buffer, torch.Tensor) else len(buffer)
+def _nbytes(buffer: torch.Tensor) -> int:
+    """The writer's staging buffer's own size: its storage's."""
+    return buffer.untyped_storage().nbytes()
 
 
 def test_a_synchronous_save_counts_its_writers_staging_buffer(tmp_path, monkeypatch):
