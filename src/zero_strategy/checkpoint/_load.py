@@ -63,7 +63,7 @@ from .._optim.chunked_step import stopped_part_way
 from ..api import _engine_of
 from ._layout import BUFFERS_FILE, METADATA_FILE, CheckpointError, Metadata, dtype_from_name, resolve_zero_optimizers
 from ._metadata_io import read_metadata
-from ._one_pass import Run, aligned_like, hash_into
+from ._one_pass import Run, aligned_like
 from ._safetensors_stream import StreamReader, check_file, verify_file
 from ._sync import agree, describe
 from ._experts import expert_files, experts_to_read, fill_flat_from_experts, load_experts, local_state_dict
@@ -134,8 +134,7 @@ class _Reader:
             if stream is None:
                 verify_file(self.dir / name, rec.digest, rec.bytes)
             else:
-                verify_file(self.dir / name, rec.digest, rec.bytes,
-                            lambda algorithm, fd=stream.fileno(), r=runs.get(name, []): hash_into(fd, algorithm, r))
+                verify_file(self.dir / name, rec.digest, rec.bytes, stream.fileno(), runs.get(name))
             if name == BUFFERS_FILE:
                 self.buffer_header = check_buffers_file(self.dir / name, self.meta)
             elif self._experts_file(name):

@@ -28,7 +28,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 import torch
 
@@ -141,14 +141,6 @@ class StreamReader:
         self._file.close()
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    """``"<algorithm>:<hex>"`` of the file at ``path``; See [Note: file digests] in
-    _mechanisms/safetensors_writer.py. Read as a load's verification reads a file with nothing to
-    place on the way: See [Note: reading ahead of the hash] in _one_pass.py."""
-    with open(path, "rb", buffering=0) as f:
-        return hash_into(f.fileno(), algorithm, [])
-
-
 def check_file(path: Path, digest: str, nbytes: int) -> str:
     """Refuse a file that cannot be what the metadata records before reading a byte of it (a symbolic
     link, missing, another size, a digest that cannot be checked); returns the digest's algorithm."""
@@ -168,13 +160,18 @@ def check_file(path: Path, digest: str, nbytes: int) -> str:
     return algorithm
 
 
-def verify_file(path: Path, digest: str, nbytes: int, hashed: Callable[[str], str] | None = None) -> None:
+def verify_file(path: Path, digest: str, nbytes: int, fd: int | None = None, runs: list | None = None) -> None:
     """Refuse a missing, truncated or corrupted file, naming it. ``digest``: ``"<algorithm>:<hex>"``
-    as the metadata records it (its algorithm was checked when the metadata was validated).
-    ``hashed(algorithm)``: the file's digest computed another way (a pass that also reads it into
-    place: See [Note: one pass over the optimizer state] in _one_pass.py)."""
+    as the metadata records it (its algorithm was checked when the metadata was validated); its
+    format is one of [Note: file digests] in _mechanisms/safetensors_writer.py. ``fd``: the file
+    already open, read through that descriptor; ``runs``: byte ranges read into place while it is
+    hashed (See [Note: one pass over the optimizer state] in _one_pass.py)."""
     algorithm = check_file(path, digest, nbytes)
-    got = file_digest(path, algorithm) if hashed is None else hashed(algorithm)
+    if fd is None:
+        with open(path, "rb", buffering=0) as f:
+            got = hash_into(f.fileno(), algorithm, runs or [])
+    else:
+        got = hash_into(fd, algorithm, runs or [])
     if got != digest:
         raise CheckpointError(f"checkpoint file {path} is corrupted: its {algorithm} digest "
                               f"{got.partition(':')[2][:16]}... does not match the {digest.partition(':')[2][:16]}... "
