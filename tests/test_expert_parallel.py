@@ -42,8 +42,11 @@ from _launch import launch_cases  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 TOL = 1e-5  # fp32, absolute, on weights of magnitude ~1 after AdamW steps
-#: with clipping at 4 ranks: the clip coefficient's rounding, through AdamW, moves every weight by up to
-#: ~1.3e-5 (the non-expert weights as much as the experts); the norms themselves are compared at 1e-5
+#: with clipping by norm: the clip coefficient's rounding (the global norm summed in another order than
+#: one process's), through AdamW, moves every weight by up to ~1.3e-5, the non-expert weights as much as
+#: the experts: at 4 ranks, and at 2 where the CPU's kernels round otherwise (1.33e-5 on an AVX2-only
+#: machine; under 1e-5 on the one it was first measured on). The norms themselves are compared at 1e-5
+#: relative
 CLIP_TOL = 3e-5
 TRAINING = [dict(case="mixtral-3", family="mixtral", stage=3),
             dict(case="qwen3_moe-3", family="qwen3_moe", stage=3),
@@ -86,13 +89,14 @@ def _same_norms(rep: dict) -> None:
 @pytest.mark.parametrize("case", [c["case"] for c in TRAINING])
 def test_equal_to_one_process(launched, case):
     ranks = launched.of(case)
+    weight_tol = CLIP_TOL if next(c for c in TRAINING if c["case"] == case).get("clip") else TOL
     for rank, rep in enumerate(ranks):
         _same_norms(rep)
         for step, (mine, ref) in enumerate(rep["losses"]):
             assert mine == pytest.approx(ref, abs=TOL), f"rank {rank} step {step}: loss {mine} vs one process {ref}"
         assert rep["keys_equal"], "full_state_dict's keys differ from the model's own state dict"
         assert rep["rank0_only"], "full_state_dict(rank0_only=True) differs from full_state_dict on rank 0"
-        assert rep["expert_weight_diff"] < TOL and rep["weight_diff"] < TOL, rep
+        assert rep["expert_weight_diff"] < weight_tol and rep["weight_diff"] < weight_tol, rep
         if "teardown_diff" in rep:
             assert rep["teardown_diff"] < TOL
 
