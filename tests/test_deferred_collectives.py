@@ -51,10 +51,14 @@ HYBRID_CASES += [dict(stage=3, precision="bf16", accum=1, optimizer="sgd", shard
                       offload_optimizer="cpu", offload_params="cpu")]
 
 TOL = {"fp32": (1e-5, 1e-5), "bf16": (2e-3, 5e-2)}  # (losses, weights): as tests/test_offload_parity.py
+#: two optimizer steps, not the worker's default four: every deferred operation runs at step 1 (the
+#: optimizer state created, on the host or written to NVMe) and again at step 2 (that state read back and
+#: updated, under a changed lr); with accum=2 each step accumulates two micro-batches; steps 3 and 4 repeat step 2
+STEPS = 2
 
 
 def _key(case: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(case.items()) if k not in ("defer", "nvme_path"))
+    return ",".join(f"{k}={v}" for k, v in sorted(case.items()) if k not in ("defer", "nvme_path", "steps"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +66,7 @@ def results(world_size: int) -> CaseResults:
     path = tempfile.mkdtemp(prefix="zs_deferred_nvme_")
     try:
         cases = CASES if world_size == 2 else HYBRID_CASES
-        return launch_cases("parity.py", world_size, [dict(c, defer=True, nvme_path=path) for c in cases],
+        return launch_cases("parity.py", world_size, [dict(c, defer=True, nvme_path=path, steps=STEPS) for c in cases],
                             key=lambda res: _key(res["case"]), timeout=400)
     finally:
         shutil.rmtree(path, ignore_errors=True)
@@ -71,6 +75,7 @@ def results(world_size: int) -> CaseResults:
 def _assert_matches_ddp(per_rank: list[dict], case: dict) -> None:
     loss_tol, weight_tol = TOL[case["precision"]]
     for rank, res in enumerate(per_rank):
+        assert len(res["losses_zero"]) == len(res["losses_ref"]) == STEPS
         for step, (lz, lr) in enumerate(zip(res["losses_zero"], res["losses_ref"])):
             assert abs(lz - lr) <= loss_tol * abs(lr), f"rank {rank} step {step}: {lz} vs DDP {lr}"
         assert res["weight_rel_diff"] <= weight_tol, (rank, res["worst_tensor"], res["weight_rel_diff"])

@@ -37,7 +37,9 @@ def test_checkpointing_really_recomputes(case):
     """The first block's MLP runs again inside backward once per call and step, and only
     with checkpointing on: the cases above are checkpointed, not silently plain."""
     res = results_of(case)[0]
-    expected = 3 * case["calls"] if case["ckpt"] else 0  # 3 steps
+    steps = len(res["losses_zero"])
+    assert steps >= 2
+    expected = steps * case["calls"] if case["ckpt"] else 0
     assert res["recomputes"] == expected
 
 

@@ -30,13 +30,29 @@ def arguments(output_dir: Path) -> TrainingArguments:
         disable_tqdm=True, dataloader_num_workers=0, logging_steps=1)
 
 
+_STOCK: dict = {}
+
+
+def stock_run(out: Path):
+    """The stock Trainer's run, the reference: the same for every stage (nothing in it depends on the
+    stage), so it trains once, after the first stage's ZeroTrainer, and each stage gets a fresh PEFT model
+    holding its trained weights (the PEFT calls merge the reference in place) and its logged losses."""
+    if not _STOCK:
+        stock = Trainer(model=lora(tiny_llama()), args=arguments(out / "stock"), train_dataset=Rows(STEPS))
+        stock.train()
+        trained = stock.accelerator.unwrap_model(stock.model)
+        _STOCK.update(state={k: v.detach().clone() for k, v in trained.state_dict().items()},
+                      losses=[h["loss"] for h in stock.state.log_history if "loss" in h])
+    ref = lora(tiny_llama())
+    ref.load_state_dict(_STOCK["state"])
+    return ref, _STOCK["losses"]
+
+
 def run(stage: int, out: Path) -> dict:
     trainer = ZeroTrainer(model=lora(tiny_llama()), args=arguments(out / f"zero-s{stage}"), train_dataset=Rows(STEPS),
                           zero_config={"stage": stage, "param_persistence_threshold": 0})
     trainer.train()
-    stock = Trainer(model=lora(tiny_llama()), args=arguments(out / f"stock-s{stage}"), train_dataset=Rows(STEPS))
-    stock.train()
-    ref = stock.accelerator.unwrap_model(stock.model)
+    ref, stock_losses = stock_run(out)
     rank = trainer.args.process_index
 
     def save(m, directory):
@@ -48,7 +64,7 @@ def run(stage: int, out: Path) -> dict:
 
     res = after_training(trainer.model, ref, out, f"trainer-s{stage}", rank, save)
     res["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    res["stock_losses"] = [h["loss"] for h in stock.state.log_history if "loss" in h]
+    res["stock_losses"] = stock_losses
     return res
 
 
