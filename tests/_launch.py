@@ -235,16 +235,16 @@ class _ColdRank:
         self.proc.wait(5)
 
 
-def run_script(script: Path, cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
-    """``python <script>`` in ``cwd`` with ``env``, one process, warm like the ranks ([Note: warm
-    worker start]; a fresh interpreter under ``ZS_TEST_COLD_START=1``): its exit code and output.
+def run_script(script: Path, cwd: Path, env: dict, timeout: float, argv: list[str] = ()) -> tuple[int, str]:
+    """``python <script> <argv...>`` in ``cwd`` with ``env``, one process, warm like the ranks ([Note:
+    warm worker start]; a fresh interpreter under ``ZS_TEST_COLD_START=1``): its exit code and output.
     A run past ``timeout`` is killed and fails with its output's tail."""
     if not _WARM:
-        proc = _procs.run([sys.executable, str(script)], timeout, env=env, cwd=cwd, merge_stderr=True)
+        proc = _procs.run([sys.executable, str(script), *argv], timeout, env=env, cwd=cwd, merge_stderr=True)
         return proc.returncode, proc.stdout
     log_path = Path(cwd) / f".{Path(script).stem}.log"
     started = time.monotonic()
-    proc = _WarmRank(str(script), [], env, log_path, cwd)
+    proc = _WarmRank(str(script), list(argv), env, log_path, cwd)
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -253,6 +253,20 @@ def run_script(script: Path, cwd: Path, env: dict, timeout: float) -> tuple[int,
         raise AssertionError(f"{script} did not finish in {timeout}s:\n{log_path.read_text()[-4000:]}") from None
     _procs.note_launch_time(Path(script).name, timeout, time.monotonic() - started)
     return code, log_path.read_text()
+
+
+def run_code(code: str, cwd: Path, env: dict, timeout: float, argv: list[str] = ()) -> tuple[int, str, str]:
+    """``python -c CODE ARGV...`` as :func:`run_script` runs a script (warm; a fresh interpreter under
+    ``ZS_TEST_COLD_START=1``), for a test whose subject is what the code does in a process of its own,
+    not the interpreter's start: its exit code, its standard output alone, and its whole log (stdout
+    and stderr in order) for a failure's message. ``cwd`` (the test's ``tmp_path``) gets the script."""
+    if not _WARM:
+        proc = _procs.run([sys.executable, "-c", code, *argv], timeout, env=env, cwd=cwd)
+        return proc.returncode, proc.stdout, proc.stdout + proc.stderr
+    script, stdout = Path(cwd) / "_run_code.py", Path(cwd) / "_run_code.stdout"
+    script.write_text(f"import sys\nsys.stdout = open({str(stdout)!r}, 'w', buffering=1)\n" + code)
+    returncode, log = run_script(script, cwd, env, timeout, argv)
+    return returncode, (stdout.read_text() if stdout.exists() else ""), log
 
 
 def _run(worker: str, world_size: int, args: dict, timeout: float, out: Path) -> list[dict]:

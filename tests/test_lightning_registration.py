@@ -24,7 +24,7 @@ pytest.importorskip("lightning")
 from zero_strategy.lightning.__main__ import PTH, install, pth_text, uninstall  # noqa: E402
 
 import _procs  # noqa: E402
-from _launch import run_script  # noqa: E402
+from _launch import run_code  # noqa: E402
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PURELIB = sysconfig.get_paths()["purelib"]  # torch and Lightning; the editable install's finder is not run by -S
@@ -114,16 +114,14 @@ except ValueError as err:
 
 
 def _run_beside_pytest(code: str, tmp_path: Path) -> tuple[str, str]:
-    """``code`` in a process of its own, forked warm (tests/_launch.py, [Note: warm worker start]): what
-    these tests check is what zero_strategy does next to the standalone packages once they are
-    imported, not how an interpreter starts, so torch and Lightning's shared dependencies come
-    preloaded (the unified ``lightning`` package among them, as in an environment that has both; the
-    standalone packages' registries and classes are their own). Its standard output, and its whole
-    log (stdout and stderr) for a failure's message."""
-    script, stdout = tmp_path / "standalone.py", tmp_path / "stdout.txt"
-    script.write_text(f"import sys\nsys.stdout = open({str(stdout)!r}, 'w', buffering=1)\n" + code)
-    _, log = run_script(script, tmp_path, _procs.child_env(), 180)
-    return (stdout.read_text() if stdout.exists() else ""), log
+    """``code`` in a process of its own, forked warm (tests/_launch.py's ``run_code``): what these tests
+    check is what zero_strategy does next to the standalone packages once they are imported, not how
+    an interpreter starts, so torch and Lightning's shared dependencies come preloaded (the unified
+    ``lightning`` package among them, as in an environment that has both; the standalone packages'
+    registries and classes are their own). Its standard output, and its whole log for a failure's
+    message."""
+    _, stdout, log = run_code(code, tmp_path, _procs.child_env(), 180)
+    return stdout, log
 
 
 def _skip_without_pytorch_lightning() -> None:
