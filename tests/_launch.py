@@ -105,6 +105,19 @@ def launch_cases(worker: str, world_size: int, cases: list, key, timeout: float 
 # nor the separate ``pytorch_lightning`` package. The import-order tests (what importing
 # zero_strategy or the Lightning hook pulls in) run their own subprocess.
 # ZS_TEST_COLD_START=1 restores the fresh-interpreter start.
+#
+# [Note: the inherited heap out of the collector's sight]
+# A forked process shares the forkserver's pages until it writes to one, and a full garbage collection
+# writes to the header of every object it examines: each worker's ``gc.collect()`` in ``finish`` (and
+# the memory workers' before their samples) made the rank copy the whole heap it inherited, the
+# millions of objects the preloaded imports made. So a forked process first moves what it inherited
+# into the collector's permanent generation (``gc.freeze()``: constant time, it touches no object),
+# which collections skip; what the process creates itself is collected as before, and the imports'
+# objects live as long as the process anyway. Measured on 2026-12-07, a 2-rank launch of
+# test_parity_ddp.py's cases: 51,400 page faults per rank before, 17,300 after (134 MiB less copied),
+# and 0.35 s less CPU per rank; a ``gc.collect()`` right after the fork took 0.4 s, after the freeze
+# 0.3 ms. ``gc.get_objects()`` no longer lists the inherited objects (nothing the process made is
+# hidden). tests/_zygote.py's processes do the same.
 _WARM = os.environ.get("ZS_TEST_COLD_START") != "1"
 PRELOADED = ["torch", "torch._dynamo", "transformers.modeling_utils", "transformers.trainer", "lightning.pytorch"]
 
@@ -155,7 +168,9 @@ def _forkserver():
 def _run_script(script: str, argv: list[str], env: dict, log_path: str, cwd: str | None = None) -> None:
     """In the forked process: become ``python <script> <argv...>`` with ``env`` in ``cwd``, logging
     to ``log_path``."""
+    import gc
     import runpy
+    gc.freeze()  # see [Note: the inherited heap out of the collector's sight]
     if cwd is not None:
         os.chdir(cwd)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
