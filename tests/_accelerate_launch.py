@@ -161,8 +161,17 @@ def _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, laun
 def run_single(worker: str, args: dict | None, out: Path, timeout: float = 120.0, use_cpu: bool = True) -> str:
     """``python tests/workers/WORKER OUT`` as one plain process (no launcher: Accelerate's state is a
     per-process singleton) in a launch's environment; its combined log. ``args``, unless None, is
-    written to ``OUT/args.json`` first; OUT is the caller's and kept."""
+    written to ``OUT/args.json`` first; OUT is the caller's and kept. The process forks warm, as a
+    launch's ranks do (tests/_launch.py, [Note: warm worker start]; its log in ``OUT/single/``): a
+    process of its own, so Accelerate's state starts empty there as in a fresh interpreter, the
+    forkserver having imported Accelerate without making any. A fresh interpreter under
+    ``ZS_TEST_COLD_START=1``."""
     if args is not None:
         (out / "args.json").write_text(json.dumps(args))
-    proc = _procs.run([sys.executable, str(HERE / "workers" / worker), str(out)], timeout, env=launch_env(use_cpu))
+    script, env = HERE / "workers" / worker, launch_env(use_cpu)
+    if _launch._WARM:
+        logs = out / "single"
+        logs.mkdir(exist_ok=True)
+        return _launch.run_warm_ranks(script, [str(out)], [env], logs, timeout, worker, cwd=ROOT)
+    proc = _procs.run([sys.executable, str(script), str(out)], timeout, env=env)
     return proc.stdout + proc.stderr

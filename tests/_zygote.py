@@ -81,7 +81,12 @@ def _address() -> str:
 
 def _serve(path: str) -> None:
     """The zygote: accept a request, fork the process it asks for, report its pid and later its exit
-    code on the same connection; kill it if the connection closes first. One thread only (it forks)."""
+    code on the same connection; kill it if the connection closes first. One thread only (it forks).
+    What it inherited from the forkserver, and so what every process it forks inherits, is out of the
+    garbage collector's sight: see [Note: the inherited heap out of the collector's sight] in
+    tests/_launch.py."""
+    import gc
+    gc.freeze()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)

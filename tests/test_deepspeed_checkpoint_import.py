@@ -343,6 +343,8 @@ def _universal_round_trip(src: str) -> tuple[dict, dict, Path]:
     import subprocess
     import sys
 
+    from _zygote import warm_command
+
     work = Path(src).parent / "universal"
     work.mkdir(exist_ok=True)
     uni, converted = work / "exported", work / "converted"
@@ -350,10 +352,13 @@ def _universal_round_trip(src: str) -> tuple[dict, dict, Path]:
         name="export", stage=3, precision="fp32", dir=src, ours=str(work / "ours"), universal=str(uni))]}, timeout=240)
     tag = (Path(src) / "latest").read_text().strip()
     (converted / f"{tag}_universal").parent.mkdir()
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(Path(src) / tag),
-                    "--output_folder", str(converted / f"{tag}_universal"), "--inject_missing_state",
-                    "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True, capture_output=True,
-                   env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=240)
+    # DeepSpeed's command as users run it, from the warm zygote (tests/_zygote.py): torch and DeepSpeed's
+    # imports are not what is tested
+    cmd, env = warm_command([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                             str(Path(src) / tag), "--output_folder", str(converted / f"{tag}_universal"),
+                             "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                            {**os.environ, "DS_ACCELERATOR": "cpu"})
+    subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=240)
     cases = [dict(name=f"deepspeed{s}", stage=s, bf16=False, offload="optimizer" if s > 1 else "", dir=str(uni),
                   set_hyper=GROUPS if s == 3 else None, unshare_step=s == 3) for s in (1, 2, 3)]
     by_name = results_by_name(launch("deepspeed_checkpoint.py", 2, {"mode": "deepspeed_universal", "cases": cases},

@@ -24,6 +24,7 @@ pytest.importorskip("lightning")
 from zero_strategy.lightning.__main__ import PTH, install, pth_text, uninstall  # noqa: E402
 
 import _procs  # noqa: E402
+from _launch import run_code  # noqa: E402
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PURELIB = sysconfig.get_paths()["purelib"]  # torch and Lightning; the editable install's finder is not run by -S
@@ -112,6 +113,17 @@ except ValueError as err:
 """
 
 
+def _run_beside_pytest(code: str, tmp_path: Path) -> tuple[str, str]:
+    """``code`` in a process of its own, forked warm (tests/_launch.py's ``run_code``): what these tests
+    check is what zero_strategy does next to the standalone packages once they are imported, not how
+    an interpreter starts, so torch and Lightning's shared dependencies come preloaded (the unified
+    ``lightning`` package among them, as in an environment that has both; the standalone packages'
+    registries and classes are their own). Its standard output, and its whole log for a failure's
+    message."""
+    _, stdout, log = run_code(code, tmp_path, _procs.child_env(), 180)
+    return stdout, log
+
+
 def _skip_without_pytorch_lightning() -> None:
     """Skip where the standalone package is not installed, without importing it into pytest's process:
     there it would stay in ``sys.modules``, and every later test on this worker that makes a strategy
@@ -126,17 +138,16 @@ def _skip_without_pytorch_lightning() -> None:
 ])
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call):
+def test_standalone_packages_refuse_the_preset_names_with_the_fix(imports, call, tmp_path):
     _skip_without_pytorch_lightning()
-    code = STANDALONE.format(imports=imports, call=call)
-    out = _procs.run([sys.executable, "-c", code], 180)
-    assert "REFUSED:" in out.stdout, out.stdout + out.stderr[-3000:]
-    assert "import lightning.pytorch as pl" in out.stdout and "pip install lightning" in out.stdout
+    out, log = _run_beside_pytest(STANDALONE.format(imports=imports, call=call), tmp_path)
+    assert "REFUSED:" in out, log[-3000:]
+    assert "import lightning.pytorch as pl" in out and "pip install lightning" in out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
+def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs(tmp_path):
     _skip_without_pytorch_lightning()
     code = ("import warnings, zero_strategy, pytorch_lightning as pl\n"
             "with warnings.catch_warnings(record=True) as w:\n"
@@ -147,5 +158,5 @@ def test_strategy_made_next_to_pytorch_lightning_says_which_package_it_needs():
             "    pl.Trainer(accelerator='cpu', devices=1, strategy=s)\n"
             "except ValueError as err:\n"
             "    print('REJECTED')\n")
-    out = _procs.run([sys.executable, "-c", code], 180)
-    assert "import lightning.pytorch as pl" in out.stdout and "REJECTED" in out.stdout, out.stdout + out.stderr[-2000:]
+    out, log = _run_beside_pytest(code, tmp_path)
+    assert "import lightning.pytorch as pl" in out and "REJECTED" in out, log[-3000:]

@@ -1,9 +1,10 @@
-"""Train the TinyLM with torch DDP (the reference) and with zero_strategy side by side.
+"""Train the TinyLM with torch DDP (the reference) and with zero_strategy on the same data.
 
 args["cases"]: list of dicts with stage, precision, accum, no_sync, clip, steps,
 persistence (param_persistence_threshold), optimizer ("adamw"|"sgd"), layers.
 Reports per case: per-step losses of both, and the largest relative difference of
-the final full weights (per tensor: max|a-b| / max|ref|).
+the final full weights (per tensor: max|a-b| / max|ref|). The DDP run is made once per launch
+for all the cases it is the same for (:func:`reference_run`).
 """
 
 from __future__ import annotations
@@ -334,12 +335,48 @@ def run_case(case: dict) -> dict:
         return _run_case(case)
 
 
-def _run_case(case: dict) -> dict:
+#: the case's keys that only the zero_strategy side reads: cases that differ only in these (the
+#: stages of one precision and accumulation, the offload policies, ...) have the same reference
+ZERO_ONLY = frozenset({"stage", "persistence", "reduce_dtype", "clip_in_config", "offload_optimizer",
+                       "offload_params", "overlap_step", "shard_group_size", "nvme_path", "no_sync", "defer"})
+_REFERENCES: dict[str, dict] = {}
+
+
+def reference_run(case: dict) -> dict:
+    """DDP's run of ``case`` (:class:`Reference` from ``torch.manual_seed(1234)``'s TinyLM on this
+    rank's batches), once per launch for all the cases that share it: the reference reads none of
+    :data:`ZERO_ONLY`, and it is deterministic, so running it again for the next stage gave the same
+    losses and weights bit for bit. Every rank runs the same cases in the same order, so the ranks
+    agree on which reference runs (DDP's all-reduces stay in lock-step)."""
+    key = repr(sorted((k, repr(v)) for k, v in case.items() if k not in ZERO_ONLY))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_reference(case)
+    return _REFERENCES[key]
+
+
+def _train_reference(case: dict) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(1234)
-    base = TinyLM(layers=case.get("layers", 3))
-    ref = Reference(base, case)
-    model = copy.deepcopy(base)
+    ref = Reference(TinyLM(layers=case.get("layers", 3)), case)
+    accum, clip = case["accum"], case.get("clip")
+    losses, norms = [], []
+    for step in range(case.get("steps", 4)):
+        total = 0.0
+        for micro in range(accum):
+            tokens, targets = batch(rank, step, micro)
+            total += ref.micro_step(tokens, targets, accum, micro == accum - 1)
+        zero_now = (step + 1) % case.get("zero_grad_every", 1) == 0  # else gradients carry over
+        norms.append(ref.step(clip, float(case.get("clip_norm_type", 2.0)), zero_now))
+        losses.append(total)
+    return dict(losses=losses, norms=norms, skipped=ref.skipped, scale=ref.scale,
+                state_dict={k: v.detach().clone() for k, v in ref.full_state_dict().items()})
+
+
+def _run_case(case: dict) -> dict:
+    rank = dist.get_rank()
+    ref = reference_run(case)
+    torch.manual_seed(1234)
+    model = TinyLM(layers=case.get("layers", 3))
     opt = make_optimizer(case.get("optimizer", "adamw"), param_groups(model))
     cfg = zs.ZeroConfig(stage=case["stage"], precision=case["precision"],
                         param_persistence_threshold=case.get("persistence", 0),
@@ -353,13 +390,12 @@ def _run_case(case: dict) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(zopt, lambda s: 1.0 / (1 + s))
 
     accum, clip = case["accum"], case.get("clip")
-    losses_ref, losses_zero, norms_ref, norms_zero = [], [], [], []
+    losses_zero, norms_zero = [], []
     for step in range(case.get("steps", 4)):
-        total_ref = total_zero = 0.0
+        total_zero = 0.0
         for micro in range(accum):
             tokens, targets = batch(rank, step, micro)
             last = micro == accum - 1
-            total_ref += ref.micro_step(tokens, targets, accum, last)
             sync = contextlib.nullcontext() if last or not case.get("no_sync", True) else zs.no_sync(model)
             with sync:
                 lz = loss_fn(model(tokens), targets) / accum
@@ -367,24 +403,22 @@ def _run_case(case: dict) -> dict:
             total_zero += lz.item()
         norm_type = float(case.get("clip_norm_type", 2.0))
         zero_now = (step + 1) % case.get("zero_grad_every", 1) == 0  # else gradients carry over
-        norm = ref.step(clip, norm_type, zero_now)
         if clip and not case.get("clip_in_config"):
-            norms_ref.append(norm)
             norms_zero.append(zopt.clip_grad_norm_(clip, norm_type).item())
         zopt.step()
         if zero_now:
             zopt.zero_grad()
         sched.step()
-        losses_ref.append(total_ref)
         losses_zero.append(total_zero)
+    norms_ref = ref["norms"] if clip and not case.get("clip_in_config") else []
     full = zs.full_state_dict(model)
-    ref_sd = ref.full_state_dict()
+    ref_sd = ref["state_dict"]
     if set(full) != set(ref_sd):
         raise AssertionError(f"state dict keys differ: {set(full) ^ set(ref_sd)}")
     worst, worst_name = worst_rel_diff(full, ref_sd)
-    return dict(case=case, losses_ref=losses_ref, losses_zero=losses_zero, norms_ref=norms_ref,
-                norms_zero=norms_zero, skipped_ref=ref.skipped, skipped_zero=zopt.skipped_steps,
-                loss_scale_ref=ref.scale, loss_scale_zero=zopt.loss_scale,
+    return dict(case=case, losses_ref=ref["losses"], losses_zero=losses_zero, norms_ref=norms_ref,
+                norms_zero=norms_zero, skipped_ref=ref["skipped"], skipped_zero=zopt.skipped_steps,
+                loss_scale_ref=ref["scale"], loss_scale_zero=zopt.loss_scale,
                 steps_overlapped=zs.api._engine_of(model).steps_overlapped,
                 trainable_groups=len(zs.api._engine_of(model).trainable_groups), weight_rel_diff=worst, worst_tensor=worst_name)
 
