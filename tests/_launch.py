@@ -104,8 +104,6 @@ def launch_cases(worker: str, world_size: int, cases: list, key, timeout: float 
 # zero_strategy is not preloaded (a worker that counts collectives wraps them before importing it),
 # nor the separate ``pytorch_lightning`` package. The import-order tests (what importing
 # zero_strategy or the Lightning hook pulls in) run their own subprocess.
-# The preloaded objects are frozen out of the garbage collector's walks before any fork (See
-# [Note: a frozen heap for forked ranks] in tests/_frozen_heap.py).
 # ZS_TEST_COLD_START=1 restores the fresh-interpreter start.
 #
 # [Note: the inherited heap out of the collector's sight]
@@ -121,8 +119,7 @@ def launch_cases(worker: str, world_size: int, cases: list, key, timeout: float 
 # 0.3 ms. ``gc.get_objects()`` no longer lists the inherited objects (nothing the process made is
 # hidden). tests/_zygote.py's processes do the same.
 _WARM = os.environ.get("ZS_TEST_COLD_START") != "1"
-PRELOADED = ["torch", "torch._dynamo", "transformers.modeling_utils", "transformers.trainer", "lightning.pytorch",
-             "_frozen_heap"]  # last: See [Note: a frozen heap for forked ranks] in tests/_frozen_heap.py
+PRELOADED = ["torch", "torch._dynamo", "transformers.modeling_utils", "transformers.trainer", "lightning.pytorch"]
 
 
 def _as_if_imported_here() -> None:
@@ -149,11 +146,8 @@ def _forkserver():
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOADED)
         import multiprocessing.util
-        saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
+        saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # the server's environment at start: OpenMP reads it at load
-        # the server imports its preloads from its own sys.path (Python 3.11's forkserver does not take
-        # the caller's), so tests/ goes on it for _frozen_heap, as on every rank's
-        os.environ["PYTHONPATH"] = _procs.pythonpath()
         session_tmp = tempfile.tempdir  # conftest's per-session directory, made inside the usual one
         tempfile.tempdir = os.path.dirname(session_tmp) if session_tmp else None
         try:
@@ -163,11 +157,10 @@ def _forkserver():
             multiprocessing.forkserver.ensure_running()
         finally:
             tempfile.tempdir = session_tmp
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
         _FORKSERVER = ctx
     return _FORKSERVER
 
