@@ -4,7 +4,7 @@ for the next, and does not grow from step to step. With glibc's allocator at its
 in a user's process.
 
 Measured in tests/workers/freed_host_memory.py: a 4-layer Llama (21M parameters), one process,
-bf16, eight AdamW steps, an evaluation forward, then ``save_checkpoint``; the growth of anonymous
+bf16, eight AdamW steps of 2 x 32 tokens, an evaluation forward of 4 x 128, then ``save_checkpoint``; the growth of anonymous
 RSS since before the model was built against the engine's own accounting (``memory_report``):
 its resting model states plus the peak of its working set (gathered units, gradient buffers,
 staging), which is what the last pass may have left in the allocator's free lists; after the
@@ -19,7 +19,11 @@ its speed).
 Measured on 2026-12-07 (MiB of growth; the engine's accounting is 280): zero3 491-579 after the
 steps, 363 after the evaluation (bound 419 with the logits), 290 after the save; zero3_offload
 550-634, 403 (bound 443), 322. Without the release (``release_host_memory=False``) zero3 held
-580 after the evaluation and zero3_offload 571, so the bound tells the two apart.
+580 after the evaluation and zero3_offload 571, so the bound tells the two apart. Since the
+training steps take 2 x 32 tokens instead of 4 x 128 (the evaluation keeps 4 x 128; a CPU without
+native bf16 matrix products took 3 minutes a process): after the evaluation zero3 362 and
+zero3_offload 345 (bound 440), after the save 283 and 287 (bound 377); without the release
+zero3_offload 506 after the evaluation (bound 439).
 """
 
 from __future__ import annotations
