@@ -41,6 +41,11 @@ pytestmark = pytest.mark.multiprocess
 
 TOL_DDP = 1e-5
 TOL_SINGLE = 1e-4
+#: a run resumed on 1 rank against the uninterrupted 2-rank run, 3 steps after the resume: one process's
+#: gradient of the global batch against two ranks' average, through 8-bit state, so the code steps of
+#: TOL_SINGLE's note, over 3 more steps (under 1e-4 where this was first measured, 2.2e-4 on an AVX2-only CPU;
+#: resumed without the optimizer state the weights differ by 0.66)
+TOL_RESUMED = 1e-3
 
 CASES = [
     *(dict(name=f"adamw8bit-z{stage}-fp32", recipe="adamw8bit", stage=stage, precision="fp32") for stage in (1, 2, 3)),
@@ -147,5 +152,5 @@ def test_checkpoints_keep_the_8bit_state_across_world_sizes(tmp_path):
         diffs[name] = rel_diff(zs.full_state_dict(model), final)
         zs.teardown(model)
     print(f"adamw8bit: resumed at 1 rank vs uninterrupted 2-rank run {diffs}")
-    assert diffs["state"] <= TOL_SINGLE and diffs["state-nvme"] <= TOL_SINGLE, diffs
-    assert diffs["weights"] > 3 * max(diffs["state"], TOL_SINGLE / 10), diffs
+    assert diffs["state"] <= TOL_RESUMED and diffs["state-nvme"] <= TOL_RESUMED, diffs
+    assert diffs["weights"] > 3 * max(diffs["state"], TOL_RESUMED / 10), diffs

@@ -28,7 +28,10 @@ def test_zero_trainer_with_the_tiled_loss_logs_the_stock_trainers_losses():
     r = report()
     assert len(r["losses"]) == 3
     assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
-    assert r["weight_rel_diff"] < 1e-5
+    # the tiled loss sums its chunks in another order than the stock loss: last-bit differences in the
+    # gradients, which 3 AdamW steps at lr 3e-3 carry into the weights (under 1e-5 on the machine this
+    # was first measured on, 4.8e-5 on an AVX2-only one); a wrong gradient moves them by ~lr
+    assert r["weight_rel_diff"] < 2e-4
 
 
 @pytest.mark.multiprocess
