@@ -14,7 +14,21 @@ import torch
 from _launch import launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-sys.path.insert(0, str(Path(__file__).parent / "workers"))
+
+
+def _lit_lm():
+    """The workers' LightningModule, imported without leaving tests/workers on this process's sys.path:
+    every process the tests fork takes this process's sys.path (multiprocessing's preparation data),
+    and there tests/workers/lightning_fabric.py would stand in for the real ``lightning_fabric``
+    package (``import pytorch_lightning`` in test_lightning_registration.py's warm processes failed so
+    whenever this module had been collected on the same worker)."""
+    workers = str(Path(__file__).parent / "workers")
+    sys.path.insert(0, workers)
+    try:
+        from lightning_trainer import LitLM
+    finally:
+        sys.path.remove(workers)
+    return LitLM
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +87,7 @@ def test_resume_on_one_rank_with_another_stage(runs):
 
 def test_consolidated_file_loads_with_load_from_checkpoint(runs, tmp_path):
     _, _, root = runs
-    from lightning_trainer import LitLM
+    LitLM = _lit_lm()
     from zero_strategy.lightning import convert_to_lightning_checkpoint, read_lightning_state
 
     state = read_lightning_state(root / "ckpts" / "last.ckpt")
@@ -85,7 +99,7 @@ def test_consolidated_file_loads_with_load_from_checkpoint(runs, tmp_path):
 
 def test_weights_only_after_fit_is_a_plain_checkpoint(runs):
     _, _, root = runs
-    from lightning_trainer import LitLM
+    LitLM = _lit_lm()
 
     plain = torch.load(root / "plain.ckpt", weights_only=False)
     assert "optimizer_states" not in plain
