@@ -165,9 +165,39 @@ def _forkserver():
     return _FORKSERVER
 
 
-def _run_script(script: str, argv: list[str], env: dict, log_path: str, cwd: str | None = None) -> None:
+# [Note: a fresh interpreter's sys.path]
+# A process forked from the forkserver takes the sys.path of the process that asked for it
+# (multiprocessing's preparation data): a pytest worker's, which holds whatever the collected test
+# modules put there (tests/workers, recipes/). A fresh interpreter has none of it, and there
+# tests/workers/lightning_fabric.py stood in for the real ``lightning_fabric`` package whenever a
+# module had put tests/workers on the worker's path. So a warm process starts from the path a fresh
+# interpreter of this Python has (:func:`interpreter_path`, asked once per pytest worker), with the
+# script's directory and PYTHONPATH in front, as ``python SCRIPT`` would; tests/_zygote.py's
+# processes the same.
+_INTERPRETER_PATH: list[str] = []
+
+
+def interpreter_path() -> list[str]:
+    """``sys.path`` of a fresh interpreter of this Python without PYTHONPATH, less its first entry (the
+    script's directory or the working directory). See [Note: a fresh interpreter's sys.path]."""
+    if not _INTERPRETER_PATH:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                             capture_output=True, text=True, env=env, check=True, timeout=120)
+        _INTERPRETER_PATH.extend(json.loads(out.stdout))
+    return list(_INTERPRETER_PATH)
+
+
+def fresh_sys_path(first: str, pythonpath: str, base: list[str]) -> list[str]:
+    """The sys.path of ``python`` started with ``first`` as its first entry and ``pythonpath`` set, where
+    ``base`` is :func:`interpreter_path`."""
+    return [first, *(p for p in pythonpath.split(os.pathsep) if p), *base]
+
+
+def _run_script(script: str, argv: list[str], env: dict, log_path: str, cwd: str | None,
+                base_path: list[str]) -> None:
     """In the forked process: become ``python <script> <argv...>`` with ``env`` in ``cwd``, logging
-    to ``log_path``."""
+    to ``log_path``; ``base_path``: :func:`interpreter_path`, asked in the parent."""
     import gc
     import runpy
     gc.freeze()  # see [Note: the inherited heap out of the collector's sight]
@@ -184,7 +214,7 @@ def _run_script(script: str, argv: list[str], env: dict, log_path: str, cwd: str
     os.environ.clear()
     os.environ.update(env)
     _as_if_imported_here()
-    sys.path[:0] = [str(Path(script).parent), *env["PYTHONPATH"].split(os.pathsep)]  # as a fresh interpreter
+    sys.path[:] = fresh_sys_path(str(Path(script).parent), env["PYTHONPATH"], base_path)  # See [Note: a fresh interpreter's sys.path]
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 
@@ -194,7 +224,8 @@ class _WarmRank:
 
     def __init__(self, script: str, argv: list[str], env: dict, log_path: Path, cwd: Path | None = None):
         self.proc = _forkserver().Process(target=_run_script, args=(script, argv, env, str(log_path),
-                                                                    None if cwd is None else str(cwd)))
+                                                                    None if cwd is None else str(cwd),
+                                                                    interpreter_path()))
         self.proc.start()
 
     def wait(self, timeout: float) -> int:

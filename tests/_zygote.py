@@ -67,7 +67,7 @@ def _address() -> str:
     if "path" not in _STARTED:
         path = os.path.join(tempfile.mkdtemp(prefix="zs_zygote_", dir=os.path.dirname(tempfile.gettempdir())),
                             "socket")
-        proc = _launch._forkserver().Process(target=_serve, args=(path,), daemon=True)
+        proc = _launch._forkserver().Process(target=_serve, args=(path, _launch.interpreter_path()), daemon=True)
         proc.start()
         for _ in range(600):  # it binds within a moment of starting
             if os.path.exists(path):
@@ -79,14 +79,17 @@ def _address() -> str:
     return _STARTED["path"]
 
 
-def _serve(path: str) -> None:
+def _serve(path: str, base_path: list[str]) -> None:
     """The zygote: accept a request, fork the process it asks for, report its pid and later its exit
     code on the same connection; kill it if the connection closes first. One thread only (it forks).
     What it inherited from the forkserver, and so what every process it forks inherits, is out of the
     garbage collector's sight: see [Note: the inherited heap out of the collector's sight] in
-    tests/_launch.py."""
+    tests/_launch.py. ``base_path``: :func:`_launch.interpreter_path`, asked in the parent."""
     import gc
     gc.freeze()
+    # a fresh interpreter's path, which each request's process extends as its command line would
+    # (See [Note: a fresh interpreter's sys.path] in tests/_launch.py)
+    sys.path[:] = base_path
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)

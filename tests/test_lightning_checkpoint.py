@@ -17,11 +17,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def _lit_lm():
-    """The workers' LightningModule, imported without leaving tests/workers on this process's sys.path:
-    every process the tests fork takes this process's sys.path (multiprocessing's preparation data),
-    and there tests/workers/lightning_fabric.py would stand in for the real ``lightning_fabric``
-    package (``import pytorch_lightning`` in test_lightning_registration.py's warm processes failed so
-    whenever this module had been collected on the same worker)."""
+    """The workers' LightningModule, imported without leaving tests/workers on this worker's sys.path,
+    where tests/workers/lightning_fabric.py would stand in for the real ``lightning_fabric`` package
+    (See [Note: a fresh interpreter's sys.path] in tests/_launch.py for the processes it forks)."""
     workers = str(Path(__file__).parent / "workers")
     sys.path.insert(0, workers)
     try:
