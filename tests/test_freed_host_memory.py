@@ -4,7 +4,7 @@ for the next, and does not grow from step to step. With glibc's allocator at its
 in a user's process.
 
 Measured in tests/workers/freed_host_memory.py: a 4-layer Llama (21M parameters), one process,
-bf16, eight AdamW steps of 2 x 32 tokens, an evaluation forward of 4 x 128, then ``save_checkpoint``; the growth of anonymous
+bf16, eight AdamW steps of 2 x 8 tokens, an evaluation forward of 4 x 128, then ``save_checkpoint``; the growth of anonymous
 RSS since before the model was built against the engine's own accounting (``memory_report``):
 its resting model states plus the peak of its working set (gathered units, gradient buffers,
 staging), which is what the last pass may have left in the allocator's free lists; after the
@@ -23,7 +23,11 @@ steps, 363 after the evaluation (bound 419 with the logits), 290 after the save;
 training steps take 2 x 32 tokens instead of 4 x 128 (the evaluation keeps 4 x 128; a CPU without
 native bf16 matrix products took 3 minutes a process): after the evaluation zero3 362 and
 zero3_offload 345 (bound 440), after the save 283 and 287 (bound 377); without the release
-zero3_offload 506 after the evaluation (bound 439).
+zero3_offload 506 after the evaluation (bound 439). Since the training steps take 2 x 8 tokens (2026-12-08:
+2.5 s of bf16 forward and backward per step on that CPU at 2 x 32, 0.7 s at 2 x 8; 29 CPU-s a
+process before, about 14 after): after the evaluation zero1 374 (bound 488), zero2 335, zero3 356,
+zero3_offload 378 (bound 440), after the save 283-323; without the release zero3_offload 537 after
+the evaluation (bound 440); zero2 after steps 2-4 at least 490, after steps 6-8 at least 427.
 """
 
 from __future__ import annotations

@@ -38,10 +38,10 @@ def main(preset: str, release: bool, ckpt: str) -> None:
 
     samples = []
     for step in range(8):
-        # 2 x 32 tokens: what a step frees and takes again is sized by the parameters (bf16 gradients,
+        # 2 x 8 tokens: what a step frees and takes again is sized by the parameters (bf16 gradients,
         # fp32 master gradients, gathered units); the activations are the small part, and a CPU without
         # native bf16 matrix products (AVX2 only) ran 4 x 128 at ~2 GFLOP/s: 3 minutes per process
-        ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
