@@ -22,12 +22,12 @@ blocks, AdamW, glibc returning freed blocks to the OS so resident memory follows
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from _procs import HERE, run
+from _launch import run_script
+from _procs import HERE, child_env
 
 from zero_strategy._engine.reduce import MAX_IN_FLIGHT
 from zero_strategy._mechanisms.transfers import DEVICE_CAST_BATCH_NUMEL, STEP_BATCH_NUMEL
@@ -46,10 +46,12 @@ CASES = {"zero3": (DEVICE_CAST_BATCH_NUMEL, "memory"),
 
 @pytest.mark.parametrize("preset", list(CASES))
 def test_fp32_gradient_copies_are_bounded_by_one_step_batch(preset, tmp_path):
-    done = run([sys.executable, str(HERE / "workers" / "step_gradient_copies.py"), preset, str(tmp_path / "swap")],
-               timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    r = json.loads(done.stdout.strip().splitlines()[-1])
+    # one process of its own, forked warm (torch already imported: [Note: warm worker start] in
+    # tests/_launch.py); its log is stdout and stderr together, the report its last JSON line
+    code, log = run_script(HERE / "workers" / "step_gradient_copies.py", tmp_path, child_env(), 240,
+                           [preset, str(tmp_path / "swap")])
+    assert code == 0, log[-6000:]
+    r = json.loads([line for line in log.splitlines() if line.startswith("{")][-1])
     limit, state_in = CASES[preset]
     step_bound = 4 * (limit + 3 * r["block"]) + 32 * MiB
     state = ADAMW_STATE_BYTES * r["numel"] if state_in == "memory" else 0
