@@ -1,22 +1,26 @@
 """A bf16 run holds its gradients in bf16 until the step, and fp32 copies of one batch of groups
 (or one chunk) at a time: never an fp32 copy of every gradient, during the step or after it.
 
-Measured in tests/workers/step_gradient_copies.py, one process, a 67M-parameter stack of 16
+Measured in tests/workers/step_gradient_copies.py, one process, a 50M-parameter stack of 12
 blocks, AdamW, glibc returning freed blocks to the OS so resident memory follows what is held:
 
 * **the step**: its peak resident growth is bounded by the fp32 copies of one step batch (the
   device step's ``DEVICE_CAST_BATCH_NUMEL``, the offloaded step's ``STEP_BATCH_NUMEL``, one group
   for NVMe, each closing past its limit, so plus a block) and the single-tensor AdamW's
   temporaries of one group (two blocks' worth), plus 32 MiB. The whole fp32 copy is 4 bytes ×
-  67M = 256 MiB; before this change zero3's step grew by 288 MiB (bound 144 MiB, now 96 MiB).
+  50M = 192 MiB, above the largest bound (zero3's: 4 × (2**24 + 3 × 4.2M) + 32 MiB = 144 MiB;
+  zero3_offload's 112, NVMe's 80); the model is that large so that it is. Before this change
+  zero3's step grew by 288 MiB with 16 blocks (67M parameters: the fp32 copy, 256 MiB, and the
+  32 MiB a step grows today), which is 224 MiB with 12.
 * **after ``zero_grad``**: the process holds what torch's AdamW holds for these parameters
   (8 bytes each, in memory unless on NVMe) plus the staging buffers the engine grew and the
   buffers it keeps for the next step (the working set's idle ``staging``, See [Note: the training
   cycle's host buffers] in src/zero_strategy/_mechanisms/memory.py), plus 48 MiB. What it
   keeps is at most the bf16 gradients, the buckets in flight and one step batch of fp32 casts,
   never an fp32 copy of every gradient. Before, the offloaded presets
-  kept an fp32 host copy of every gradient (zero3_offload 775 MiB against a bound of 560 MiB,
-  zero3_offload_nvme 407 against 192).
+  kept an fp32 host copy of every gradient (with 16 blocks: zero3_offload 775 MiB against a bound
+  of 560 MiB, zero3_offload_nvme 407 against 192; the copy is 192 MiB with 12 blocks, where the
+  bounds leave 40-50 MiB above what is held today).
 """
 
 from __future__ import annotations
