@@ -21,9 +21,9 @@ from _launch import launch
 
 # Five times the tensors: linear work grows 5x (bound 1.3 x 5 = 6.5), work per tensor that scans
 # every unit grows up to 25x. Measured on 2026-12-08 (torch's CPU build, 2 ranks): 120-241 calls per
-# tensor at both sizes, growth 4.92-4.97. A scan costs at least one call per unit per tensor, and the
-# experts model has n/4 units: at 500 tensors that adds >= 125 calls per tensor to <= 241, so the
-# growth would be >= (5 x 241 + 25 x 125) / (241 + 125) = 11.8 > 6.5. 2,000 and 10,000 tensors told
+# tensor at both sizes, growth 4.92-4.97. Calls a*n + b*n^2 grow (5a + 25bn) / (a + bn) from n to 5n.
+# The unit scan grew them 25-fold from 2,000: even at 20-fold, bn = 3a at 2,000, so bn = 0.75a at
+# 500 and the growth from 500 is (5 + 25 x 0.75) / 1.75 = 13.6 > 6.5. 2,000 and 10,000 tensors told
 # the same apart at over twice the CPU: the module took 43.9 CPU-s with them, 18.5 and 16.8 with 500
 # and 2,500 (2026-12-08, pytest's start-up included).
 SMALL, LARGE = 500, 2_500
