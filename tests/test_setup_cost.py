@@ -3,9 +3,9 @@ thousands of them) costs what DDP's construction costs: no work per parameter th
 with the model's other parameters or units, and no collective per parameter.
 
 Counted, not timed (2 gloo ranks): the Python calls setup makes (cProfile's count, builtins
-included) grow linearly from 2,000 to 10,000 one-element parameters (a scan of every unit per
-parameter made them grow 25-fold), and the initial weights go from rank 0 in a handful of
-broadcasts (one per tensor cost 0.7 ms each: 7.5 s of 9.6 s at 10,000). Those broadcasts are
+included) grow linearly from 500 to 2,500 one-element parameters (a scan of every unit per
+parameter made them grow 25-fold from 2,000 to 10,000), and the initial weights go from rank 0 in
+a handful of broadcasts (one per tensor cost 0.7 ms each: 7.5 s of 9.6 s at 10,000). Those broadcasts are
 exact: every rank starts from rank 0's parameters and buffers, whatever their dtype, with
 buckets split and tensors larger than a bucket sent alone. benchmarks/setup_bench.py times it
 against DDP (RESULTS.md, "Setup time").
@@ -19,7 +19,14 @@ import pytest
 
 from _launch import launch
 
-SMALL, LARGE = 2_000, 10_000
+# Five times the tensors: linear work grows 5x (bound 1.3 x 5 = 6.5), work per tensor that scans
+# every unit grows up to 25x. Measured on 2026-12-08 (torch's CPU build, 2 ranks): 120-241 calls per
+# tensor at both sizes, growth 4.92-4.97. Calls a*n + b*n^2 grow (5a + 25bn) / (a + bn) from n to 5n.
+# The unit scan grew them 25-fold from 2,000: even at 20-fold, bn = 3a at 2,000, so bn = 0.75a at
+# 500 and the growth from 500 is (5 + 25 x 0.75) / 1.75 = 13.6 > 6.5. 2,000 and 10,000 tensors told
+# the same apart at over twice the CPU: the module took 43.9 CPU-s with them, 18.5 and 16.8 with 500
+# and 2,500 (2026-12-08, pytest's start-up included).
+SMALL, LARGE = 500, 2_500
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """Peak anonymous RSS of one training step with checkpointing and activation offload, and without
 checkpointing (tests/test_activation_offload_memory.py).
 
-A Llama of 12 layers (hidden 256, vocabulary 512: the layers, not the logits, hold most of the
+A Llama of ``layers`` layers (hidden 256, vocabulary 512: the layers, not the logits, hold most of the
 activations) at stage 3 with the tiled loss, one sequence of ``seq`` tokens, trained by the HF idiom
 ``model(input_ids=ids, labels=ids).loss.backward(); opt.step()``. After a warm-up step, the growth of
 RssAnon during one step, its peak sampled every millisecond (tests/workers/tiled_loss_memory.py's
@@ -22,15 +22,15 @@ import zero_strategy as zs
 from zero_strategy._model.activation_offload import offload_counts
 
 
-def llama_config(seq: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=12,
+def llama_config(seq: int, layers: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
                        tie_word_embeddings=False)
 
 
-def measure(seq: int, offload: bool) -> dict:
+def measure(seq: int, layers: int, offload: bool) -> dict:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config(seq))
+    model = LlamaForCausalLM(llama_config(seq, layers))
     if offload:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model, opt = zs.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -57,8 +57,8 @@ def measure(seq: int, offload: bool) -> dict:
 def main() -> None:
     args, out = start()
     return_freed_memory_to_the_os()
-    offloaded = measure(args["seq"], True)
-    plain = measure(args["seq"], False)
+    offloaded = measure(args["seq"], args["layers"], True)
+    plain = measure(args["seq"], args["layers"], False)
     finish(out, {"offloaded": offloaded, "plain": plain})
 
 
