@@ -40,15 +40,23 @@ def launch_env(use_cpu: bool = True, **extra: str) -> dict:
 
 def accelerate_run(script: Path, script_args: list[str], config: Path = CPU_CONFIG, ranks: int = 2,
                    timeout: float = 240.0, cwd: Path | None = None, env: dict | None = None,
-                   launch_args: tuple[str, ...] = (), use_cpu: bool = True) -> str:
+                   launch_args: tuple[str, ...] = (), use_cpu: bool = True, warm: bool = False) -> str:
     """``accelerate launch --config_file CONFIG [launch_args] SCRIPT [script_args]``; its combined log.
     A launch that outlives ``timeout`` is killed with every rank it started. ``env`` (default
     :func:`launch_env` of ``use_cpu``) replaces the launch's environment. Always Accelerate's own
-    launcher: the tests of the command users type (the recipe's, the DeepSpeed configs') use this."""
+    launcher: the tests of the command users type (the recipe's, the DeepSpeed configs') use this.
+    ``warm``: the launcher's process and the ranks it starts are warm interpreters behind
+    tests/_zygote_shim.py ([Note: warm processes behind a launcher] in tests/_zygote.py); what the
+    launcher does is unchanged."""
+    from _zygote import rank_entry, warm_command
+
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--num_processes", str(ranks), "--main_process_port", str(free_port()), *launch_args, str(script),
-           *script_args]
-    return _procs.run(cmd, timeout, env=env or launch_env(use_cpu), cwd=cwd or ROOT, merge_stderr=True).stdout
+           "--num_processes", str(ranks), "--main_process_port", str(free_port()), *launch_args,
+           *(rank_entry(str(script)) if warm else [str(script)]), *script_args]
+    env = env or launch_env(use_cpu)
+    if warm:
+        cmd, env = warm_command(cmd, env)
+    return _procs.run(cmd, timeout, env=env, cwd=cwd or ROOT, merge_stderr=True).stdout
 
 
 # [Note: warm Accelerate launches]
@@ -67,8 +75,9 @@ def accelerate_run(script: Path, script_args: list[str], config: Path = CPU_CONF
 # A launch that would not reach torchrun (a CPU-typed or single-process config, several machines,
 # DeepSpeed's multi-node runner) and ``accelerate_run`` itself (``real_launcher=True``) keep the real
 # launcher, so the command users type is still tested: test_accelerate_zero.py's recipe run and
-# test_accelerate_deepspeed_config.py's DeepSpeed config file. ZS_TEST_COLD_START=1 makes every
-# launch the real one.
+# test_accelerate_deepspeed_config.py's DeepSpeed config file (that one's launcher process and ranks
+# are warm interpreters behind tests/_zygote_shim.py, ``warm_behind_launcher``: Accelerate's launcher and
+# torchrun still start every process). ZS_TEST_COLD_START=1 makes every launch the real one.
 
 
 class _NotTorchrun(Exception):
@@ -126,32 +135,35 @@ def _warm_rank_envs(config: Path, ranks: int, env: dict, script: Path, script_ar
 def accelerate_launch(worker: str, args: dict, config: Path = CPU_CONFIG, ranks: int = 2, timeout: float = 240.0,
                       cwd: Path | None = None, env: dict | None = None, *, out: Path | None = None,
                       launch_args: tuple[str, ...] = (), use_cpu: bool = True,
-                      real_launcher: bool = False) -> tuple[list[dict], str]:
+                      real_launcher: bool = False, warm_behind_launcher: bool = False) -> tuple[list[dict], str]:
     """``accelerate launch --config_file CONFIG [launch_args] tests/workers/WORKER OUT``; (each rank's
     report, combined log).
 
     ``out``: a directory the caller owns, for a test that reads the files the workers wrote
     there; it is kept. Without it a temporary directory is made and removed (as tests/_launch.py).
     ``real_launcher``: Accelerate's launcher process and torchrun start the ranks, never the warm start
-    (see [Note: warm Accelerate launches])."""
+    (see [Note: warm Accelerate launches]); with ``warm_behind_launcher`` those processes are warm
+    interpreters behind the zygote's shim (``accelerate_run``'s ``warm``)."""
     if out is not None:
         return _accelerate_launch(worker, args, Path(out), config, ranks, timeout, cwd, env, launch_args, use_cpu,
-                                  real_launcher)
+                                  real_launcher, warm_behind_launcher)
     out = Path(tempfile.mkdtemp(prefix="zs_accl_"))
     try:
         return _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu,
-                                  real_launcher)
+                                  real_launcher, warm_behind_launcher)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu, real_launcher):
+def _accelerate_launch(worker, args, out, config, ranks, timeout, cwd, env, launch_args, use_cpu, real_launcher,
+                       warm_behind_launcher):
     (out / "args.json").write_text(json.dumps(args))
     script = HERE / "workers" / worker
     rank_envs = None if real_launcher else _warm_rank_envs(config, ranks, env or launch_env(use_cpu), script,
                                                            [str(out)], launch_args, cwd or ROOT)
     if rank_envs is None:
-        log = accelerate_run(script, [str(out)], config, ranks, timeout, cwd, env, launch_args, use_cpu)
+        log = accelerate_run(script, [str(out)], config, ranks, timeout, cwd, env, launch_args, use_cpu,
+                             warm=warm_behind_launcher)
     else:
         log = _launch.run_warm_ranks(script, [str(out)], rank_envs, out, timeout, f"accelerate launch {worker}",
                                      cwd=cwd or ROOT)

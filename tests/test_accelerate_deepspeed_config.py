@@ -78,10 +78,12 @@ def runs():
         (work / "ds_inline.yaml").write_text(INLINE_CONFIG)
         results = {}
         for name, config in (("file", "ds_file.yaml"), ("inline", "ds_inline.yaml")):
-            # the config file through Accelerate's own launcher process, as users type it; the inline
-            # config's launch is the warm one ([Note: warm Accelerate launches])
+            # the config file through Accelerate's own launcher process and torchrun, as users type it
+            # (each process a warm interpreter behind the zygote's shim: their start is not the subject);
+            # the inline config's launch is the warm one ([Note: warm Accelerate launches])
             results[name] = accelerate_launch("accelerate_deepspeed_launch.py", {"front": "zero"},
-                                              config=work / config, cwd=work, real_launcher=name == "file")
+                                              config=work / config, cwd=work, real_launcher=name == "file",
+                                              warm_behind_launcher=True)
         results["stock_ddp"] = accelerate_launch(
             "accelerate_deepspeed_launch.py", {"front": "stock"},
             env=launch_env(ACCELERATE_GRADIENT_ACCUMULATION_STEPS="2"))

@@ -240,7 +240,11 @@ def test_a_model_name_is_read_from_the_local_cache_only(tmp_path):
 
 
 def run_cli_env(extra_env, *args):
-    return _procs.run([sys.executable, "-m", "zero_strategy.cli", *args], 120, env=_procs.child_env(**extra_env))
+    """As :func:`run_cli`, with ``extra_env`` set: the warm process re-reads huggingface_hub's settings
+    from it (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``) as a fresh interpreter's import would (tests/_launch.py's
+    ``_as_if_imported_here``)."""
+    cmd, env = warm_command([sys.executable, "-m", "zero_strategy.cli", *args], _procs.child_env(**extra_env))
+    return _procs.run(cmd, 120, env=env)
 
 
 def test_shard_group_size_estimates_the_group_not_the_world(capsys):
