@@ -4,9 +4,9 @@ laid out as 2x2, 1x4 (k=4: flat) and 4x1 (k=1: replicated), at every stage.
 Issue #15. The worker is the DDP parity worker (tests/workers/parity.py): DDP on the
 same per-rank data is the reference, fp32 within 1e-5 (losses and final full weights).
 SGD with momentum (which exposes a wrong gradient scale, where Adam hides it) and
-gradient accumulation are included; CPU and NVMe offload at k=2. Every case takes two
-optimizer steps; all of them run in one 4-rank launch. The bytes sent inside
-and across groups are checked against the theory in tests/test_hybrid_comm.py.
+gradient accumulation are included; CPU and NVMe offload at k=2. Every case trains the
+two-block TinyLM for two optimizer steps; all of them run in one 4-rank launch. The bytes
+sent inside and across groups are checked against the theory in tests/test_hybrid_comm.py.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ NVME_CASES = [dict(stage=2, precision="fp32", accum=2, optimizer="adamw", shard_
 #: optimizer steps per case: the second reads what the first left (Adam's moments, SGD's momentum,
 #: the swapped-out optimizer state, the scheduler's next LR); steps 3 and 4 repeated step 2
 STEPS = 2
+#: two blocks, not the worker's default three: stage 3 still gathers and frees more than one block
+#: unit in each group layout, and the third block repeated the second
+LAYERS = 2
 
 
 def _key(case: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(case.items()) if k not in ("steps", "nvme_path"))
+    return ",".join(f"{k}={v}" for k, v in sorted(case.items()) if k not in ("steps", "layers", "nvme_path"))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,8 @@ def results(tmp_path_factory) -> dict:
     """One 4-rank launch for every case of the module, the NVMe cases last (the worker stops at the
     first failure: a failing NVMe case leaves the others their results)."""
     nvme = str(tmp_path_factory.mktemp("hybrid_nvme"))
-    cases = [dict(c, steps=STEPS) for c in CASES] + [dict(c, steps=STEPS, nvme_path=nvme) for c in NVME_CASES]
+    cases = [dict(c, steps=STEPS, layers=LAYERS) for c in CASES]
+    cases += [dict(c, steps=STEPS, layers=LAYERS, nvme_path=nvme) for c in NVME_CASES]
     reports = launch("parity.py", 4, {"cases": cases}, timeout=400)
     out: dict = {}
     for rank, rep in enumerate(reports):
