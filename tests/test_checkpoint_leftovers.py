@@ -22,6 +22,7 @@ import zero_strategy as zs
 from zero_strategy.checkpoint._owned import MARKER
 from _models import TinyLM, param_groups
 import _procs
+from _launch import run_code
 
 TOKEN = "0123456789ab"
 
@@ -203,27 +204,33 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _consolidate_killed(ckpt, out, sig):
-    return _procs.run([sys.executable, "-c", KILLED_CONSOLIDATE, str(ckpt), str(out), sig], 60)
+def _consolidate_killed(ckpt, tmp_path, sig) -> tuple[int, str, Path]:
+    """``zero-strategy consolidate CKPT DEST/out`` in a process of its own, which signals itself ``sig``
+    after its first write: its exit code, its log, and DEST, which held nothing else. The process is
+    warm (tests/_launch.py's ``run_code``): its start is not the subject, and its files stay out of DEST."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    code, _, log = run_code(KILLED_CONSOLIDATE, tmp_path, _procs.child_env(), 60, [str(ckpt), str(dest / "out"), sig])
+    return code, log, dest
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_consolidate_terminated_removes_its_temporary_directory(ckpt, tmp_path):
-    done = _consolidate_killed(ckpt, tmp_path / "out", "SIGTERM")
-    assert done.returncode == 128 + signal.SIGTERM, done.stderr
-    assert list(tmp_path.iterdir()) == []
+    code, log, dest = _consolidate_killed(ckpt, tmp_path, "SIGTERM")
+    assert code == 128 + signal.SIGTERM, log
+    assert list(dest.iterdir()) == []
 
 
 @pytest.mark.multiprocess
 def test_consolidate_killed_leaves_a_leftover_the_next_run_removes(ckpt, tmp_path):
-    done = _consolidate_killed(ckpt, tmp_path / "out", "SIGKILL")
-    assert done.returncode == -signal.SIGKILL
-    (leftover,) = tmp_path.iterdir()
+    code, log, dest = _consolidate_killed(ckpt, tmp_path, "SIGKILL")
+    assert code == -signal.SIGKILL, log
+    (leftover,) = dest.iterdir()
     assert leftover.name.startswith(".out.tmp-")
-    zs.checkpoint.consolidate(ckpt, tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    zs.checkpoint.consolidate(ckpt, dest / "out")
+    assert sorted(p.name for p in dest.iterdir()) == ["out"]
+    assert sorted(p.name for p in (dest / "out").iterdir()) == ["model.safetensors"]
 
 
 @pytest.mark.multiprocess

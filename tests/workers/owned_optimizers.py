@@ -9,7 +9,8 @@ of ``buffer_size`` bytes), ``overlap_step`` and ``steps``; checkpoints: ``save_a
 many steps, into ``ckpt``), ``final`` (rank 0 saves the final full state dict there),
 ``load_from`` and ``start`` (resume that checkpoint, then train from step ``start``).
 
-Three runs of the same optimizers from the same weights, per case:
+Three runs of the same optimizers from the same weights, per case (the two references once per
+launch for all the cases they are the same for: :func:`reference`):
 
 * zero_strategy, each rank its own batch;
 * torch DDP (bf16: over a bf16 copy whose gradients step fp32 masters, the textbook recipe);
@@ -139,20 +140,39 @@ def zero_run(base, case, rank, steps):
     return final, losses, owned, owned_state, on_host, volume
 
 
+#: the reference runs of this launch, by what they read of a case (see :func:`reference`)
+_REFERENCES: dict[tuple, object] = {}
+
+
+def reference(key: tuple, run):
+    """``run()``, once per launch for all the cases whose reference ``key`` names the same run: the
+    references read only the recipe, the steps, the precision (DDP) and the clipping of a case, not
+    what only the zero_strategy side reads (stage, offload, slot size, overlap_step, checkpoints).
+    Each is deterministic (the same base weights, batches and optimizers), so running it again for
+    the next case gave the same result bit for bit; every rank runs the same cases in the same order,
+    so the ranks agree on which DDP runs happen (its all-reduces stay in lock-step). As
+    tests/workers/parity.py's ``reference_run``."""
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run()
+    return _REFERENCES[key]
+
+
 def run(case: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    steps = case.get("steps", 6)
+    steps, recipe, clip = case.get("steps", 6), case["recipe"], case.get("clip")
     torch.manual_seed(1234)
-    base = TinyLM(layers=3)
+    base = TinyLM(layers=3)  # the same weights for every case: the references' key leaves them out
     zero, zero_losses, owned, owned_state, on_host, volume = zero_run(base, case, rank, steps)
-    ddp, ddp_losses = ddp_run(base, case["recipe"], steps, rank, case["precision"], case.get("clip"))
-    single = single_process(base, case["recipe"], steps, world, case.get("clip"))
+    ddp, ddp_losses = reference(("ddp", recipe, steps, case["precision"], clip),
+                                lambda: ddp_run(base, recipe, steps, rank, case["precision"], clip))
+    single = reference(("single", recipe, steps, clip), lambda: single_process(base, recipe, steps, world, clip))
     out = dict(name=case["name"], volume=volume, owned_groups=owned, owned_state_entries=owned_state, stepped_on_host=on_host,
                vs_ddp=rel_diff(zero, ddp), vs_single=rel_diff(zero, single), ddp_vs_single=rel_diff(ddp, single),
                loss_vs_ddp=max(rel(a, b) for a, b in zip(zero_losses, ddp_losses) if a is not None),
                moved=rel_diff(zero, base.state_dict()))
     if case["recipe"] == "muon":
-        sgd = single_process(base, "sgd_in_muons_place", steps, world, case.get("clip"))
+        sgd = reference(("single", "sgd_in_muons_place", steps, clip),
+                        lambda: single_process(base, "sgd_in_muons_place", steps, world, clip))
         out["vs_sgd_momentum"] = rel_diff(zero, sgd)
     return out
 
