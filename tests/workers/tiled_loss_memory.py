@@ -1,7 +1,7 @@
 """Peak anonymous RSS of one training step of a long sequence with and without the tiled loss
 (tests/test_tiled_loss_memory.py).
 
-A 2-layer Llama (hidden 32) with a 32,000-token vocabulary at stage 3, one sequence of
+A 2-layer Llama (hidden 32) with a ``vocab``-token vocabulary at stage 3, one sequence of
 ``seq`` tokens, trained by ``outputs = model(input_ids=ids, labels=ids); outputs.loss.backward();
 opt.step()`` (the output, and with it the untiled logits, held through backward). After
 a warm-up step, the growth of RssAnon (/proc/self/status) during one step, its peak sampled every
